@@ -1,0 +1,127 @@
+"""``nox -s rebase -- VERSION``: try the series on another upstream and report per patch.
+
+Unlike the build, this never stops at the first failure and may use 3-way
+merges, because its job is to tell the maintainer how much work a move is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .apply import check_patch, describe_failure
+from .errors import BuildError
+from .fetch import obtain_pinned_sdist, obtain_unpinned_sdist
+from .gitutil import commit_all, git
+from .overlay import plan_overlay
+from .patchset import checked_patches, load_patch_set, sha256_file
+from .pristine import checkout_pristine, pristine_repo, sdist_epoch, unpack_sdist
+
+STATUSES = ("clean", "offset", "needs-3way", "conflict", "already-upstream")
+
+
+@dataclass
+class PatchOutcome:
+    patch: str
+    status: str
+    detail: str = ""
+
+
+@dataclass
+class RebaseReport:
+    name: str
+    from_version: str
+    to_version: str
+    to_sdist_sha256: str
+    patches: list[PatchOutcome] = field(default_factory=list)
+    overlay: str = "ok"
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(p.status == s for p in self.patches) for s in STATUSES}
+
+    @property
+    def conflicts(self) -> int:
+        return self.counts()["conflict"]
+
+    def markdown(self) -> str:
+        lines = [
+            f"# Rebase report: {self.name} {self.from_version} -> {self.to_version}",
+            "",
+            f"Target sdist sha256: `{self.to_sdist_sha256}`",
+            "",
+            "| patch | status | detail |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {p.patch} | {p.status} | {p.detail.replace('|', '/')} |" for p in self.patches]
+        summary = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
+        lines += ["", f"Summary: {summary or 'no patches'}", f"Overlay: {self.overlay}", ""]
+        return "\n".join(lines)
+
+
+def try_patch(tree: Path, info, date: int) -> PatchOutcome:
+    name = info.path.name
+    forward = check_patch(tree, info.path)
+    if forward.ok:
+        git("am", "--no-3way", "--quiet", str(info.path), cwd=tree, date=date)
+        if forward.offsets:
+            return PatchOutcome(name, "offset", "; ".join(map(str, forward.offsets)))
+        return PatchOutcome(name, "clean")
+    if check_patch(tree, info.path, reverse=True).ok:
+        return PatchOutcome(name, "already-upstream", "its changes are already in the target")
+    merged = git("am", "--3way", "--quiet", str(info.path), cwd=tree, date=date, check=False)
+    if merged.returncode == 0:
+        return PatchOutcome(name, "needs-3way", describe_failure(info, forward))
+    conflicted = git("diff", "--name-only", "--diff-filter=U", cwd=tree, check=False).stdout.split()
+    git("am", "--abort", cwd=tree, check=False)
+    files = ", ".join(conflicted) or (forward.failed_file or "?")
+    return PatchOutcome(name, "conflict", f"conflicts in {files}; " + describe_failure(info, forward))
+
+
+def rebase_report(patch_set_dir: Path, overlay: Path, target_version: str, cache: Path,
+                  work_root: Path, note=print, target_sdist: Path | None = None,
+                  pinned_sdist: Path | None = None) -> RebaseReport:
+    patch_set = load_patch_set(patch_set_dir)
+    patches = checked_patches(patch_set)
+    pin = patch_set.pin
+    old_sdist = obtain_pinned_sdist(pin, cache, pinned_sdist, note)
+    old_repo = pristine_repo(old_sdist, pin.name, pin.version, pin.sdist_sha256, cache, note)
+    if target_sdist is not None:
+        new_sdist, new_sha = target_sdist, sha256_file(target_sdist)
+    else:
+        new_sdist, new_sha = obtain_unpinned_sdist(pin.name, target_version, cache, note)
+    report = RebaseReport(pin.name, pin.version, target_version, new_sha)
+    work_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rebase-", dir=work_root) as tmp:
+        # The target pristine is committed on top of the old one, so the old blobs
+        # that the patches' index lines name are there for 3-way merges.
+        old_tree = Path(tmp) / "old"
+        checkout_pristine(old_repo, old_tree)
+        tree = unpack_sdist(new_sdist, Path(tmp) / "new", f"{pin.name}-{target_version}")
+        os.rename(old_tree / ".git", tree / ".git")
+        shutil.rmtree(old_tree)
+        date = sdist_epoch(new_sdist)
+        commit_all(tree, f"pristine {pin.name} {target_version}", date)
+        for info in patches:
+            outcome = try_patch(tree, info, date)
+            note(f"{outcome.patch}: {outcome.status}" + (f" ({outcome.detail})" if outcome.detail else ""))
+            report.patches.append(outcome)
+        try:
+            plan_overlay(overlay, tree, patch_set.replacements, pin.package)
+        except BuildError as exc:
+            report.overlay = f"problem: {exc}"
+    return report
+
+
+def write_report(report: RebaseReport, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{report.name}-{report.from_version}-to-{report.to_version}"
+    md = out_dir / f"{stem}.md"
+    js = out_dir / f"{stem}.json"
+    md.write_text(report.markdown())
+    data = asdict(report) | {"counts": report.counts()}
+    js.write_text(json.dumps(data, indent=2) + "\n")
+    return md, js

@@ -1,0 +1,90 @@
+"""Developer and CI entry points. `nox -s build` builds the wheel; `nox -s tests` tests."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+BUILDER_ENV = {"PYTHONPATH": str(ROOT / "build")}
+BUILD_REQUIREMENTS = str(ROOT / "build" / "requirements.txt")
+
+nox.options.sessions = ["build"]
+nox.options.reuse_venv = "yes"
+
+
+def _builder(session: nox.Session, *args: str) -> None:
+    session.run("python", "-m", "ascend_builder", *args, env=BUILDER_ENV)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build dist/vllm-<upstream>+ascend.<n>-py3-none-any.whl (args: --sdist PATH, --patch-set NAME)."""
+    session.install("-r", BUILD_REQUIREMENTS)
+    _builder(session, "build", *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Builder unit tests on synthetic upstreams, then the real-wheel integration test."""
+    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"))
+    session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=BUILDER_ENV)
+
+
+@nox.session
+def patches(session: nox.Session) -> None:
+    """`check` (lint + freshness, default), `lint`, or `export` (work tree -> patches/)."""
+    _builder(session, "patches", *(session.posargs or ["check"]))
+
+
+@nox.session
+def tree(session: nox.Session) -> None:
+    """Prepare work/<patch-set> and install it editable into .venv-dev (--no-install to skip)."""
+    args = [a for a in session.posargs if a != "--no-install"]
+    session.install("-r", BUILD_REQUIREMENTS)
+    _builder(session, "tree", *args)
+    if "--no-install" in session.posargs:
+        return
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
+    patch_set = config["patch-set"]
+    for i, arg in enumerate(args):
+        if arg == "--patch-set":
+            patch_set = args[i + 1]
+    upstream = tomllib.loads((ROOT / "patches" / patch_set / "patchset.toml").read_text())["upstream"]
+    venv = ROOT / ".venv-dev"
+    python = str(venv / "bin" / "python")
+    if not venv.exists():
+        session.run("python", "-m", "venv", str(venv))
+    session.run(python, "-m", "pip", "install", "-r", BUILD_REQUIREMENTS, external=True)
+    env = {
+        "VLLM_TARGET_DEVICE": "empty",
+        "VLLM_VERSION_OVERRIDE": f"{upstream['version']}+ascend.{config['build-number']}.dev",
+        "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+    }
+    session.run(python, "-m", "pip", "install", "--no-build-isolation", "-e",
+                str(ROOT / "work" / patch_set), external=True, env=env)
+    session.log(f"editable install ready: {venv}/bin/python, {venv}/bin/vllm")
+
+
+@nox.session
+def rebase(session: nox.Session) -> None:
+    """Try the series on another upstream version: `nox -s rebase -- 0.33.0`."""
+    if not session.posargs:
+        session.error("name the target upstream version: nox -s rebase -- 0.33.0")
+    _builder(session, "rebase", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: `nox -s bench -- build` (raw upstream build vs. distribution build)."""
+    if not session.posargs:
+        session.error("name a benchmark: nox -s bench -- build")
+    session.install("-r", BUILD_REQUIREMENTS)
+    _builder(session, "bench", *session.posargs)
+
+
+if os.environ.get("CI"):
+    nox.options.reuse_venv = "no"

@@ -1,0 +1,178 @@
+"""Patch lint, deterministic export, freshness, the maintainer work tree, and rebase reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ascend_builder.export import export_commits, freshness_problems
+from ascend_builder.gitutil import commit_all, git
+from ascend_builder.patchset import lint_patch_set, load_patch_set
+from ascend_builder.rebase import rebase_report
+from ascend_builder.worktree import export_worktree, prepare_worktree
+
+from .synthetic import Project, core_module, make_patch, make_sdist, upstream_files
+
+
+def _silent(_message: str) -> None:
+    pass
+
+
+def test_unlisted_patch_file_is_a_lint_error(project: Project):
+    stray = project.patch_set_dir / "0099-stray.patch"
+    stray.write_text("x")
+    problems = lint_patch_set(load_patch_set(project.patch_set_dir))
+    assert any("0099-stray.patch is not listed" in p for p in problems)
+    result = project.cli("patches", "check")
+    assert result.returncode == 1 and "0099-stray.patch is not listed" in result.stderr
+
+
+def test_check_passes_on_a_fresh_patch_set(project: Project):
+    result = project.cli("patches", "check")
+    assert result.returncode == 0, result.stderr
+    assert "byte-identically" in result.stderr
+
+
+def test_check_catches_a_hand_edited_patch(project: Project):
+    [patch] = project.patch_set_dir.glob("*.patch")
+    text = patch.read_text()
+    # Still applies (at an offset) and lints, but is not what `export` would write.
+    assert "@@ -27,7 +27,7 @@" in text
+    patch.write_text(text.replace("@@ -27,7 +27,7 @@", "@@ -25,7 +25,7 @@"))
+    assert lint_patch_set(load_patch_set(project.patch_set_dir)) == []
+    problems = freshness_problems(project.patch_set_dir, project.cache, project.root / ".work",
+                                  project.sdist, _silent)
+    assert len(problems) == 1 and patch.name in problems[0] and "byte-identical" in problems[0]
+
+
+def _tree_with_commit(tmp_path: Path, name: str) -> tuple[Path, str]:
+    repo = tmp_path / name
+    repo.mkdir()
+    for rel, text in upstream_files().items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git("init", "-q", cwd=repo)
+    base = commit_all(repo, "base", 1_700_000_000)
+    (repo / "fakeup/core.py").write_text(core_module({7: "VALUE_7 = 'seven'"}))
+    (repo / "fakeup/new.py").write_text("NEW = 1\n")
+    git("add", "-A", cwd=repo)
+    git("commit", "-q", "-m", "core: a change\n\nBecause.\n\nUpstream-Status: Pending\nDrop-When: x",
+        cwd=repo, date=1_700_000_100)
+    return repo, base
+
+
+def test_export_is_deterministic_whatever_the_user_config(tmp_path, monkeypatch):
+    repo, base = _tree_with_commit(tmp_path, "one")
+    first = export_commits(repo, base, tmp_path / "out1")
+    # A maintainer's config that would change plain `git format-patch` output.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".gitconfig").write_text(
+        "[core]\n\tabbrev = 7\n[diff]\n\talgorithm = histogram\n\tnoprefix = true\n"
+        "[format]\n\tsignature = hello\n\tnumbered = true\n"
+    )
+    monkeypatch.setenv("HOME", str(home))
+    second = export_commits(repo, base, tmp_path / "out2")
+    assert first == second
+    for name in first:
+        assert (tmp_path / "out1" / name).read_bytes() == (tmp_path / "out2" / name).read_bytes()
+    text = (tmp_path / "out1" / first[0]).read_text()
+    assert text.startswith("From 0000000000000000000000000000000000000000 ")
+    assert "Subject: [PATCH] core: a change" in text
+    # Sanity: the user config really would have changed plain git output.
+    plain = git("format-patch", "--stdout", f"{base}..HEAD", cwd=repo,
+                env={"GIT_CONFIG_GLOBAL": str(home / ".gitconfig")}).stdout
+    assert plain != text
+
+
+def test_worktree_round_trip(project: Project, tmp_path):
+    tree = prepare_worktree(project.patch_set_dir, project.root / "overlay", tmp_path / "work",
+                            project.cache, project.sdist, note=_silent)
+    # One commit per patch on top of the pristine tag.
+    log = git("log", "--format=%s", "pristine..HEAD", cwd=tree).stdout.split("\n")
+    assert log[0] == "core: patch value 30"
+    # The overlay is linked, so edits in overlay/ are live in the tree.
+    linked = tree / "fakeup" / "ascend"
+    assert linked.is_symlink()
+    (project.root / "overlay/fakeup/ascend/__init__.py").write_text("ADDED = 'edited'\n")
+    assert (linked / "__init__.py").read_text() == "ADDED = 'edited'\n"
+    assert git("status", "--porcelain", cwd=tree).stdout == ""
+    # A maintainer adds a patch as a commit and exports.
+    (tree / "fakeup/core.py").write_text(
+        (tree / "fakeup/core.py").read_text().replace("VALUE_50 = 50", "VALUE_50 = 'fifty'"))
+    git("commit", "-q", "-a", "-m",
+        "core: fifty\n\nA reason.\n\nUpstream-Status: Backport v1.1\nDrop-When: rebased onto 1.1",
+        cwd=tree, date=1_700_000_200)
+    names = export_worktree(tree, project.patch_set_dir, note=_silent)
+    assert len(names) == 2 and names[1].startswith("0002-core-fifty")
+    ps = load_patch_set(project.patch_set_dir)
+    assert ps.series == names
+    assert lint_patch_set(ps) == []
+    assert freshness_problems(project.patch_set_dir, project.cache, project.root / ".work",
+                              project.sdist, _silent) == []
+
+
+def test_worktree_refuses_to_clobber_existing(project: Project, tmp_path):
+    import pytest
+
+    from ascend_builder.errors import BuildError
+
+    dest = tmp_path / "work"
+    dest.mkdir()
+    with pytest.raises(BuildError, match="already exists"):
+        prepare_worktree(project.patch_set_dir, project.root / "overlay", dest, project.cache,
+                         project.sdist, note=_silent)
+
+
+def test_export_refuses_uncommitted_changes(project: Project, tmp_path):
+    import pytest
+
+    from ascend_builder.errors import BuildError
+
+    tree = prepare_worktree(project.patch_set_dir, project.root / "overlay", tmp_path / "work",
+                            project.cache, project.sdist, note=_silent)
+    (tree / "setup.py").write_text("# dirty\n")
+    with pytest.raises(BuildError, match="uncommitted changes"):
+        export_worktree(tree, project.patch_set_dir, note=_silent)
+
+
+def test_rebase_report_classifies_every_patch(tmp_path):
+    base = upstream_files()
+    edit = {  # line number -> new text, one patch each
+        "clean": {5: "VALUE_5 = 'clean'"},
+        "offset": {20: "VALUE_20 = 'offset'"},
+        "needs-3way": {35: "VALUE_35 = '3way'"},
+        "conflict": {45: "VALUE_45 = 'ours'"},
+        "already-upstream": {55: "VALUE_55 = 'upstreamed'"},
+    }
+    patches = [
+        make_patch(tmp_path, base, {"fakeup/core.py": core_module(change)}, f"core: {kind}")
+        for kind, change in edit.items()
+    ]
+    proj = Project(root=tmp_path / "repo")
+    proj.sdist = make_sdist(tmp_path / "old", "1.0", base)
+    proj.write(patches)
+    # Version 2.0: lines inserted after line 10 shift later hunks; line 37 (context of
+    # the 3way patch, two lines from its change) changed; line 45 changed differently;
+    # the already-upstream change landed.
+    lines = core_module({37: "VALUE_37 = 'upstream'", 45: "VALUE_45 = 'theirs'",
+                         55: "VALUE_55 = 'upstreamed'"}).splitlines()
+    lines[10:10] = ["# new upstream line"] * 3
+    new_sdist = make_sdist(tmp_path / "new", "2.0", upstream_files("\n".join(lines) + "\n"))
+    report = rebase_report(proj.patch_set_dir, proj.root / "overlay", "2.0", proj.cache,
+                           proj.root / ".work", _silent, target_sdist=new_sdist, pinned_sdist=proj.sdist)
+    assert [(p.patch.split("-", 1)[1], p.status) for p in report.patches] == [
+        ("core-clean.patch", "clean"),
+        ("core-offset.patch", "offset"),
+        ("core-needs-3way.patch", "needs-3way"),
+        ("core-conflict.patch", "conflict"),
+        ("core-already-upstream.patch", "already-upstream"),
+    ]
+    assert "(offset +3)" in report.patches[1].detail
+    assert report.conflicts == 1
+    # The command line writes the report and fails because one patch conflicts.
+    result = proj.cli("rebase", "2.0", "--sdist", str(new_sdist), "--out", str(tmp_path / "rep"))
+    assert result.returncode == 1
+    assert "1 patch(es) conflict" in result.stderr
+    md = (tmp_path / "rep" / "fakeup-1.0-to-2.0.md").read_text()
+    assert "| conflict |" in md and "Summary: 1 clean, 1 offset, 1 needs-3way, 1 conflict, 1 already-upstream" in md
+    assert (tmp_path / "rep" / "fakeup-1.0-to-2.0.json").is_file()
