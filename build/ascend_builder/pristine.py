@@ -25,7 +25,7 @@ _CACHE_LAYOUT = "v1"
 def sdist_epoch(sdist: Path) -> int:
     """The newest member mtime of the sdist: a date fixed by the upstream release."""
     with tarfile.open(sdist, "r:gz") as tar:
-        return max((m.mtime for m in tar.getmembers()), default=0)
+        return int(max((m.mtime for m in tar.getmembers()), default=0))
 
 
 def unpack_sdist(sdist: Path, dest: Path, top: str) -> Path:
