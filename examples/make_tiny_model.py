@@ -1,0 +1,180 @@
+"""Generate a tiny random-weight model that vLLM and Hugging Face transformers both load.
+
+    python examples/make_tiny_model.py --arch llama --out /tmp/tiny-llama
+    python examples/make_tiny_model.py --arch qwen2 --out /tmp/tiny-qwen2
+    python examples/make_tiny_model.py --arch deepseek_v3 --out /tmp/tiny-dsv3
+
+Nothing is downloaded: the weights are random (seeded), saved as safetensors, and the
+tokenizer is a byte-level BPE trained here with the `tokenizers` library on a small
+built-in text. The default initializer range (0.25, not the usual 0.02) makes greedy
+decoding produce varied, context-dependent tokens, so a broken attention or MoE path
+cannot hide behind a model that repeats one token.
+
+`deepseek_v3` has MLA attention (kv_lora_rank + qk_rope_head_dim = 320, one of the
+latent sizes vLLM's MLA accepts), MoE layers with grouped sigmoid routing
+(`topk_method: noaux_tc`, written into config.json as real V3 checkpoints have it)
+and one MTP layer (`num_nextn_predict_layers: 1`) whose weights are stored as layer
+`num_hidden_layers`, where vLLM's DeepSeek MTP model reads them; transformers
+ignores them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Large language models predict the next token from the tokens before it. Attention lets every position
+look at the positions that came earlier. Paged attention stores keys and values in fixed-size blocks.
+Prefill processes the prompt; decode produces one token at a time. Mixture of experts routes each token
+to a few experts. Speculative decoding drafts tokens and verifies them in one step. Disaggregated
+serving runs prefill and decode on different instances and moves the KV cache between them.
+Once upon a time there was a small model that learned to count: one two three four five six seven.
+Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 and punctuation , . ; : ! ? ( ) [ ] { }
+"""
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out: Path, max_len: int) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_len,
+        "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2))
+
+
+def base_config(args, tok: Tokenizer) -> dict:
+    return dict(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, max_position_embeddings=args.max_len,
+        initializer_range=args.init_range, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
+        pad_token_id=tok.token_to_id("<pad>"), torch_dtype="float32",
+    )
+
+
+def make_model(args, tok: Tokenizer):
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config
+    from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
+
+    cfg = base_config(args, tok)
+    if args.arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**cfg, num_key_value_heads=args.kv_heads or args.heads))
+    if args.arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**cfg, num_key_value_heads=args.kv_heads or args.heads // 2))
+    config = DeepseekV3Config(
+        **cfg, num_key_value_heads=args.heads, q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=args.experts, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=args.intermediate_size // 2, first_k_dense_replace=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_nextn_predict_layers=1,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+def randomize_routing_bias(model, generator: torch.Generator) -> None:
+    """Non-zero e_score_correction_bias, so routing that ignores it would be caught."""
+    for name, buf in list(model.named_buffers()) + list(model.named_parameters()):
+        if name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                buf.copy_(torch.randn(buf.shape, generator=generator) * 0.5)
+
+
+def mtp_layer_weights(saved: dict[str, torch.Tensor], config, generator: torch.Generator,
+                      init_range: float) -> dict[str, torch.Tensor]:
+    """One MTP module stored as layer ``num_hidden_layers`` (DeepSeek-V3 layout): a decoder
+    layer shaped like the last saved MoE layer, plus enorm/hnorm/eh_proj/shared_head."""
+    n = config.num_hidden_layers
+    template = f"model.layers.{n - 1}."
+    out = {}
+    for name, tensor in saved.items():
+        if not name.startswith(template):
+            continue
+        new_name = f"model.layers.{n}." + name[len(template):]
+        if name.endswith("norm.weight"):
+            out[new_name] = torch.ones_like(tensor)
+        else:
+            out[new_name] = torch.randn(tensor.shape, generator=generator) * init_range
+    h = config.hidden_size
+    out[f"model.layers.{n}.enorm.weight"] = torch.ones(h)
+    out[f"model.layers.{n}.hnorm.weight"] = torch.ones(h)
+    out[f"model.layers.{n}.eh_proj.weight"] = torch.randn(h, 2 * h, generator=generator) * init_range
+    out[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(h)
+    out[f"model.layers.{n}.shared_head.head.weight"] = (
+        torch.randn(config.vocab_size, h, generator=generator) * init_range)
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "deepseek_v3"])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3)")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--init-range", type=float, default=0.25)
+    args = p.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(args.vocab_size)
+    if tok.get_vocab_size() > args.vocab_size:
+        p.error(f"tokenizer has {tok.get_vocab_size()} tokens, more than --vocab-size {args.vocab_size}")
+    torch.manual_seed(args.seed)
+    model = make_model(args, tok).to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    if args.arch == "deepseek_v3":
+        randomize_routing_bias(model, generator)
+    model.save_pretrained(args.out, safe_serialization=True)
+    save_tokenizer(tok, args.out, args.max_len)
+
+    config_path = args.out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["torch_dtype"] = config["dtype"] = "float32"
+    if args.arch == "deepseek_v3":
+        # transformers scores with sigmoid but does not save these keys; vLLM needs them.
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        weights_path = args.out / "model.safetensors"
+        weights = load_file(weights_path)
+        weights.update(mtp_layer_weights(weights, model.config, generator, args.init_range))
+        save_file(weights, weights_path, metadata={"format": "pt"})
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    print(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters -> {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
