@@ -1,0 +1,1 @@
+"""Attention backends on the kernels facade: GQA/MHA (``backend``) and MLA (``mla``)."""

@@ -1,0 +1,48 @@
+"""What the runtime needs from a device, whichever one it is."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+
+import torch
+
+
+class Device(ABC):
+    type: str  # torch device type: "npu" or "cpu"
+    dist_backend: str  # torch.distributed backend for device tensors
+
+    def torch_device(self, index: int) -> torch.device:
+        return torch.device(self.type, index) if self.type != "cpu" else torch.device("cpu")
+
+    @abstractmethod
+    def set_device(self, index: int) -> None: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def empty_cache(self) -> None: ...
+
+    @abstractmethod
+    def mem_get_info(self, index: int = 0) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+
+    @abstractmethod
+    def memory_allocated(self) -> int: ...
+
+    @abstractmethod
+    def device_name(self, index: int = 0) -> str: ...
+
+    @abstractmethod
+    def stream(self) -> object:
+        """A new stream (an object with ``wait_stream`` / used with ``use_stream``)."""
+
+    @abstractmethod
+    def event(self, **kwargs) -> object: ...
+
+    @abstractmethod
+    def use_stream(self, stream: object) -> AbstractContextManager: ...
+
+    @abstractmethod
+    def current_stream(self) -> object: ...

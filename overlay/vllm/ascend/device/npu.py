@@ -1,0 +1,64 @@
+"""The Ascend NPU, through torch_npu (not verified on an NPU from this repository's CI)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.ascend.device.base import Device
+from vllm.ascend.device.npu_runtime import load_torch_npu
+
+
+class NPUDevice(Device):
+    type = "npu"
+    dist_backend = "hccl"
+
+    def __init__(self) -> None:
+        torch_npu = load_torch_npu()
+        if torch_npu is None:
+            from vllm.ascend.device.npu_runtime import failure_reason
+
+            raise RuntimeError(f"Ascend NPU requested but {failure_reason()}")
+        self._npu = torch_npu.npu
+
+    def set_device(self, index: int) -> None:
+        self._npu.set_device(index)
+
+    def synchronize(self) -> None:
+        self._npu.synchronize()
+
+    def empty_cache(self) -> None:
+        self._npu.empty_cache()
+
+    def mem_get_info(self, index: int = 0) -> tuple[int, int]:
+        free, total = self._npu.mem_get_info(index)
+        return int(free), int(total)
+
+    def memory_allocated(self) -> int:
+        return int(self._npu.memory_allocated())
+
+    def device_name(self, index: int = 0) -> str:
+        return str(self._npu.get_device_name(index))
+
+    def stream(self) -> object:
+        return self._npu.Stream()
+
+    def event(self, **kwargs) -> object:
+        return self._npu.Event(**kwargs)
+
+    def use_stream(self, stream):
+        return self._npu.stream(stream)
+
+    def current_stream(self) -> object:
+        return self._npu.current_stream()
+
+    def cann_version(self) -> str:
+        try:
+            from torch_npu.npu.utils import get_cann_version  # documented in torch_npu
+
+            return str(get_cann_version())
+        except Exception as exc:
+            return f"unknown ({exc})"
+
+
+def torch_has_npu() -> bool:
+    return hasattr(torch, "npu")

@@ -1,0 +1,1 @@
+"""Collective communication for the Ascend platform (HCCL on NPU, gloo in host mode)."""

@@ -1,0 +1,1 @@
+"""MoE layer integration for Ascend (communication strategies come in a later issue)."""

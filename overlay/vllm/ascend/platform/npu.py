@@ -1,0 +1,194 @@
+"""The Ascend NPU platform.
+
+One class for both modes: on an NPU it drives torch_npu/HCCL; ``host.py`` subclasses
+it for host emulation, changing only the device identity and communication backend.
+Worker, model runner, attention backends, MoE method and communicator are the same
+classes in both modes; only ``vllm.ascend.device`` and ``vllm.ascend.kernels`` differ.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm.ascend import device as ascend_device
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = init_logger(__name__)
+
+ATTENTION_BACKEND = "ASCEND_ATTN"
+MLA_BACKEND = "ASCEND_MLA"
+_BACKEND_PATHS = {
+    ATTENTION_BACKEND: "vllm.ascend.attention.backend.AscendAttentionBackend",
+    MLA_BACKEND: "vllm.ascend.attention.mla.AscendMLABackend",
+}
+WORKER_CLS = "vllm.ascend.worker.worker.NPUWorker"
+NPU_BLOCK_SIZE = 128  # the block size the NPU paged-attention kernels are built for
+
+
+def register_attention_backends() -> None:
+    """Make our backend names members of vLLM's backend enum (per process, idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    for name, path in _BACKEND_PATHS.items():
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
+
+
+def _adjust(what: str, reason: str) -> None:
+    logger.info_once("Ascend platform: %s (%s)", what, reason)
+
+
+class NPUPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "npu"
+    device_type: str = "npu"
+    dispatch_key: str = "PrivateUse1"
+    ray_device_key: str = "NPU"
+    device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    dist_backend: str = "hccl"
+    simple_compile_backend: str = "eager"  # no inductor lowering for NPU here
+    supported_quantization: list[str] = []
+
+    emulated: bool = False
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    # -- device queries: all through the device layer -------------------------
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return ascend_device.current().device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return ascend_device.current().mem_get_info(device_id)[1]
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        return float(ascend_device.current().memory_allocated())
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        ascend_device.current().set_device(device.index or 0)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return not cls.emulated
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype {dtype} is not supported on Ascend; use bfloat16, float16 or float32")
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # There is no vllm._C in this wheel: kernels come from vllm.ascend.kernels.
+        pass
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        from vllm.ascend.kernels.slot_mapping import register_slot_mapping_override
+
+        register_slot_mapping_override()
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.ascend.distributed.communicator.NPUCommunicator"
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise NotImplementedError("LoRA is not supported by the Ascend distribution yet")
+
+    # -- attention ------------------------------------------------------------
+    @classmethod
+    def get_attn_backend_cls(
+        cls,
+        selected_backend: AttentionBackendEnum,
+        attn_selector_config: AttentionSelectorConfig,
+        num_heads: int | None = None,
+    ) -> str:
+        register_attention_backends()
+        if attn_selector_config.use_sparse:
+            raise NotImplementedError("sparse attention is not supported on Ascend yet")
+        name = MLA_BACKEND if attn_selector_config.use_mla else ATTENTION_BACKEND
+        if selected_backend is not None and getattr(selected_backend, "name", None) != name:
+            logger.info_once("Ascend platform: ignoring attention backend %s, using %s",
+                             selected_backend, name)
+        return _BACKEND_PATHS[name]
+
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        # The Ascend MLA impl runs prefill itself (vllm.ascend.attention.mla); the shared
+        # MLA metadata builder still wants a prefill backend object to clone.
+        from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+        return CPUSDPAMLAPrefillBackend
+
+    # -- configuration ----------------------------------------------------------
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode
+        from vllm.config.compilation import CUDAGraphMode
+
+        register_attention_backends()
+        cache_config = vllm_config.cache_config
+        parallel_config = vllm_config.parallel_config
+        compilation_config = vllm_config.compilation_config
+        scheduler_config = vllm_config.scheduler_config
+
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_CLS
+
+        if cache_config is not None and not cache_config.user_specified_block_size:
+            cache_config.block_size = cls.default_block_size()
+            _adjust(f"KV cache block size {cache_config.block_size}", cls.block_size_reason())
+
+        if compilation_config.mode != CompilationMode.NONE:
+            compilation_config.mode = CompilationMode.NONE
+            _adjust("torch.compile off (eager execution)",
+                    "graph compilation for Ascend is not wired up in this distribution yet")
+        if compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+            _adjust("graph capture off", "ACL graph capture is not wired up yet")
+        compilation_config.cudagraph_capture_sizes = []
+
+        if scheduler_config.async_scheduling:
+            scheduler_config.async_scheduling = False
+            _adjust("async scheduling off", "the Ascend runner synchronises each step")
+        if parallel_config.enable_dbo:
+            parallel_config.enable_dbo = False
+            _adjust("dual-batch overlap off", "not supported on Ascend")
+        if vllm_config.model_config is not None and vllm_config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
+
+        # Worker processes must not inherit a half-initialised device runtime.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # No side streams for shared experts on this platform.
+        os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
+
+    @classmethod
+    def default_block_size(cls) -> int:
+        return NPU_BLOCK_SIZE
+
+    @classmethod
+    def block_size_reason(cls) -> str:
+        return "the size the NPU paged-attention kernels are built for"

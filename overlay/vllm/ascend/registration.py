@@ -1,0 +1,26 @@
+"""Per-process registration of this distribution's components with vLLM's registries.
+
+Called in every process that builds models (workers) and by the platform's config
+step: attention backend names into vLLM's backend enum, the MoE method as the
+out-of-tree replacement of upstream's unquantized MoE method, and, in host mode,
+the device layer's no-op accelerator calls.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from vllm.ascend import envs
+
+
+@cache
+def register_runtime_components() -> None:
+    from vllm.ascend.platform.npu import register_attention_backends
+
+    register_attention_backends()
+    import vllm.ascend.moe.method  # noqa: F401  (registers through its decorator)
+
+    if envs.emulate():
+        from vllm.ascend.device.host import make_accelerator_calls_noops
+
+        make_accelerator_calls_noops()

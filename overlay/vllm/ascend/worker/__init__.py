@@ -1,0 +1,1 @@
+"""Worker and model runner: thin subclasses of upstream's GPU ones (as upstream's XPU ones are)."""

@@ -1,0 +1,81 @@
+"""The Ascend worker: upstream's GPU worker with the device set up through vllm.ascend.device."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from vllm.ascend import device as ascend_device
+from vllm.ascend import envs
+from vllm.ascend.registration import register_runtime_components
+
+logger = init_logger(__name__)
+
+
+class NPUWorker(Worker):
+    def __init__(self, *args, **kwargs) -> None:
+        register_runtime_components()
+        super().__init__(*args, **kwargs)
+
+    def init_device(self) -> None:
+        dev = ascend_device.current()
+        self.device = dev.torch_device(self.local_rank)
+        dev.set_device(self.local_rank)
+        current_platform.check_if_supports_dtype(self.model_config.dtype)
+        init_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+        self._init_workspace_and_model_runner()
+
+    def _make_model_runner(self):
+        from vllm.ascend.worker.model_runner import NPUModelRunner
+
+        return NPUModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
+        # No sleep-mode memory pool on Ascend (sleep mode is refused at config time).
+        return nullcontext()
+
+    def determine_available_memory(self) -> int:
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is not None:
+            return int(explicit)
+        if envs.emulate():
+            size = envs.host_kv_cache_bytes()
+            logger.info("Host emulation: %d MiB for the KV cache (VLLM_ASCEND_HOST_KV_CACHE_MB)",
+                        size >> 20)
+            return size
+        # NPU: profile one forward pass, then give the KV cache what the utilisation
+        # budget leaves. (Not verified on an NPU from this repository's CI.)
+        dev = ascend_device.current()
+        self.model_runner.profile_run()
+        dev.synchronize()
+        free, total = dev.mem_get_info(self.local_rank)
+        budget = int(total * self.cache_config.gpu_memory_utilization) - (total - free)
+        if budget <= 0:
+            raise ValueError(
+                f"no NPU memory left for the KV cache ({free >> 20} MiB free of {total >> 20} MiB "
+                f"at gpu_memory_utilization={self.cache_config.gpu_memory_utilization}); raise "
+                "--gpu-memory-utilization or use a smaller model / --max-model-len")
+        return budget
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        # Eager execution: nothing to compile or capture (see the platform's config log).
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(
+            language_model=self.compilation_config.compilation_time,
+            encoder=self.compilation_config.encoder_compilation_time,
+        )
+
+    def sleep(self, level: int = 1) -> None:
+        raise RuntimeError("sleep mode is not supported on Ascend")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise RuntimeError("sleep mode is not supported on Ascend")
