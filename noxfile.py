@@ -27,10 +27,21 @@ def build(session: nox.Session) -> None:
     _builder(session, "build", *session.posargs)
 
 
+def _install_built_wheel(session: nox.Session) -> None:
+    """Build the wheel and install it into the session (runtime tests and benchmarks)."""
+    dist = ROOT / ".work" / "nox-dist"
+    _builder(session, "build", "--dist-dir", str(dist))
+    [wheel] = sorted(dist.glob("*.whl"))
+    session.install(str(wheel))
+    session.install("--force-reinstall", "--no-deps", str(wheel))  # same version, new bytes
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Builder unit tests on synthetic upstreams, then the real-wheel integration test."""
+    """Builder tests (synthetic upstreams), the real-wheel integration test, and the runtime
+    tests (host emulation of the NPU platform against Hugging Face transformers)."""
     session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"))
+    _install_built_wheel(session)
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=BUILDER_ENV)
 
 
@@ -79,11 +90,16 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: `nox -s bench -- build` (raw upstream build vs. distribution build)."""
-    if not session.posargs:
-        session.error("name a benchmark: nox -s bench -- build")
+    """Benchmarks: `build` (raw upstream build vs. distribution build) or `serve`
+    (host-emulation start-up time and tokens/s of the tiny models)."""
+    if not session.posargs or session.posargs[0] not in ("build", "serve"):
+        session.error("name a benchmark: nox -s bench -- build | serve")
     session.install("-r", BUILD_REQUIREMENTS)
-    _builder(session, "bench", *session.posargs)
+    if session.posargs[0] == "build":
+        _builder(session, "bench", *session.posargs)
+        return
+    _install_built_wheel(session)
+    session.run("python", str(ROOT / "benchmarks" / "serve.py"), *session.posargs[1:])
 
 
 if os.environ.get("CI"):

@@ -1,0 +1,122 @@
+"""`vllm serve` in host emulation on 127.0.0.1: completions and chat, streaming and not,
+answer with the same text as the LLM API."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import run_vllm
+
+PROMPT = "Once upon a time there was a small model that learned to count"
+CHAT = [{"role": "user", "content": "Tell me about paged attention."}]
+MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_cli() -> str:
+    exe = Path(sys.executable).with_name("vllm")
+    return str(exe) if exe.exists() else shutil.which("vllm")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
+    cmd = [_vllm_cli(), "serve", str(tiny_models["llama"]), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after 300s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base, tiny_models["llama"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    _, model = server
+    result = run_vllm(model, [[PROMPT]], max_tokens=MAX_TOKENS, chats=[CHAT])
+    return result["batches"][0][0]["text"], result["chats"][0]["text"]
+
+
+def _stream(client: httpx.Client, url: str, body: dict, field) -> str:
+    text = []
+    with client.stream("POST", url, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk["choices"]:
+                text.append(field(choice) or "")
+    return "".join(text)
+
+
+def test_completions(server, reference):
+    base, model = server
+    body = {"model": str(model), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client() as client:
+        resp = client.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        plain = resp.json()["choices"][0]["text"]
+        streamed = _stream(client, f"{base}/v1/completions", body, lambda c: c.get("text"))
+    assert plain == reference[0] and plain
+    assert streamed == reference[0]
+
+
+def test_chat_completions(server, reference):
+    base, model = server
+    body = {"model": str(model), "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client() as client:
+        resp = client.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        plain = resp.json()["choices"][0]["message"]["content"]
+        streamed = _stream(client, f"{base}/v1/chat/completions", body,
+                           lambda c: c.get("delta", {}).get("content"))
+    assert plain == reference[1] and plain
+    assert streamed == reference[1]
+
+
+def test_bad_request_does_not_kill_the_server(server):
+    base, model = server
+    with httpx.Client() as client:
+        bad = client.post(f"{base}/v1/completions", json={"model": str(model), "prompt": PROMPT,
+                                                          "max_tokens": -5}, timeout=60)
+        assert bad.status_code == 400
+        assert client.get(f"{base}/health", timeout=10).status_code == 200
