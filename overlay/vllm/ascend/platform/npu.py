@@ -157,6 +157,7 @@ class NPUPlatform(Platform):
 
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
+            _adjust(f"worker {WORKER_CLS}", "the Ascend worker and model runner, in both modes")
 
         if cache_config is not None and not cache_config.user_specified_block_size:
             cache_config.block_size = cls.default_block_size()
