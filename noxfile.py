@@ -27,13 +27,14 @@ def build(session: nox.Session) -> None:
     _builder(session, "build", *session.posargs)
 
 
-def _install_built_wheel(session: nox.Session) -> None:
+def _install_built_wheel(session: nox.Session) -> Path:
     """Build the wheel and install it into the session (runtime tests and benchmarks)."""
     dist = ROOT / ".work" / "nox-dist"
     _builder(session, "build", "--dist-dir", str(dist))
     [wheel] = sorted(dist.glob("*.whl"))
     session.install(str(wheel))
     session.install("--force-reinstall", "--no-deps", str(wheel))  # same version, new bytes
+    return wheel
 
 
 @nox.session
@@ -41,8 +42,9 @@ def tests(session: nox.Session) -> None:
     """Builder tests (synthetic upstreams), the real-wheel integration test, and the runtime
     tests (host emulation of the NPU platform against Hugging Face transformers)."""
     session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"))
-    _install_built_wheel(session)
-    session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=BUILDER_ENV)
+    wheel = _install_built_wheel(session)
+    session.run("python", "-m", "pytest", *(session.posargs or ["tests"]),
+                env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)})
 
 
 @nox.session

@@ -6,6 +6,7 @@ import json
 import zipfile
 
 from ascend_builder.gitutil import commit_all, git
+from ascend_builder.patchset import sha256_file
 from ascend_builder.pipeline import build_distribution
 from ascend_builder.progress import Silent
 
@@ -23,13 +24,9 @@ def test_build_applies_patches_overlay_and_stamps(project: Project):
         prov = json.loads(zf.read("fakeup/ascend/provenance.json"))
     assert prov["version"] == "1.0+ascend.3"
     assert prov["upstream"] == {"name": "fakeup", "version": "1.0",
-                                "sdist_sha256": prov["upstream"]["sdist_sha256"]}
-    from ascend_builder.patchset import sha256_file
-
-    assert prov["upstream"]["sdist_sha256"] == sha256_file(project.sdist)
+                                "sdist_sha256": sha256_file(project.sdist)}
     [entry] = prov["patches"]
-    patch_file = project.patch_set_dir / entry["name"]
-    assert entry["sha256"] == sha256_file(patch_file)
+    assert entry["sha256"] == sha256_file(project.patch_set_dir / entry["name"])
     assert entry["upstream_status"] == "Pending"
 
 

@@ -39,8 +39,12 @@ def _build(dist: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> tuple[Path, Path]:
+    """Two independent builds. ``VLLM_ASCEND_TEST_WHEEL`` (set by ``nox -s tests``, which
+    has just built the wheel it installs) stands in for the first one."""
     base = tmp_path_factory.mktemp("real")
-    return _build(base / "dist1"), _build(base / "dist2")
+    prebuilt = os.environ.get("VLLM_ASCEND_TEST_WHEEL")
+    first = Path(prebuilt) if prebuilt else _build(base / "dist1")
+    return first, _build(base / "dist2")
 
 
 def test_wheel_name_tag_and_reproducibility(wheels):

@@ -86,31 +86,29 @@ def _stream(client: httpx.Client, url: str, body: dict, field) -> str:
     return "".join(text)
 
 
-def test_completions(server, reference):
-    base, model = server
-    body = {"model": str(model), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
-    with httpx.Client() as client:
-        resp = client.post(f"{base}/v1/completions", json=body, timeout=120)
-        assert resp.status_code == 200, resp.text
-        plain = resp.json()["choices"][0]["text"]
-        streamed = _stream(client, f"{base}/v1/completions", body, lambda c: c.get("text"))
-    assert plain == reference[0] and plain
-    assert streamed == reference[0]
+# endpoint, request fields, text of a whole response choice, text of a streamed choice,
+# index of the LLM-API reference text
+ENDPOINTS = {
+    "completions": ("/v1/completions", {"prompt": PROMPT},
+                    lambda c: c["text"], lambda c: c.get("text"), 0),
+    "chat": ("/v1/chat/completions", {"messages": CHAT},
+             lambda c: c["message"]["content"], lambda c: c.get("delta", {}).get("content"), 1),
+}
 
 
-def test_chat_completions(server, reference):
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_endpoint_text_equals_llm_api(endpoint, server, reference):
     base, model = server
-    body = {"model": str(model), "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
+    path, fields, whole, delta, ref = ENDPOINTS[endpoint]
+    body = {"model": str(model), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            **fields}
     with httpx.Client() as client:
-        resp = client.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        resp = client.post(f"{base}{path}", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
-        plain = resp.json()["choices"][0]["message"]["content"]
-        streamed = _stream(client, f"{base}/v1/chat/completions", body,
-                           lambda c: c.get("delta", {}).get("content"))
-    assert plain == reference[1] and plain
-    assert streamed == reference[1]
+        plain = whole(resp.json()["choices"][0])
+        streamed = _stream(client, f"{base}{path}", body, delta)
+    assert plain == reference[ref] and plain
+    assert streamed == reference[ref]
 
 
 def test_bad_request_does_not_kill_the_server(server):

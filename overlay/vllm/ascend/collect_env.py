@@ -19,14 +19,7 @@ def _cann_version() -> str:
     from vllm.ascend.device.npu_runtime import load_torch_npu
 
     if load_torch_npu() is None:
-        # CANN writes its version into the toolkit's install info; read it if present.
-        home = os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
-        if home:
-            for name in ("version.cfg", "ascend_toolkit_install.info"):
-                path = os.path.join(home, name)
-                if os.path.isfile(path):
-                    return open(path).read().strip().splitlines()[0]
-        return "not found"
+        return "not found (torch_npu cannot load, so CANN cannot be asked)"
     from vllm.ascend.device.npu import NPUDevice
 
     return NPUDevice().cann_version()

@@ -53,12 +53,11 @@ class AscendAttentionMetadata(AttentionMetadata):
     query_start_loc: torch.Tensor  # [num_reqs + 1], host
     seq_lens: torch.Tensor  # [num_reqs], host
     block_table: torch.Tensor  # [num_reqs, max_blocks], device
-    slot_mapping: torch.Tensor  # [num_tokens], device
-    max_query_len: int
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        # Upstream declares __init__ abstract; the base class keeps everything needed.
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -69,8 +68,6 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1],
             seq_lens=m.seq_lens[: m.num_reqs].cpu(),
             block_table=m.block_table_tensor[: m.num_reqs],
-            slot_mapping=m.slot_mapping,
-            max_query_len=m.max_query_len,
         )
 
 

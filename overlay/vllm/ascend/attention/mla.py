@@ -21,6 +21,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionType
 
 from vllm.ascend.kernels import mla as kernels
+from vllm.ascend.kernels.attention import causal_attention, gather_tokens
 
 
 class AscendMLABackend(MLACommonBackend):
@@ -94,10 +95,11 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
             start, end = qsl[r], qsl[r + 1]
             if end == start:
                 continue
-            seq_len = int(context[r]) + (end - start)
-            latent = kernels.gather_latent(kv_c_and_k_pe_cache, prefill.block_table[r], seq_len)
+            context_len = int(context[r])
+            seq_len = context_len + (end - start)
+            latent = gather_tokens(kv_c_and_k_pe_cache, prefill.block_table[r], seq_len)
             kv = self.kv_b_proj(latent[:, :rank].to(q.dtype))[0].view(seq_len, self.num_heads, -1)
             k_nope, v = kv.split([nope, self.v_head_dim], dim=-1)
             k_rope = latent[:, rank:].to(q.dtype).unsqueeze(1).expand(-1, self.num_heads, -1)
             k = torch.cat([k_nope, k_rope], dim=-1)
-            out[start:end] = kernels.causal_attention(q[start:end], k, v, int(context[r]), self.scale)
+            out[start:end] = causal_attention(q[start:end], k, v, context_len, self.scale)

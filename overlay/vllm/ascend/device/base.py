@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
 
 import torch
 
 
 class Device(ABC):
     type: str  # torch device type: "npu" or "cpu"
-    dist_backend: str  # torch.distributed backend for device tensors
 
     def torch_device(self, index: int) -> torch.device:
         return torch.device(self.type, index) if self.type != "cpu" else torch.device("cpu")
@@ -20,9 +18,6 @@ class Device(ABC):
 
     @abstractmethod
     def synchronize(self) -> None: ...
-
-    @abstractmethod
-    def empty_cache(self) -> None: ...
 
     @abstractmethod
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
@@ -36,13 +31,7 @@ class Device(ABC):
 
     @abstractmethod
     def stream(self) -> object:
-        """A new stream (an object with ``wait_stream`` / used with ``use_stream``)."""
+        """A new stream (what upstream's runner gets for ``torch.cuda.Stream()``)."""
 
     @abstractmethod
     def event(self, **kwargs) -> object: ...
-
-    @abstractmethod
-    def use_stream(self, stream: object) -> AbstractContextManager: ...
-
-    @abstractmethod
-    def current_stream(self) -> object: ...

@@ -6,7 +6,6 @@ synchronisation are no-ops; memory figures come from the operating system.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import psutil
@@ -44,15 +43,11 @@ class _HostEvent:
 
 class HostDevice(Device):
     type = "cpu"
-    dist_backend = "gloo"
 
     def set_device(self, index: int) -> None:
         pass
 
     def synchronize(self) -> None:
-        pass
-
-    def empty_cache(self) -> None:
         pass
 
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
@@ -70,12 +65,6 @@ class HostDevice(Device):
 
     def event(self, **kwargs) -> object:
         return _HostEvent(**kwargs)
-
-    def use_stream(self, stream):
-        return contextlib.nullcontext()
-
-    def current_stream(self) -> object:
-        return _HostStream()
 
 
 def make_accelerator_calls_noops() -> None:

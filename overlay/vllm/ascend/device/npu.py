@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from vllm.ascend.device.base import Device
 from vllm.ascend.device.npu_runtime import load_torch_npu
 
 
 class NPUDevice(Device):
     type = "npu"
-    dist_backend = "hccl"
 
     def __init__(self) -> None:
         torch_npu = load_torch_npu()
@@ -25,9 +22,6 @@ class NPUDevice(Device):
 
     def synchronize(self) -> None:
         self._npu.synchronize()
-
-    def empty_cache(self) -> None:
-        self._npu.empty_cache()
 
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         free, total = self._npu.mem_get_info(index)
@@ -45,12 +39,6 @@ class NPUDevice(Device):
     def event(self, **kwargs) -> object:
         return self._npu.Event(**kwargs)
 
-    def use_stream(self, stream):
-        return self._npu.stream(stream)
-
-    def current_stream(self) -> object:
-        return self._npu.current_stream()
-
     def cann_version(self) -> str:
         try:
             from torch_npu.npu.utils import get_cann_version  # documented in torch_npu
@@ -58,7 +46,3 @@ class NPUDevice(Device):
             return str(get_cann_version())
         except Exception as exc:
             return f"unknown ({exc})"
-
-
-def torch_has_npu() -> bool:
-    return hasattr(torch, "npu")

@@ -15,15 +15,41 @@ from __future__ import annotations
 
 import torch
 
-from vllm.ascend.kernels import use_reference
+from vllm.ascend.kernels import pick
 
 
 # -- reference (plain torch; the oracle and host emulation) --------------------------
-def reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    slots = slot_mapping[: key.shape[0]].to(torch.int64)
+def valid_slots(slot_mapping, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first ``num_tokens`` slots as int64, and a mask of the non-padding ones
+    (None when every slot is real, the common case)."""
+    slots = slot_mapping[:num_tokens].to(torch.int64)
     valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[: valid.numel()][valid], value[: valid.numel()][valid]
+    return (slots, None) if bool(valid.all()) else (slots[valid], valid)
+
+
+def gather_tokens(cache, block_row, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` token rows of one request from a ``[blocks, block_size, ...]`` cache."""
+    block_size = cache.shape[1]
+    blocks = block_row[: -(-seq_len // block_size)].to(torch.int64)
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
+    """``q [q_len, H, D]`` are the last ``q_len`` of the ``k/v [seq, H, D]`` positions;
+    query ``i`` sees positions ``0 .. context_len + i``. Computed in float32."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + context_len
+    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    slots, valid = valid_slots(slot_mapping, key.shape[0])
+    if valid is not None:
+        key, value = key[valid], value[valid]
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
@@ -32,28 +58,15 @@ def reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -
 
 def reference_paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
                               seq_lens, scale, out) -> torch.Tensor:
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    block_size = key_cache.shape[1]
-    group = num_heads // num_kv_heads
+    group = query.shape[1] // key_cache.shape[2]
     qsl = query_start_loc.tolist()
     for r, seq_len in enumerate(seq_lens.tolist()):
         start, end = qsl[r], qsl[r + 1]
-        q_len = end - start
-        if q_len == 0:
+        if end == start:
             continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_table[r, :num_blocks].to(torch.int64)
-        k = key_cache[blocks].reshape(-1, num_kv_heads, key_cache.shape[-1])[:seq_len]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, value_cache.shape[-1])[:seq_len]
-        q = query[start:end].transpose(0, 1).float()  # [H, q_len, D]
-        k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [H, seq, D]
-        v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        context = seq_len - q_len
-        q_pos = torch.arange(q_len, device=query.device).unsqueeze(1) + context
-        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        mask = k_pos <= q_pos  # [q_len, seq]
-        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = attn.transpose(0, 1).to(out.dtype)
+        k = gather_tokens(key_cache, block_table[r], seq_len).repeat_interleave(group, dim=1)
+        v = gather_tokens(value_cache, block_table[r], seq_len).repeat_interleave(group, dim=1)
+        out[start:end] = causal_attention(query[start:end], k, v, seq_len - (end - start), scale)
     return out
 
 
@@ -84,13 +97,5 @@ def npu_paged_attention(query, key_cache, value_cache, block_table, query_start_
     return out
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    if use_reference():
-        return reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    return npu_write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-def paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                    scale, out) -> torch.Tensor:
-    fn = reference_paged_attention if use_reference() else npu_paged_attention
-    return fn(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, out)
+write_kv_cache = pick(reference_write_kv_cache, npu_write_kv_cache)
+paged_attention = pick(reference_paged_attention, npu_paged_attention)

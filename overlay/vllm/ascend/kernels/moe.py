@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm.ascend.kernels import use_reference
+from vllm.ascend.kernels import pick
 
 
 def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -70,7 +70,4 @@ def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
     return out
 
 
-def moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
-                apply_router_weight_on_input=False) -> torch.Tensor:
-    fn = reference_moe_experts if use_reference() else npu_moe_experts
-    return fn(x, w13, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
+moe_experts = pick(reference_moe_experts, npu_moe_experts)

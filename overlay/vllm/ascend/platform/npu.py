@@ -126,7 +126,6 @@ class NPUPlatform(Platform):
         attn_selector_config: AttentionSelectorConfig,
         num_heads: int | None = None,
     ) -> str:
-        register_attention_backends()
         if attn_selector_config.use_sparse:
             raise NotImplementedError("sparse attention is not supported on Ascend yet")
         name = MLA_BACKEND if attn_selector_config.use_mla else ATTENTION_BACKEND
