@@ -123,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="benchmarks")
     be.add_argument("what", choices=["build"])
-    be.add_argument("--rounds", type=int, default=2)
+    be.add_argument("--rounds", type=int, default=3)
     be.add_argument("--sdist", help="local sdist (env VLLM_ASCEND_SDIST)")
     be.set_defaults(func=cmd_bench)
     return p
