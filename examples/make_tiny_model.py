@@ -10,8 +10,9 @@ built-in text. The default initializer range (0.25, not the usual 0.02) makes gr
 decoding produce varied, context-dependent tokens, so a broken attention or MoE path
 cannot hide behind a model that repeats one token.
 
-`deepseek_v3` has MLA attention (kv_lora_rank + qk_rope_head_dim = 320, one of the
-latent sizes vLLM's MLA accepts), MoE layers with grouped sigmoid routing
+`deepseek_v3` has MLA attention (kv_lora_rank + qk_rope_head_dim = 320 by default, one
+of the latent sizes vLLM's MLA accepts; `--kv-lora-rank 512` gives the 512 + 64 form the
+torch_npu MLA kernel takes), MoE layers with grouped sigmoid routing
 (`topk_method: noaux_tc`, written into config.json as real V3 checkpoints have it)
 and one MTP layer (`num_nextn_predict_layers: 1`) whose weights are stored as layer
 `num_hidden_layers`, where vLLM's DeepSeek MTP model reads them; transformers
@@ -91,7 +92,8 @@ def make_model(args, tok: Tokenizer):
     if args.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**cfg, num_key_value_heads=args.kv_heads or args.heads // 2))
     config = DeepseekV3Config(
-        **cfg, num_key_value_heads=args.heads, q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=64,
+        **cfg, num_key_value_heads=args.heads, q_lora_rank=None, kv_lora_rank=args.kv_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim,
         qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=args.experts, num_experts_per_tok=2,
         n_shared_experts=1, moe_intermediate_size=args.intermediate_size // 2, first_k_dense_replace=1,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2)")
     p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3)")
+    p.add_argument("--kv-lora-rank", type=int, default=256,
+                   help="MLA latent size (deepseek_v3); with --qk-rope-head-dim it must sum to 320, 512 "
+                        "or 576 (vLLM's MLA). 512 + rope 64 is the form torch_npu's MLA attention takes")
+    p.add_argument("--qk-rope-head-dim", type=int, default=64, help="MLA rotary key size (deepseek_v3)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)
     args = p.parse_args(argv)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -59,7 +62,9 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     assert "Root-Is-Purelib: true" in wheel_info and "Tag: py3-none-any" in wheel_info
     requires = [line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")]
     assert "torch==2.13.0" in requires
-    assert 'torch-npu==2.13.0; sys_platform == "linux"' in requires
+    # torch-npu only with the `npu` extra: on a host without CANN it would break `import torch`.
+    assert 'torch-npu==2.13.0; sys_platform == "linux" and extra == "npu"' in requires
+    assert not any(r.startswith("torch-npu") and "extra ==" not in r for r in requires)
     assert any(r.startswith("mooncake-transfer-engine-npu") and 'extra == "mooncake"' in r for r in requires)
     assert any(r.startswith("mooncake-transfer-engine-non-cuda") and 'extra == "mooncake-host"' in r
                for r in requires)
@@ -68,35 +73,45 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     assert not any(r.startswith("torch==") and r != "torch==2.13.0" for r in requires)
 
 
-def test_installs_into_fresh_venv_and_matches_the_pins(wheels, tmp_path):
-    wheel = wheels[0]
-    venv = tmp_path / "venv"
+FRESH_ENV_DROP = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "TORCH_NPU_DOUBLE_WHEEL",
+                  "VLLM_ASCEND_EMULATE", "VLLM_ASCEND_KERNELS")
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheels, tmp_path_factory) -> tuple[str, dict]:
+    """The README's CPU-host install: torch's CPU build, then the wheel (no extras)."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "torch==2.13.0"], check=True)
-    subprocess.run([*pip, str(wheel)], check=True)
+    subprocess.run([*pip, str(wheels[0])], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in FRESH_ENV_DROP}
+    return python, env
+
+
+def test_installs_into_fresh_venv_and_matches_the_pins(fresh_venv, tmp_path):
+    python, env = fresh_venv
     probe = textwrap.dedent(
         """
-        import json, importlib.metadata as md
+        import json, importlib.metadata as md, importlib.util
         import vllm, vllm.ascend
-        import torch  # after vllm: the autoload hook keeps a CANN-less torch_npu from breaking this
+        import torch
         print(json.dumps({
             "version": vllm.__version__,
             "dist_version": md.version("vllm"),
             "torch": torch.__version__,
-            "torch_npu_installed": bool(md.distribution("torch-npu")),
+            "torch_npu_installed": importlib.util.find_spec("torch_npu") is not None,
             "provenance": vllm.ascend.provenance(),
         }))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
     result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads(result.stdout.strip().splitlines()[-1])
     assert info["version"] == VERSION == info["dist_version"]
     assert info["torch"].startswith("2.13.0")
-    assert info["torch_npu_installed"]
+    assert not info["torch_npu_installed"]
     prov = info["provenance"]
     pin = PATCH_SET.pin
     assert prov["upstream"] == {"name": pin.name, "version": pin.version, "sdist_sha256": pin.sdist_sha256}
@@ -105,3 +120,70 @@ def test_installs_into_fresh_venv_and_matches_the_pins(wheels, tmp_path):
         assert entry["sha256"] == sha256_file(PATCH_SET.directory / entry["name"])
         assert entry["upstream_status"]
     assert prov["version"] == VERSION
+
+
+@pytest.mark.parametrize("program", [
+    "import torch; torch.ones(1)",
+    "import transformers; transformers.AutoTokenizer",
+    "import torch, vllm",
+    "import vllm, torch",
+    "import transformers, vllm; transformers.AutoTokenizer",
+    "import vllm, transformers; transformers.AutoTokenizer",
+])
+def test_torch_and_transformers_import_in_any_order(fresh_venv, program, tmp_path):
+    python, env = fresh_venv
+    result = subprocess.run([python, "-c", program], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_host_quick_start_and_npu_install_hint(fresh_venv, tmp_path):
+    """README quick start in the fresh environment: make a tiny model, `vllm serve` it
+    in host emulation, complete a prompt. Without emulation it says what to install."""
+    import httpx
+
+    python, env = fresh_venv
+    vllm_cli = str(Path(python).with_name("vllm"))
+    model = tmp_path / "tiny-llama"
+    subprocess.run([python, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", "llama",
+                    "--out", str(model)],
+                   check=True, capture_output=True, env=env)
+    refused = subprocess.run([vllm_cli, "serve", str(model), "--port", "1"], capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert refused.returncode == 1
+    assert "pip install 'torch-npu==2.13.0'" in refused.stderr.strip().splitlines()[-1]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([vllm_cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+                               "--dtype", "float32"], env={**env, "VLLM_ASCEND_EMULATE": "1"},
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve not healthy after 300 s"
+            time.sleep(1)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": str(model), "prompt": "The quick brown fox", "max_tokens": 8})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def test_npu_extra_brings_the_matching_torch_npu(fresh_venv, wheels, tmp_path):
+    """The documented Ascend-host install resolves torch-npu 2.13.0 (dry run: nothing installed)."""
+    python, env = fresh_venv
+    report = tmp_path / "report.json"
+    subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--dry-run",
+                    "--report", str(report), f"{wheels[0]}[npu]"], check=True, env=env)
+    installs = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+                for i in json.loads(report.read_text())["install"]}
+    assert installs.get("torch-npu") == "2.13.0"

@@ -22,6 +22,8 @@ except ImportError:  # pragma: no cover - the builder-only environment
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("llama", "qwen2", "deepseek_v3")
+# The DeepSeek variant whose MLA sizes (latent 512, rope 64) torch_npu's MLA kernel takes.
+MLA512 = "deepseek_v3_mla512"
 
 # Mixed lengths (2..~60 tokens) so batches mix short and long prefill.
 PROMPTS = [
@@ -41,16 +43,55 @@ SHARED_PREFIX = ("Large language models predict the next token from the tokens b
                  "Attention lets every position look at the positions that came earlier. ")
 PREFIX_PROMPTS = [SHARED_PREFIX + tail for tail in ("Once upon", "Numbers 7 8", "The lazy dog", "Decode")]
 
+# Longer prompts for the NPU kernels, whose KV blocks hold 128 tokens: 2 to ~470 tokens.
+_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A journey of a thousand miles begins with a single step.",
+    "Large language models predict the next token from the tokens before it.",
+    "Attention lets every position look at the positions that came earlier.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Prefill processes the prompt; decode produces one token at a time.",
+    "Mixture of experts routes each token to a few experts.",
+    "Speculative decoding drafts tokens and verifies them in one step.",
+    "Disaggregated serving runs prefill and decode on different instances.",
+    "Once upon a time there was a small model that learned to count: one two three four five.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 and punctuation , . ; : ! ?",
+]
+
+
+def sentences(start: int, count: int) -> str:
+    return " ".join(_SENTENCES[(start + i * 5) % len(_SENTENCES)] for i in range(count))
+
+
+LONG_PROMPTS = ["Attention", "The quick brown fox"] + [sentences(s, n) for s, n in
+                                                         ((1, 2), (2, 5), (3, 8), (4, 12), (5, 15), (6, 19))]
+LONG_PREFIX = sentences(7, 13) + " "
+LONG_PREFIX_PROMPTS = [LONG_PREFIX + tail for tail in ("Once upon", "Numbers 7 8", "The lazy dog")]
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("models")
     out = {}
-    for arch in ARCHS:
-        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", arch,
-                        "--out", str(base / arch)], check=True, capture_output=True)
-        out[arch] = base / arch
+    variants = {arch: [] for arch in ARCHS}
+    variants[MLA512] = ["--arch", "deepseek_v3", "--kv-lora-rank", "512"]
+    for name, args in variants.items():
+        script = str(ROOT / "examples" / "make_tiny_model.py")
+        subprocess.run([sys.executable, script, *(args or ["--arch", name]), "--out", str(base / name)],
+                       check=True, capture_output=True)
+        out[name] = base / name
     return out
+
+
+def run_spec(spec: dict, timeout: int = 900) -> tuple[dict, str]:
+    """Run tests/runtime/vllm_runner.py in a fresh process: (its JSON result, its whole
+    output: vLLM logs to stdout, Python warnings and tracebacks go to stderr)."""
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_runner", json.dumps(spec)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr
 
 
 def run_vllm(model: Path, batches: list[list[str]], engine: dict | None = None, max_tokens: int = 16,
@@ -58,12 +99,13 @@ def run_vllm(model: Path, batches: list[list[str]], engine: dict | None = None, 
     spec = {"model": str(model), "engine": {"dtype": "float32", "max_model_len": 512, "seed": 0,
                                             **(engine or {})},
             "batches": batches, "chats": chats or [], "max_tokens": max_tokens}
-    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_runner", json.dumps(spec)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_spec(spec, timeout)[0]
+
+
+def clean_shutdown(output: str) -> None:
+    """Engine processes ended without a traceback or a force-kill."""
+    assert "Traceback" not in output, output[-4000:]
+    assert "force killing" not in output, output[-4000:]
 
 
 _HF_CACHE: dict = {}

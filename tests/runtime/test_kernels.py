@@ -53,8 +53,8 @@ def _dense_attention(q, k, v, context, scale):
 def test_paged_attention_matches_dense_attention():
     torch.manual_seed(0)
     heads, kv_heads, dim, block_size, num_blocks = 4, 2, 8, 4, 32
-    key_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
-    value_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
+    k_plane = torch.zeros(num_blocks, kv_heads, block_size, dim)
+    v_plane = torch.zeros(num_blocks, kv_heads, block_size, dim)
     # Two requests: one with 6 cached tokens + 3 new (chunked prefill / prefix hit), one decode.
     seqs = [(9, 3), (5, 1)]
     perm = torch.randperm(num_blocks).tolist()
@@ -65,25 +65,28 @@ def test_paged_attention_matches_dense_attention():
         block_table[r] = torch.tensor(blocks)
         k, v = torch.randn(seq_len, kv_heads, dim), torch.randn(seq_len, kv_heads, dim)
         slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)])
-        attention.reference_write_kv_cache(k, v, key_cache, value_cache, slots)
+        attention.reference_write_kv_cache(k, v, k_plane, v_plane, slots)
         ks.append(k), vs.append(v), qs.append(torch.randn(q_len, heads, dim))
+    # Head-major planes: token p of head h sits at [block, h, offset].
+    b0, off = block_table[0, 5 // block_size], 5 % block_size
+    torch.testing.assert_close(k_plane[b0, :, off], ks[0][5])
     query = torch.cat(qs)
     out = torch.zeros_like(query)
-    qsl = torch.tensor([0, 3, 4])
-    attention.reference_paged_attention(query, key_cache, value_cache, block_table, qsl,
-                                        torch.tensor([9, 5]), 1 / math.sqrt(dim), out)
+    attention.reference_paged_attention(query, k_plane, v_plane, block_table, [0, 3, 4], [9, 5],
+                                        1 / math.sqrt(dim), out)
+    qsl = [0, 3, 4]
     for r, (seq_len, q_len) in enumerate(seqs):
         expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim))
         torch.testing.assert_close(out[qsl[r]:qsl[r + 1]].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_write_skips_padding_slots():
-    key_cache = torch.zeros(2, 2, 1, 1)
-    value_cache = torch.zeros(2, 2, 1, 1)
+    k_plane = torch.zeros(2, 1, 2, 1)
+    v_plane = torch.zeros(2, 1, 2, 1)
     k = torch.tensor([[[1.0]], [[2.0]], [[3.0]]])
-    attention.reference_write_kv_cache(k, -k, key_cache, value_cache, torch.tensor([3, -1, 0]))
-    assert key_cache.flatten().tolist() == [3.0, 0.0, 0.0, 1.0]
-    assert value_cache.flatten().tolist() == [-3.0, 0.0, 0.0, -1.0]
+    attention.reference_write_kv_cache(k, -k, k_plane, v_plane, torch.tensor([3, -1, 0]))
+    assert k_plane.flatten().tolist() == [3.0, 0.0, 0.0, 1.0]
+    assert v_plane.flatten().tolist() == [-3.0, 0.0, 0.0, -1.0]
 
 
 def test_mla_decode_matches_expanded_attention():
@@ -91,17 +94,33 @@ def test_mla_decode_matches_expanded_attention():
     torch.manual_seed(1)
     heads, rank, rope, block_size = 3, 16, 4, 4
     seq_len = 7
-    cache = torch.zeros(4, block_size, rank + rope)
+    latent, rope_plane = torch.zeros(4, block_size, 1, rank), torch.zeros(4, block_size, 1, rope)
     c, pe = torch.randn(seq_len, rank), torch.randn(seq_len, 1, rope)
     block_row = torch.tensor([2, 0], dtype=torch.int32)
-    slots = torch.tensor([int(block_row[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
-    mla.reference_write_latent_cache(c, pe, cache, slots)
+    slots = torch.tensor([int(block_row[p // block_size]) * block_size + p % block_size
+                          for p in range(seq_len)])
+    mla.reference_write_latent_cache(c, pe, latent, rope_plane, slots)
     q_nope, q_pe = torch.randn(1, heads, rank), torch.randn(1, heads, rope)
-    out = mla.reference_mla_decode(q_nope, q_pe, cache, block_row.unsqueeze(0), torch.tensor([seq_len]), 0.3)
+    out = mla.reference_mla_decode(q_nope, q_pe, latent, rope_plane, block_row.unsqueeze(0), [seq_len], 0.3)
     keys = torch.cat([c, pe.squeeze(1)], dim=-1)  # per-token key shared by all heads
     q = torch.cat([q_nope[0], q_pe[0]], dim=-1)
     expected = torch.softmax(q @ keys.t() * 0.3, dim=-1) @ c
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_prefill_attention_matches_dense_attention():
+    torch.manual_seed(3)
+    heads, dqk, dv = 2, 8, 4
+    q_lens, kv_lens = [3, 0, 2], [5, 4, 2]
+    q = torch.randn(sum(q_lens), heads, dqk)
+    k, v = torch.randn(sum(kv_lens), heads, dqk), torch.randn(sum(kv_lens), heads, dv)
+    out = mla.reference_prefill_attention(q, k, v, q_lens, kv_lens, 0.5)
+    qs = ks = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        expected = _dense_attention(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len],
+                                    kv_len - q_len, 0.5)
+        torch.testing.assert_close(out[qs:qs + q_len].double(), expected, rtol=1e-5, atol=1e-5)
+        qs, ks = qs + q_len, ks + kv_len
 
 
 def test_moe_experts_match_per_token_loop():

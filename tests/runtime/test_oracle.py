@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import ARCHS, PREFIX_PROMPTS, PROMPTS, hf_greedy, run_vllm
+from .conftest import ARCHS, PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec, run_vllm
 
 
 def _tokens(batch):
@@ -44,6 +44,8 @@ def test_chunked_prefill_matches_transformers(arch, tiny_models):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_parallel_2_equals_1(arch, tiny_models):
     model = tiny_models[arch]
-    tp2 = run_vllm(model, [PROMPTS], engine={"tensor_parallel_size": 2,
-                                             "distributed_executor_backend": "mp"})
+    tp2, output = run_spec({"model": str(model), "batches": [PROMPTS], "max_tokens": 16, "engine": {
+        "dtype": "float32", "max_model_len": 512, "seed": 0, "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp"}})
     assert _tokens(tp2["batches"][0]) == hf_greedy(model, PROMPTS)
+    clean_shutdown(output)  # no traceback from the engine core, no force-kill

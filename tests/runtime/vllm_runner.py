@@ -1,43 +1,74 @@
-"""Run vLLM (LLM API) in its own process and print JSON results: one engine per call.
+"""Run vLLM (LLM API) engines in this process and print JSON results.
 
     python -m tests.runtime.vllm_runner '<json spec>'
 
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
-"chats": [[message, ...], ...], "max_tokens": N}. Batches run one after another on the same engine (so later batches
-can hit the prefix cache). Output: {"batches": [[{"token_ids": [...],
-"num_cached_tokens": n, "prompt_len": n}, ...], ...], "startup_s": t}.
+"chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "env": {...}}, or
+{"runs": [spec, ...]} to run several engines one after another in this process (each
+with its own environment overrides, applied before its engine processes start).
+Batches run one after another on the same engine (so later batches can hit the
+prefix cache). Output per run: {"batches": [[{"token_ids": [...], "logprobs": [[[id,
+lp], ...] per step] (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
+"chats": [...], "startup_s": t}; with "runs" the output is {"runs": [...]}.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
 
 
+def _run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    saved = {k: os.environ.get(k) for k in spec.get("env", {})}
+    os.environ.update(spec.get("env", {}))
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model=spec["model"], **spec.get("engine", {}))
+        startup = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
+                                logprobs=spec.get("logprobs"))
+        results = []
+        for batch in spec["batches"]:
+            outs = llm.generate(batch, params, use_tqdm=False)
+            results.append([_completion(o) for o in outs])
+        chats = []
+        for conversation in spec.get("chats", []):
+            [out] = llm.chat(conversation, params, use_tqdm=False)
+            chats.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text})
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"batches": results, "chats": chats, "startup_s": startup}
+
+
+def _completion(o) -> dict:
+    out = {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+           "num_cached_tokens": o.num_cached_tokens or 0, "prompt_len": len(o.prompt_token_ids)}
+    if o.outputs[0].logprobs is not None:
+        out["logprobs"] = [sorted(([tid, lp.logprob] for tid, lp in step.items()), key=lambda p: -p[1])
+                           for step in o.outputs[0].logprobs]
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
-    from vllm import LLM, SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], **spec.get("engine", {}))
-    startup = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
-    results = []
-    for batch in spec["batches"]:
-        outs = llm.generate(batch, params, use_tqdm=False)
-        results.append([
-            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
-             "num_cached_tokens": o.num_cached_tokens or 0, "prompt_len": len(o.prompt_token_ids)}
-            for o in outs
-        ])
-    chats = []
-    for conversation in spec.get("chats", []):
-        [out] = llm.chat(conversation, params, use_tqdm=False)
-        chats.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text})
-    print("RESULT " + json.dumps({"batches": results, "chats": chats, "startup_s": startup}), flush=True)
+    if "runs" in spec:
+        result = {"runs": [_run(run) for run in spec["runs"]]}
+    else:
+        result = _run(spec)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

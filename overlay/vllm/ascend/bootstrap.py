@@ -1,7 +1,6 @@
 """First code to run on ``import vllm`` (hook: patch 0003), before anything imports torch.
 
-Two problems with torch_npu on a host that has it installed but has no CANN (any
-development or CI machine, and every host-emulation run):
+Two problems with torch_npu on a host that has it installed but has no CANN:
 
 * torch imports installed device backends during ``import torch``; torch_npu's
   import raises there and takes ``import torch`` -- and every ``vllm`` command,
@@ -10,6 +9,19 @@ development or CI machine, and every host-emulation run):
 * libraries such as transformers see torch_npu installed and import it without
   catching the error. So torch_npu is imported once, here, through the device
   layer; if that fails it is marked absent for the rest of the process.
+
+(The wheel installs torch_npu only with its ``npu`` extra, so a CPU host normally has
+none; these guards are for hosts that have one that cannot load.)
+
+Host emulation with the reference kernels does not use torch_npu at all, so there it
+is marked absent without being imported: importing it names torch's PrivateUse1
+backend "npu", after which torch takes "npu" for the current accelerator and
+device-generic calls such as ``torch.Event()`` fail on a host without NPUs.
+
+In host emulation, Triton is marked absent as well (unless something imported it
+already): vLLM disables Triton on this platform anyway (no Triton driver for the
+host), but importing it leaves nanobind objects that complain at interpreter exit,
+where host emulation skips the final collection (``device/host.py``).
 """
 
 import os
@@ -20,6 +32,13 @@ AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 if "torch" not in sys.modules:
     os.environ.setdefault(AUTOLOAD_VARIABLE, "0")
 
+from vllm.ascend import envs  # noqa: E402
 from vllm.ascend.device import npu_runtime  # noqa: E402
 
-npu_runtime.load_torch_npu()
+if envs.emulate() and "triton" not in sys.modules:
+    sys.modules["triton"] = None  # type: ignore[assignment]
+
+if envs.emulate() and envs.kernels() == "reference":
+    npu_runtime.leave_torch_npu_unloaded("host emulation with the reference kernels does not use torch_npu")
+else:
+    npu_runtime.load_torch_npu()

@@ -1,16 +1,13 @@
 """Per-process registration of this distribution's components with vLLM's registries.
 
 Called in every process that builds models (workers) and by the platform's config
-step: attention backend names into vLLM's backend enum, the MoE method as the
-out-of-tree replacement of upstream's unquantized MoE method, and, in host mode,
-the device layer's no-op accelerator calls.
+step: attention backend names into vLLM's backend enum and the MoE method as the
+out-of-tree replacement of upstream's unquantized MoE method.
 """
 
 from __future__ import annotations
 
 from functools import cache
-
-from vllm.ascend import envs
 
 
 @cache
@@ -19,8 +16,3 @@ def register_runtime_components() -> None:
 
     register_attention_backends()
     import vllm.ascend.moe.method  # noqa: F401  (registers through its decorator)
-
-    if envs.emulate():
-        from vllm.ascend.device.host import make_accelerator_calls_noops
-
-        make_accelerator_calls_noops()

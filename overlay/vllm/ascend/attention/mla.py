@@ -1,14 +1,16 @@
 """MLA attention backend for Ascend (DeepSeek-V2/V3), on vllm.ascend.kernels.mla.
 
 Upstream's MLA layer does the weight absorption and the batch split (decodes first);
-this backend supplies the three device-facing pieces: the latent-cache write, the
-absorbed decode, and prefill. Prefill reads the request's whole latent history from
-the cache (its new tokens were just written), so chunked prefill and prefix-cache
-hits need no separate context path.
+this backend supplies the device-facing pieces: the latent-cache write, the absorbed
+decode, and prefill. The cache is read as latent and rope planes (``kv_layout.py``).
+Prefill reads each request's whole latent history from the cache (its new tokens
+were just written), expands it with ``kv_b_proj`` and attends, so chunked prefill
+and prefix-cache hits need no separate context path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -17,11 +19,36 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
     MLACommonImpl,
     MLACommonMetadata,
+    MLACommonMetadataBuilder,
 )
 from vllm.v1.attention.backend import AttentionType
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.kernels import mla as kernels
-from vllm.ascend.kernels.attention import causal_attention, gather_tokens
+from vllm.ascend.kernels import npu_kernels
+from vllm.ascend.kernels.mla import head_major
+from vllm.ascend.kernels.attention import gather_tokens
+
+
+@dataclass
+class AscendMLAMetadata(MLACommonMetadata):
+    # Host copies, built once per step (decodes come first, as upstream orders them).
+    query_start_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+
+class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
+        kwargs["metadata_cls"] = AscendMLAMetadata
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> AscendMLAMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m = common_attn_metadata
+        metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        metadata.seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu().tolist()
+        return metadata
 
 
 class AscendMLABackend(MLACommonBackend):
@@ -36,8 +63,23 @@ class AscendMLABackend(MLACommonBackend):
     def get_impl_cls() -> type[AscendMLAImpl]:
         return AscendMLAImpl
 
+    @staticmethod
+    def get_builder_cls() -> type[AscendMLAMetadataBuilder]:
+        return AscendMLAMetadataBuilder
 
-class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        # torch_npu's MLA form of npu_fused_infer_attention_score: block_size 16 or 128.
+        from vllm.v1.attention.backend import MultipleOf
+
+        return [128, 16] if npu_kernels() else [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+
+class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
     can_return_lse_for_decode: bool = False
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
@@ -59,6 +101,9 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "qk_head_dim", "v_head_dim", "kv_b_proj"):
             setattr(self, key, mla_args[key])
+        if npu_kernels():
+            kernels.check_npu_dims(self.kv_lora_rank, self.qk_rope_head_dim)
+            kernels.npu_padded_heads(num_heads)
         self.indexer = mla_args.get("indexer")
         self.q_pad_num_heads = mla_args.get("q_pad_num_heads")
         self.supports_quant_query_input = False
@@ -70,14 +115,16 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
                            k_scale) -> None:
         if kv_cache.numel():
-            kernels.write_latent_cache(kv_c_normed, k_pe, kv_cache, slot_mapping)
+            latent, rope = mla_planes(kv_cache, self.kv_lora_rank)
+            kernels.write_latent_cache(kv_c_normed, k_pe, latent, rope, slot_mapping)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         q_nope, q_pe = q if isinstance(q, tuple) else q.split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         decode = attn_metadata.decode
-        out = kernels.mla_decode(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
-                                 decode.seq_lens.cpu(), self.scale)
+        seq_lens = attn_metadata.seq_lens_cpu[: attn_metadata.num_decodes]
+        out = kernels.mla_decode(q_nope, q_pe, latent, rope, decode.block_table, seq_lens, self.scale)
         return out, None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
@@ -85,21 +132,20 @@ class AscendMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if output_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         prefill = attn_metadata.prefill
-        qsl = prefill.query_start_loc.cpu().tolist()
-        num_reqs = len(qsl) - 1
-        context = (prefill.chunked_context.context_lens_list if prefill.chunked_context is not None
-                   else [0] * num_reqs)
+        first = attn_metadata.num_decodes
+        starts = attn_metadata.query_start_cpu[first:]
+        q_lens = [b - a for a, b in zip(starts, starts[1:])]
+        kv_lens = attn_metadata.seq_lens_cpu[first:]
+        latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
+        rows = [(gather_tokens(head_major(latent), prefill.block_table[r], n)[:, 0],
+                 gather_tokens(head_major(rope), prefill.block_table[r], n)[:, 0])
+                for r, n in enumerate(kv_lens) if q_lens[r]]
+        kv_lens = [n for r, n in enumerate(kv_lens) if q_lens[r]]
+        q_lens = [n for n in q_lens if n]
+        c = torch.cat([c for c, _ in rows]).to(q.dtype)
+        pe = torch.cat([pe for _, pe in rows]).to(q.dtype)
+        kv = self.kv_b_proj(c)[0].view(c.shape[0], self.num_heads, -1)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         out = output.view(-1, self.num_heads, self.v_head_dim)
-        rank, nope = self.kv_lora_rank, self.qk_nope_head_dim
-        for r in range(num_reqs):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
-            context_len = int(context[r])
-            seq_len = context_len + (end - start)
-            latent = gather_tokens(kv_c_and_k_pe_cache, prefill.block_table[r], seq_len)
-            kv = self.kv_b_proj(latent[:, :rank].to(q.dtype))[0].view(seq_len, self.num_heads, -1)
-            k_nope, v = kv.split([nope, self.v_head_dim], dim=-1)
-            k_rope = latent[:, rank:].to(q.dtype).unsqueeze(1).expand(-1, self.num_heads, -1)
-            k = torch.cat([k_nope, k_rope], dim=-1)
-            out[start:end] = causal_attention(q[start:end], k, v, context_len, self.scale)
+        out[: sum(q_lens)] = kernels.prefill_attention(q[: sum(q_lens)], k, v, q_lens, kv_lens, self.scale)

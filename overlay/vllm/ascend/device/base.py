@@ -27,7 +27,12 @@ class Device(ABC):
     def memory_allocated(self) -> int: ...
 
     @abstractmethod
-    def device_name(self, index: int = 0) -> str: ...
+    def device_name(self, index: int = 0) -> str:
+        """A name for logs and defaults; must not initialise a device runtime."""
+
+    @abstractmethod
+    def total_memory(self, index: int = 0) -> int | None:
+        """Total device memory, or None where asking would initialise the runtime."""
 
     @abstractmethod
     def stream(self) -> object:

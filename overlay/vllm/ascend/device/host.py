@@ -6,6 +6,8 @@ synchronisation are no-ops; memory figures come from the operating system.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 
 import psutil
@@ -60,6 +62,9 @@ class HostDevice(Device):
     def device_name(self, index: int = 0) -> str:
         return "host CPU (Ascend NPU emulation)"
 
+    def total_memory(self, index: int = 0) -> int | None:
+        return self.mem_get_info(index)[1]
+
     def stream(self) -> object:
         return _HostStream()
 
@@ -67,20 +72,26 @@ class HostDevice(Device):
         return _HostEvent(**kwargs)
 
 
-def make_accelerator_calls_noops() -> None:
-    """torch.accelerator.synchronize/empty_cache raise on a torch with no accelerator;
-    upstream's GPU runner calls them on its generic paths (sampler warm-up, profiling
-    clean-up, shutdown). In host mode there is nothing to synchronise or free."""
+def answer_accelerator_calls() -> None:
+    """torch.accelerator.synchronize/empty_cache raise on a torch with no accelerator,
+    and upstream calls them on generic paths (sampler warm-up, profiling clean-up,
+    shutdown, ``cleanup_dist_env_and_memory``). On the host there is nothing to
+    synchronise or free, so they return. Only when no accelerator exists; idempotent."""
+    if torch.accelerator.is_available() or getattr(torch.accelerator, "_ascend_host_answers", False):
+        return
 
-    def synchronize(*args, **kwargs) -> None:
+    def nothing(*args, **kwargs) -> None:
         pass
 
-    def empty_cache(*args, **kwargs) -> None:
-        pass
+    torch.accelerator.synchronize = nothing
+    torch.accelerator.empty_cache = nothing
+    torch.accelerator.empty_host_cache = nothing
+    torch.accelerator._ascend_host_answers = True
 
-    def empty_host_cache(*args, **kwargs) -> None:
-        pass
 
-    torch.accelerator.synchronize = synchronize
-    torch.accelerator.empty_cache = empty_cache
-    torch.accelerator.empty_host_cache = empty_host_cache
+def skip_final_collection_at_exit() -> None:
+    """At interpreter exit, freeze the heap instead of collecting it. A process that
+    imported vLLM spends ~2 s of a 2-core host's time in that last collection, which
+    pushes engine shutdown past upstream's 5 s grace into a force-kill; the memory goes
+    back to the OS either way. Registered first, so it runs after every other handler."""
+    atexit.register(gc.freeze)

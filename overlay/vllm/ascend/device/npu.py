@@ -7,6 +7,10 @@ from vllm.ascend.device.npu_runtime import load_torch_npu
 
 
 class NPUDevice(Device):
+    """The NPU runtime is initialised by ``set_device`` (a worker choosing its NPU).
+    Until then nothing here touches the runtime: the API server and engine-core
+    processes must not create NPU contexts of their own."""
+
     type = "npu"
 
     def __init__(self) -> None:
@@ -16,9 +20,11 @@ class NPUDevice(Device):
 
             raise RuntimeError(f"Ascend NPU requested but {failure_reason()}")
         self._npu = torch_npu.npu
+        self._initialised = False
 
     def set_device(self, index: int) -> None:
         self._npu.set_device(index)
+        self._initialised = True
 
     def synchronize(self) -> None:
         self._npu.synchronize()
@@ -31,7 +37,14 @@ class NPUDevice(Device):
         return int(self._npu.memory_allocated())
 
     def device_name(self, index: int = 0) -> str:
+        if not self._initialised:
+            return "Ascend NPU"
         return str(self._npu.get_device_name(index))
+
+    def total_memory(self, index: int = 0) -> int | None:
+        if not self._initialised:
+            return None
+        return self.mem_get_info(index)[1]
 
     def stream(self) -> object:
         return self._npu.Stream()

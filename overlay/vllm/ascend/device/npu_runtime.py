@@ -46,6 +46,15 @@ def load_torch_npu() -> ModuleType | None:
     return _module
 
 
+def leave_torch_npu_unloaded(reason: str) -> None:
+    """Mark torch_npu absent for this process without importing it."""
+    global _loaded, _failure
+    if _loaded or "torch_npu" in sys.modules:
+        return
+    _loaded, _failure = True, f"torch_npu not loaded: {reason}"
+    sys.modules["torch_npu"] = None  # type: ignore[assignment]
+
+
 def failure_reason() -> str | None:
     load_torch_npu()
     return _failure

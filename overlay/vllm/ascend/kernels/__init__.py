@@ -1,19 +1,44 @@
 """Kernels facade: one module per op, each with an NPU and a reference implementation.
 
-Every op module exposes the same contract twice: ``npu_*`` (torch_npu, for Ascend
-hosts; written against the torch_npu documentation and only verified where a test
-marked ``npu`` ran on an NPU) and ``reference_*`` (plain torch, the oracle, and what
-host emulation runs). Callers use the unprefixed name, bound once at import by
-``pick`` (the mode of a process never changes).
+Every op module exposes the same contract twice: ``npu_*`` (torch_npu; written
+against the torch_npu documentation, checked in CI against the torch_npu contract
+double, and verified on hardware only where a test marked ``npu`` ran on an NPU)
+and ``reference_*`` (plain torch: the oracle, and what host emulation runs).
+Callers use the unprefixed name, bound once at import by ``pick`` from
+``VLLM_ASCEND_KERNELS`` (the choice of a process never changes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from vllm.ascend import envs
 
 
+def npu_kernels() -> bool:
+    """True when this process runs the torch_npu kernels (on an NPU, or through the double)."""
+    return envs.kernels() == "npu"
+
+
 def pick(reference: Callable, npu: Callable) -> Callable:
-    """Reference kernel in host emulation, NPU kernel on an NPU."""
-    return reference if envs.emulate() else npu
+    return npu if npu_kernels() else reference
+
+
+def kernel_dtypes() -> list[torch.dtype]:
+    """Activation dtypes the selected kernels take: the torch_npu attention kernels take
+    float16/bfloat16 only (npu_fused_infer_attention_score: query float16, bfloat16, int8)."""
+    if npu_kernels():
+        return [torch.bfloat16, torch.float16]
+    return [torch.bfloat16, torch.float16, torch.float32]
+
+
+def torch_npu():
+    """The torch_npu module (loaded once by the device layer), or a clear error."""
+    from vllm.ascend.device.npu_runtime import failure_reason, load_torch_npu
+
+    module = load_torch_npu()
+    if module is None:
+        raise RuntimeError(f"the NPU kernels need torch_npu, but {failure_reason()}")
+    return module

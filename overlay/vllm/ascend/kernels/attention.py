@@ -1,21 +1,24 @@
 """Paged KV-cache write and paged attention (prefill, chunked prefill, decode).
 
-Cache layout (what vLLM hands the backend, viewed per layer): ``key_cache`` and
-``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]`` views; token
-slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
+Cache (``attention/kv_layout.py``): per layer a K plane and a V plane, each
+``[num_blocks, kv_heads, block_size, head_size]``; token slot ``s`` lives at block
+``s // block_size``, offset ``s % block_size``. Slot -1 marks a padding token.
 
 Contract of ``paged_attention``: for request ``r`` with queries
 ``query[qsl[r]:qsl[r+1]]`` (the last ``q_len`` tokens of a sequence of ``seq_lens[r]``
 tokens whose K/V are all in the cache), query ``i`` attends causally to cache
 positions ``0 .. seq_lens[r] - q_len + i``. This one rule covers prefill, chunked
-prefill, prefix-cache hits and decode.
+prefill, prefix-cache hits and decode. ``qsl`` and ``seq_lens`` are host lists.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm.ascend.kernels import pick
+from vllm.ascend.kernels import pick, torch_npu
+
+MASK_SIZE = 2048  # the optimised causal mask torch_npu's sparse modes 2-4 take
+_masks: dict[torch.device, torch.Tensor] = {}
 
 
 # -- reference (plain torch; the oracle and host emulation) --------------------------
@@ -27,11 +30,12 @@ def valid_slots(slot_mapping, num_tokens: int) -> tuple[torch.Tensor, torch.Tens
     return (slots, None) if bool(valid.all()) else (slots[valid], valid)
 
 
-def gather_tokens(cache, block_row, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` token rows of one request from a ``[blocks, block_size, ...]`` cache."""
-    block_size = cache.shape[1]
+def gather_tokens(plane, block_row, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens ``[seq_len, heads, dim]`` of one request from a
+    head-major plane ``[blocks, heads, block_size, dim]``."""
+    block_size = plane.shape[2]
     blocks = block_row[: -(-seq_len // block_size)].to(torch.int64)
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    return plane[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
 
 
 def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
@@ -46,56 +50,90 @@ def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
     return out.transpose(0, 1).to(q.dtype)
 
 
-def reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping) -> None:
     slots, valid = valid_slots(slot_mapping, key.shape[0])
     if valid is not None:
         key, value = key[valid], value[valid]
-    block_size = key_cache.shape[1]
+    block_size = k_plane.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    k_plane.transpose(1, 2)[blocks, offsets] = key.to(k_plane.dtype)
+    v_plane.transpose(1, 2)[blocks, offsets] = value.to(v_plane.dtype)
 
 
-def reference_paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
-                              seq_lens, scale, out) -> torch.Tensor:
-    group = query.shape[1] // key_cache.shape[2]
-    qsl = query_start_loc.tolist()
-    for r, seq_len in enumerate(seq_lens.tolist()):
-        start, end = qsl[r], qsl[r + 1]
+def reference_paged_attention(query, k_plane, v_plane, block_table, query_start_loc: list[int],
+                              seq_lens: list[int], scale, out) -> torch.Tensor:
+    group = query.shape[1] // k_plane.shape[1]
+    for r, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
         if end == start:
             continue
-        k = gather_tokens(key_cache, block_table[r], seq_len).repeat_interleave(group, dim=1)
-        v = gather_tokens(value_cache, block_table[r], seq_len).repeat_interleave(group, dim=1)
+        k = gather_tokens(k_plane, block_table[r], seq_len).repeat_interleave(group, dim=1)
+        v = gather_tokens(v_plane, block_table[r], seq_len).repeat_interleave(group, dim=1)
         out[start:end] = causal_attention(query[start:end], k, v, seq_len - (end - start), scale)
     return out
 
 
-# -- NPU (torch_npu; written against its documentation, not verified here) ------------
-def npu_write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    import torch_npu  # only on NPU hosts; the device layer has loaded it already
+# -- NPU (torch_npu; passes the contract double in CI, not verified on an NPU) --------
+def causal_mask(device: torch.device) -> torch.Tensor:
+    """torch_npu's optimised rightDownCausal mask (1 above the diagonal), built once per device."""
+    if device not in _masks:
+        _masks[device] = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu_(1)
+    return _masks[device]
 
-    torch_npu._npu_reshape_and_cache(
-        key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-        slot_indices=slot_mapping[: key.shape[0]].to(torch.int32))
+
+def npu_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
+    """Slots without a host sync: padding tokens (-1) go to slot 0, which belongs to
+    vLLM's null block (block 0 is reserved by the block pool and never given to a
+    request), so their writes land where nothing reads."""
+    slots = slot_mapping[:num_tokens].to(torch.int64)
+    return torch.where(slots >= 0, slots, torch.zeros_like(slots))
 
 
-def npu_paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
-                        seq_lens, scale, out) -> torch.Tensor:
-    import torch_npu
+def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping) -> None:
+    """``npu_scatter_nd_update_`` at (block, head, offset) coordinates: the head-major
+    planes have no token-major rows for ATB's ReshapeAndCache to write."""
+    num_tokens, heads = key.shape[0], key.shape[1]
+    if num_tokens == 0:
+        return
+    block_size = k_plane.shape[2]
+    slots = npu_slots(slot_mapping, num_tokens)
+    head_ids = torch.arange(heads, device=slots.device)
+    index = torch.stack(torch.broadcast_tensors(
+        (slots // block_size).unsqueeze(1), head_ids.unsqueeze(0), (slots % block_size).unsqueeze(1)), dim=-1)
+    npu = torch_npu()
+    npu.npu_scatter_nd_update_(k_plane, index, key.to(k_plane.dtype))
+    npu.npu_scatter_nd_update_(v_plane, index, value.to(v_plane.dtype))
 
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    block_size = key_cache.shape[1]
-    qsl = query_start_loc.to(torch.int64)
-    result, _ = torch_npu.npu_fused_infer_attention_score(
-        query[: int(qsl[-1])], key_cache.flatten(2), value_cache.flatten(2),
-        num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
-        input_layout="TND", block_table=block_table.to(torch.int32), block_size=block_size,
-        actual_seq_lengths=qsl[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(),
-        sparse_mode=3,  # causal, aligned to the end of each sequence
+
+def npu_paged_attention(query, k_plane, v_plane, block_table, query_start_loc: list[int],
+                        seq_lens: list[int], scale, out) -> torch.Tensor:
+    """``npu_fused_infer_attention_score``: TND queries, the planes as
+    ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask."""
+    num_tokens = query_start_loc[-1]
+    if num_tokens == 0:
+        return out
+    result, _ = torch_npu().npu_fused_infer_attention_score(
+        query[:num_tokens].contiguous(), k_plane, v_plane,
+        num_heads=query.shape[1], num_key_value_heads=k_plane.shape[1], scale=scale,
+        input_layout="TND", block_table=block_table, block_size=k_plane.shape[2],
+        actual_seq_lengths=query_start_loc[1:], actual_seq_lengths_kv=seq_lens,
+        atten_mask=causal_mask(query.device), sparse_mode=3,
     )
-    out[: result.shape[0]] = result
+    out[:num_tokens] = result
     return out
 
 
 write_kv_cache = pick(reference_write_kv_cache, npu_write_kv_cache)
 paged_attention = pick(reference_paged_attention, npu_paged_attention)
+
+
+def supported_block_sizes() -> list:
+    """Kernel block sizes of the selected kernels (vLLM's ``MultipleOf`` or ints).
+
+    torch_npu's page attention takes 128..512 in steps of 128 when a query has more
+    than one token; the reference kernels take any size."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    from vllm.ascend.kernels import npu_kernels
+
+    return [128, 256, 384, 512] if npu_kernels() else [MultipleOf(1)]

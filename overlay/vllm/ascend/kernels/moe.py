@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm.ascend.kernels import pick
+from vllm.ascend.kernels import pick, torch_npu
 
 
 def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -42,15 +42,18 @@ def reference_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
 
 def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
                     apply_router_weight_on_input=False) -> torch.Tensor:
-    """Sort tokens by expert, two grouped matmuls (torch_npu.npu_grouped_matmul) with
-    SwiGLU between, scatter back. Written against torch_npu docs; not verified here."""
-    import torch_npu
-
+    """Sort tokens by expert, two grouped matmuls (``npu_grouped_matmul``, one x, one
+    3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu`` between,
+    scatter back. Passes the contract double; not verified on an NPU."""
+    npu = torch_npu()
     ids = _local_ids(topk_ids, expert_map).flatten()
     k = topk_ids.shape[1]
     valid = ids >= 0
+    num_rows = int(valid.sum())
+    if num_rows == 0:  # every chosen expert lives on another rank
+        return torch.zeros_like(x)
     order = torch.argsort(torch.where(valid, ids, w13.shape[0]), stable=True)
-    order = order[: int(valid.sum())]
+    order = order[:num_rows]
     tokens = order // k
     counts = torch.bincount(ids[order], minlength=w13.shape[0])
     group_list = torch.cumsum(counts, 0).to(torch.int64)
@@ -58,11 +61,11 @@ def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
     weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
     if apply_router_weight_on_input:
         h = h * weights
-    gate_up = torch_npu.npu_grouped_matmul([h], [w13.transpose(1, 2)], group_list=group_list,
-                                           split_item=2, group_type=0)[0]
-    act = torch_npu.npu_swiglu(gate_up)
-    y = torch_npu.npu_grouped_matmul([act], [w2.transpose(1, 2)], group_list=group_list,
-                                     split_item=2, group_type=0)[0]
+    gate_up = npu.npu_grouped_matmul([h], [w13.transpose(1, 2)], group_list=group_list,
+                                       split_item=2, group_type=0)[0]
+    act = npu.npu_swiglu(gate_up)
+    y = npu.npu_grouped_matmul([act], [w2.transpose(1, 2)], group_list=group_list,
+                                 split_item=2, group_type=0)[0]
     if not apply_router_weight_on_input:
         y = y * weights
     out = torch.zeros_like(x)

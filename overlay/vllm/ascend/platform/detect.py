@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 from contextlib import contextmanager
 
 from vllm.ascend import envs
@@ -11,8 +13,18 @@ HOST = "vllm.ascend.platform.host.HostEmulationPlatform"
 UNAVAILABLE = "vllm.ascend.platform.unavailable.NoNPUPlatform"
 
 
-class NoNPUError(RuntimeError):
+class AscendStartupError(RuntimeError):
+    """A configuration this distribution cannot run; the message says what to change.
+    The CLI prints it as one ``error:`` line (hook: patch 0005)."""
+
+
+class NoNPUError(AscendStartupError):
     """Serving was asked for on a host with no usable NPU and no host-emulation opt-in."""
+
+
+class AscendConfigError(AscendStartupError):
+    """An engine argument the Ascend platform cannot honour. Deliberately not a
+    ValueError: pydantic would fold it into a multi-line validation report."""
 
 
 def detect_platform() -> str:
@@ -28,21 +40,34 @@ def detect_platform() -> str:
     return NPU if npu_device_count() > 0 else UNAVAILABLE
 
 
+def torch_npu_requirement() -> str:
+    """The torch-npu requirement of this wheel's ``npu`` extra, e.g. ``torch-npu==2.13.0``."""
+    try:
+        for req in importlib.metadata.requires("vllm") or []:
+            if req.startswith("torch-npu") and re.search(r"""extra\s*==\s*["']npu["']""", req):
+                return req.split(";", 1)[0].replace(" ", "")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return "torch-npu"
+
+
 def no_npu_message() -> str:
     from vllm.ascend.device.npu_runtime import failure_reason
 
     reason = failure_reason() or "torch_npu sees no NPU"
-    return (
-        f"no Ascend NPU is available ({reason}); on an Ascend host install CANN and "
-        "check ASCEND_RT_VISIBLE_DEVICES, or set VLLM_ASCEND_EMULATE=1 to run on the "
-        "host CPU (development and CI only)"
-    )
+    if reason == "torch_npu is not installed":
+        install = (f"on an Ascend host with CANN, install it with `pip install '{torch_npu_requirement()}'` "
+                   "(or install this wheel with its `npu` extra)")
+    else:
+        install = "on an Ascend host install CANN and check ASCEND_RT_VISIBLE_DEVICES"
+    return (f"no Ascend NPU is available ({reason}); {install}, or set VLLM_ASCEND_EMULATE=1 to run "
+            "on the host CPU (development and CI only)")
 
 
 @contextmanager
-def exit_on_missing_npu():
-    """Turn :class:`NoNPUError` into one ``error:`` line and exit status 1 (CLI hook)."""
+def exit_on_startup_error():
+    """Turn :class:`AscendStartupError` into one ``error:`` line and exit status 1 (CLI hook)."""
     try:
         yield
-    except NoNPUError as exc:
+    except AscendStartupError as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -7,7 +7,7 @@ layer answering for the CPU, gloo instead of HCCL, and the reference kernels.
 
 from __future__ import annotations
 
-from vllm.ascend.platform.npu import NPUPlatform
+from vllm.ascend.platform.npu import NPU_BLOCK_SIZE, NPUPlatform
 
 HOST_BLOCK_SIZE = 16
 
@@ -20,12 +20,27 @@ class HostEmulationPlatform(NPUPlatform):
     dist_backend: str = "gloo"
     emulated: bool = True
 
+    def __init__(self) -> None:
+        # This process's current_platform: from here on upstream's torch.accelerator
+        # calls (synchronise, empty_cache at shutdown and in test fixtures) are answered
+        # for the CPU, in every process: API server, engine core, workers, tests.
+        from vllm.ascend.device.host import answer_accelerator_calls, skip_final_collection_at_exit
+
+        answer_accelerator_calls()
+        skip_final_collection_at_exit()
+
     @classmethod
     def default_block_size(cls) -> int:
-        return HOST_BLOCK_SIZE
+        from vllm.ascend.kernels import npu_kernels
+
+        return NPU_BLOCK_SIZE if npu_kernels() else HOST_BLOCK_SIZE
 
     @classmethod
     def block_size_reason(cls) -> str:
+        from vllm.ascend.kernels import npu_kernels
+
+        if npu_kernels():
+            return "host emulation running the NPU kernels: the torch_npu attention block size"
         return ("host emulation: small blocks so tiny test prompts exercise block "
                 "boundaries and prefix-cache hits")
 

@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend.platform.detect import AscendConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,6 +45,22 @@ def register_attention_backends() -> None:
             register_backend(name, path)
 
 
+def _check_block_size(block_size: int, use_mla: bool) -> None:
+    """The NPU kernels' page-attention block sizes (the reference kernels take any)."""
+    from vllm.ascend.kernels import npu_kernels
+
+    if not npu_kernels():
+        return
+    if use_mla:
+        ok, rule = block_size in (16, 128), "16 or 128 (torch_npu MLA attention)"
+    else:
+        ok = block_size % 128 == 0 and 128 <= block_size <= 512
+        rule = "a multiple of 128 from 128 to 512 (torch_npu page attention)"
+    if not ok:
+        raise AscendConfigError(f"--block-size {block_size} is not supported by the Ascend NPU attention "
+                                f"kernels: use {rule}, e.g. --block-size {NPU_BLOCK_SIZE}")
+
+
 def _adjust(what: str, reason: str) -> None:
     logger.info_once("Ascend platform: %s (%s)", what, reason)
 
@@ -63,7 +80,9 @@ class NPUPlatform(Platform):
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
+        from vllm.ascend.kernels import kernel_dtypes
+
+        return kernel_dtypes()
 
     # -- device queries: all through the device layer -------------------------
     @classmethod
@@ -72,7 +91,12 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        return ascend_device.current().mem_get_info(device_id)[1]
+        # Only where this process already owns a device (a worker): asking anywhere
+        # else would initialise the NPU runtime there (the API server must not).
+        total = ascend_device.current().total_memory(device_id)
+        if total is None:
+            raise RuntimeError("the NPU runtime is not initialised in this process")
+        return total
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
@@ -92,8 +116,15 @@ class NPUPlatform(Platform):
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"dtype {dtype} is not supported on Ascend; use bfloat16, float16 or float32")
+        from vllm.ascend.kernels import kernel_dtypes, npu_kernels
+
+        if dtype not in kernel_dtypes():
+            names = ", ".join(str(d).removeprefix("torch.") for d in kernel_dtypes())
+            kernels = "the Ascend NPU kernels (torch_npu attention takes float16/bfloat16)" if npu_kernels() \
+                else "the Ascend reference kernels"
+            raise AscendConfigError(
+                f"dtype {str(dtype).removeprefix('torch.')} is not supported by {kernels}; "
+                f"use --dtype with one of: {names}")
 
     @classmethod
     def import_kernels(cls) -> None:
@@ -158,9 +189,14 @@ class NPUPlatform(Platform):
             parallel_config.worker_cls = WORKER_CLS
             _adjust(f"worker {WORKER_CLS}", "the Ascend worker and model runner, in both modes")
 
+        model_config = vllm_config.model_config
+        if model_config is not None:
+            cls.check_if_supports_dtype(model_config.dtype)
         if cache_config is not None and not cache_config.user_specified_block_size:
             cache_config.block_size = cls.default_block_size()
             _adjust(f"KV cache block size {cache_config.block_size}", cls.block_size_reason())
+        elif cache_config is not None and model_config is not None:
+            _check_block_size(cache_config.block_size, model_config.use_mla)
 
         if compilation_config.mode != CompilationMode.NONE:
             compilation_config.mode = CompilationMode.NONE
@@ -177,8 +213,8 @@ class NPUPlatform(Platform):
         if parallel_config.enable_dbo:
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")
-        if vllm_config.model_config is not None and vllm_config.model_config.enable_sleep_mode:
-            raise ValueError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
+        if model_config is not None and model_config.enable_sleep_mode:
+            raise AscendConfigError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
 
         # Worker processes must not inherit a half-initialised device runtime.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -191,4 +227,4 @@ class NPUPlatform(Platform):
 
     @classmethod
     def block_size_reason(cls) -> str:
-        return "the size the NPU paged-attention kernels are built for"
+        return "the block size the torch_npu attention kernels are built for"

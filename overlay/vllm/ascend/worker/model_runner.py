@@ -8,9 +8,20 @@ from contextlib import contextmanager
 
 import torch
 
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend.kernels import npu_kernels
+
+logger = init_logger(__name__)
+
+# KV connectors that address the Ascend cache planes (attention/kv_layout.py).
+# Upstream's connectors address blocks through vLLM's unsplit per-layer view and
+# would move the wrong bytes.
+ASCEND_KV_CONNECTORS: frozenset[str] = frozenset()
 
 
 @contextmanager
@@ -40,3 +51,63 @@ class NPUModelRunner(GPUModelRunner):
         if self.device.type == "cpu":
             return sampled_token_ids.tolist()
         return super()._to_list(sampled_token_ids)
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
+        if has_kv_transfer_group() and not is_profiling:
+            name = type(get_kv_transfer_group()).__name__
+            if name not in ASCEND_KV_CONNECTORS:
+                raise RuntimeError(
+                    f"KV connector {name} is not supported on Ascend: the Ascend KV cache splits each "
+                    "layer into K/V (MLA: latent/rope) planes, which upstream connectors do not address")
+        super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)
+
+    # -- memory profiling with attention -------------------------------------------------
+    def profile_run(self, randomize_inputs: bool = False) -> None:
+        """Upstream's profile forward, but with attention: a temporary KV cache large
+        enough for the dummy batch lets the attention kernels run (their workspaces are
+        part of the peak), and is released afterwards. Only with the NPU kernels; the
+        reference kernels in host emulation have nothing to size."""
+        if not npu_kernels():
+            return super().profile_run(randomize_inputs)
+        self._init_profiling_kv_cache()
+        split = self._profile_split(self.max_num_tokens)
+        logger.info("Memory profile with attention: %d tokens in %d requests, %d KV blocks",
+                    sum(split), len(split), self.cache_config.num_gpu_blocks)
+        try:
+            self._profiling_with_attention = True
+            super().profile_run(randomize_inputs)
+        finally:
+            self._profiling_with_attention = False
+            self._cleanup_profiling_kv_cache()
+
+    def _profile_split(self, num_tokens: int) -> list[int]:
+        # The request split upstream's _dummy_run uses for a prefill batch.
+        num_reqs = min(num_tokens, self.scheduler_config.max_num_seqs)
+        split = [num_tokens // num_reqs] * num_reqs
+        split[-1] += num_tokens % num_reqs
+        return split
+
+    def _init_profiling_kv_cache(self) -> None:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+        block_size = self.cache_config.block_size
+        split = self._profile_split(self.max_num_tokens)
+        blocks = 1 + sum(cdiv(n, block_size) for n in split)  # + vLLM's null block
+        groups = get_kv_cache_groups(self.vllm_config, self.get_kv_cache_spec())
+        saved = self.cache_config.num_gpu_blocks_override
+        self.cache_config.num_gpu_blocks_override = blocks
+        try:
+            config = get_kv_cache_config_from_groups(self.vllm_config, groups, available_memory=0)
+        finally:
+            self.cache_config.num_gpu_blocks_override = saved
+        self.initialize_kv_cache(config, is_profiling=True)
+        self.cache_config.num_gpu_blocks = config.num_blocks
+
+    def _dummy_run(self, num_tokens: int, *args, **kwargs):
+        if kwargs.get("is_profile") and getattr(self, "_profiling_with_attention", False):
+            # Each dummy request attends over its own tokens (a prefill batch), not
+            # over the whole batch length upstream uses for graph capture.
+            kwargs["force_attention"] = True
+            split = torch.tensor(self._profile_split(num_tokens), dtype=torch.int32)
+            kwargs.setdefault("profile_seq_lens", split)
+        return super()._dummy_run(num_tokens, *args, **kwargs)

@@ -1,0 +1,38 @@
+"""Session set-up: on a host where the real torch_npu cannot run, the torch_npu
+contract double (tests/npu_contract/site) stands in for it, in this process and in
+every process the tests start (engines, workers, CLI), through PYTHONPATH.
+
+So every run of the suite exercises "torch_npu installed, no NPU visible"; tests that
+want the NPU kernels end to end also set VLLM_ASCEND_KERNELS=npu. On an Ascend host
+with a working torch_npu nothing is replaced and the ``npu``-marked tests run for real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+from tests.npu_contract import wheel as npu_wheel
+
+
+def _real_torch_npu_works() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    probe = "import torch, torch_npu; assert torch_npu.npu.device_count() > 0"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+
+
+def _install_contract_double() -> None:
+    if importlib.util.find_spec("vllm") is None:  # builder-only environment
+        return
+    if _real_torch_npu_works():
+        return
+    for key, value in npu_wheel.double_env().items():
+        os.environ[key] = value
+    sys.path.insert(0, str(npu_wheel.SITE))
+
+
+_install_contract_double()

@@ -1,0 +1,387 @@
+"""CPU kernels of the contract double: documented preconditions, then documented semantics.
+
+Each function receives every schema argument by name (defaults filled in). The
+checks come first and each names the rule it enforces (``_rules.RULES``); then the
+op's documented result is computed in plain torch, in float32 and cast to the output
+dtype as the NPU kernels accumulate. Argument combinations the project does not use
+are refused as unmodelled rather than guessed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._rules import require, unmodelled
+
+FIA = "npu_fused_infer_attention_score"
+HALF_TYPES = (torch.float16, torch.bfloat16)
+MASK_SIZE = 2048
+_checked_masks: dict[int, bool] = {}
+
+
+def _contiguous(t: torch.Tensor | None) -> bool:
+    return t is None or t.is_contiguous()
+
+
+# -- npu_fused_infer_attention_score -------------------------------------------------------
+_FIA_UNMODELLED = (
+    "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
+    "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
+    "value_antiquant_scale", "value_antiquant_offset", "query_padding_size", "kv_padding_size",
+    "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len", "key_rope_antiquant_scale",
+)
+
+
+def _check_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
+    if sparse_mode not in (2, 3, 4):
+        return
+    require(mask is not None, FIA, "FIA.mask_2048", f"sparse_mode={sparse_mode} needs atten_mask")
+    require(mask.shape[-2:] == (MASK_SIZE, MASK_SIZE) and all(s == 1 for s in mask.shape[:-2])
+            and mask.dim() in (2, 3, 4), FIA, "FIA.mask_2048",
+            f"atten_mask for sparse_mode={sparse_mode} must be 2048x2048, got {tuple(mask.shape)}")
+    require(mask.dtype in (torch.bool, torch.int8, torch.uint8) and mask.is_contiguous(), FIA,
+            "FIA.mask_dtype", f"atten_mask must be a contiguous bool/int8/uint8 tensor, got {mask.dtype}")
+    if sparse_mode == 3:
+        square = mask.reshape(MASK_SIZE, MASK_SIZE)
+        # Fully once per tensor, then a sample of rows on every call (inference
+        # tensors carry no version counter to tell a rewritten mask apart).
+        key = square.data_ptr()
+        if key not in _checked_masks:
+            expected = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu(1)
+            _checked_masks[key] = bool(torch.equal(square.to(torch.bool), expected))
+        rows = torch.randint(0, MASK_SIZE, (16,))
+        sample_ok = torch.equal(square[rows].to(torch.bool),
+                                torch.arange(MASK_SIZE).unsqueeze(0) > rows.unsqueeze(1))
+        require(_checked_masks[key] and sample_ok, FIA, "FIA.sparse_3",
+                "the rightDownCausal mask must be 1 exactly above the diagonal (triu(ones(2048, 2048), 1))")
+
+
+def _causal_limit(sparse_mode: int, q_len: int, kv_len: int) -> int | None:
+    """Offset of the last key position query 0 may see (None: no mask)."""
+    if sparse_mode == 3:
+        return kv_len - q_len
+    if sparse_mode == 0:
+        return None
+    raise unmodelled(FIA, f"sparse_mode={sparse_mode}")
+
+
+def _attend(q, k, v, scale, limit, q_rope=None, k_rope=None):
+    """q [S, N, D], k/v [L, KVN, D] -> out [S, N, Dv] float32, lse [S, N] (query i sees keys <= limit + i)."""
+    n, kvn = q.shape[1], k.shape[1]
+    k = k.float().repeat_interleave(n // kvn, dim=1)
+    v = v.float().repeat_interleave(n // kvn, dim=1)
+    scores = torch.einsum("snd,lnd->nsl", q.float(), k)
+    if q_rope is not None:
+        k_rope = k_rope.float().repeat_interleave(n // kvn, dim=1)
+        scores = scores + torch.einsum("snd,lnd->nsl", q_rope.float(), k_rope)
+    scores = scores * scale
+    if limit is not None:
+        pos = torch.arange(k.shape[0]).unsqueeze(0)
+        allowed = pos <= (torch.arange(q.shape[0]).unsqueeze(1) + limit)
+        scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [N, S]
+    out = torch.einsum("nsl,lnd->snd", torch.softmax(scores, dim=-1), v)
+    return out, lse.transpose(0, 1)
+
+
+def _paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int, block_size: int,
+                kv_heads: int) -> torch.Tensor:
+    """The first ``length`` token rows [L, KVN, D] of one sequence from a paged cache in
+    either documented format: (blocknum, blocksize, H) or (blocknum, KV_N, blocksize, D)."""
+    blocks = table_row[: -(-length // block_size)].to(torch.int64)
+    if cache.dim() == 3:
+        rows = cache[blocks].reshape(-1, kv_heads, cache.shape[-1] // kv_heads)
+    else:
+        rows = cache[blocks].transpose(1, 2).reshape(-1, kv_heads, cache.shape[-1])
+    return rows[:length]
+
+
+def _check_paged(op, key, block_table, block_size, kv_lengths, batch, kv_heads, strict_block):
+    require(block_table.dtype == torch.int32, op, "FIA.block_table_dtype",
+            f"block_table is {block_table.dtype}")
+    require(kv_lengths is not None, op, "FIA.pa_kv_lengths", "actual_seq_lengths_kv is missing")
+    require(len(kv_lengths) == batch and all(n >= 0 for n in kv_lengths), op, "FIA.pa_kv_lengths_per_batch",
+            f"need {batch} non-negative per-batch KV lengths, got {list(kv_lengths)}")
+    needed = [-(-n // block_size) for n in kv_lengths]
+    require(block_table.dim() == 2 and block_table.shape[0] == batch
+            and block_table.shape[1] >= max(needed, default=0), op, "FIA.block_table_shape",
+            f"block_table {tuple(block_table.shape)} for batch {batch} needing "
+            f"{max(needed, default=0)} blocks")
+    require(key.shape[0] >= sum(needed), op, "FIA.blocknum",
+            f"{key.shape[0]} cache blocks < {sum(needed)} blocks the batch's KV lengths need")
+    if key.dim() == 4:
+        require(key.shape[1] == kv_heads and key.shape[2] == block_size, op, "FIA.pa_kv_layout",
+                f"4-D cache must be (blocknum, KV_N={kv_heads}, blocksize={block_size}, D), "
+                f"got {tuple(key.shape)}")
+    else:
+        require(key.dim() == 3 and key.shape[1] == block_size, op, "FIA.pa_kv_layout",
+                f"3-D cache must be (blocknum, blocksize={block_size}, H), got {tuple(key.shape)}")
+    if strict_block:
+        require(128 <= block_size <= 512 and block_size % 128 == 0, op, "FIA.pa_block_size",
+                f"block_size {block_size} with query length > 1")
+    else:
+        require(0 < block_size <= 512 and block_size % 16 == 0, op, "FIA.pa_block_size",
+                f"block_size {block_size} (decode needs 16-aligned, at most 512)")
+
+
+def _tnd_cumulative(op, lengths, total, rule) -> list[int]:
+    require(lengths is not None, op, rule, "TND needs cumulative sequence lengths")
+    lengths = list(lengths)
+    require(all(n >= 0 for n in lengths) and all(b >= a for a, b in zip(lengths, lengths[1:])), op, rule,
+            f"cumulative lengths must be non-negative and non-decreasing, got {lengths}")
+    require(bool(lengths) and lengths[-1] == total, op, rule,
+            f"the last cumulative length {lengths[-1] if lengths else None} must equal the {total} rows")
+    return lengths
+
+
+def npu_fused_infer_attention_score(**a):
+    for name in _FIA_UNMODELLED:
+        if a[name] is not None:
+            raise unmodelled(FIA, name)
+    if a["softmax_lse_flag"] and a["input_layout"] != "TND":
+        raise unmodelled(FIA, "softmax_lse_flag outside TND")
+    query, key, value = a["query"], a["key"], a["value"]
+    num_heads, layout, sparse_mode = a["num_heads"], a["input_layout"], a["sparse_mode"]
+    kv_heads = a["num_key_value_heads"] or num_heads
+    block_table, q_rope, k_rope = a["block_table"], a["query_rope"], a["key_rope"]
+
+    require(query.dtype in (*HALF_TYPES, torch.int8) and query.is_contiguous(), FIA, "FIA.query",
+            f"query is {query.dtype}, contiguous={query.is_contiguous()}")
+    require(key.is_contiguous(), FIA, "FIA.key", "key is not contiguous")
+    require(value.is_contiguous(), FIA, "FIA.value", "value is not contiguous")
+    require(key.dtype in (*HALF_TYPES, torch.int8) and value.dtype == key.dtype, FIA, "FIA.kv_dtype",
+            f"key/value are {key.dtype}/{value.dtype}")
+    require(key.shape == value.shape, FIA, "FIA.kv_same_shape", f"{tuple(key.shape)} vs {tuple(value.shape)}")
+    require(sparse_mode in (0, 1, 2, 3, 4), FIA, "FIA.sparse_values", f"sparse_mode={sparse_mode}")
+    require((q_rope is None) == (k_rope is None), FIA, "FIA.rope_pair", "query_rope and key_rope go together")
+    _check_mask(a["atten_mask"], sparse_mode)
+    if block_table is not None:
+        require(query.dtype != torch.int8, FIA, "FIA.pa_no_int8_query", "int8 query with page attention")
+    scale = a["scale"]
+
+    if q_rope is not None:
+        return _fia_mla_paged(a, query, key, value, q_rope, k_rope, num_heads, layout, sparse_mode, scale)
+    if layout != "TND":
+        raise unmodelled(FIA, f"input_layout={layout} without query_rope")
+    # (The MLA form has its own head rule, 32/64/128 query heads over one KV head.)
+    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, FIA, "FIA.heads",
+            f"num_heads={num_heads}, num_key_value_heads={kv_heads}")
+    require(query.dim() == 3 and query.shape[1] == num_heads, FIA, "FIA.query",
+            f"TND query must be [T, N={num_heads}, D], got {tuple(query.shape)}")
+    t, _, d = query.shape
+    require(d % 16 == 0 or query.dtype == torch.int8, FIA, "FIA.d_align", f"D={d}")
+    require(num_heads <= 256 and d <= 512, FIA, "FIA.n_d_limits", f"N={num_heads}, D={d}")
+    q_cum = _tnd_cumulative(FIA, a["actual_seq_lengths"], t, "FIA.tnd_seq_lengths")
+    q_starts = [0] + q_cum[:-1]
+    batch = len(q_cum)
+    q_lens = [e - s for s, e in zip(q_starts, q_cum)]
+    out = torch.empty(query.shape, dtype=torch.float32)
+    lse = torch.empty(t, num_heads, 1, dtype=torch.float32)
+
+    if block_table is not None:
+        block_size = a["block_size"]
+        kv_lens = list(a["actual_seq_lengths_kv"]) if a["actual_seq_lengths_kv"] is not None else None
+        _check_paged(FIA, key, block_table, block_size, kv_lens, batch, kv_heads, max(q_lens, default=0) > 1)
+
+        def kv_rows(b):
+            return (_paged_rows(key, block_table[b], kv_lens[b], block_size, kv_heads),
+                    _paged_rows(value, block_table[b], kv_lens[b], block_size, kv_heads))
+    else:
+        require(key.dim() == 3 and key.shape[1] == kv_heads, FIA, "FIA.key",
+                f"TND key must be [S, KV_N={kv_heads}, D], got {tuple(key.shape)}")
+        kv_cum = _tnd_cumulative(FIA, a["actual_seq_lengths_kv"], key.shape[0], "FIA.tnd_kv_lengths")
+        require(len(kv_cum) == batch, FIA, "FIA.tnd_kv_lengths",
+                f"{len(kv_cum)} KV lengths for batch {batch}")
+        kv_starts = [0] + kv_cum[:-1]
+        kv_lens = [e - s for s, e in zip(kv_starts, kv_cum)]
+
+        def kv_rows(b):
+            return key[kv_starts[b]:kv_cum[b]], value[kv_starts[b]:kv_cum[b]]
+
+    for b in range(batch):
+        if q_lens[b] == 0:
+            continue
+        if sparse_mode == 3:
+            # rightDownCausal with fewer keys than queries leaves rows with nothing to see.
+            require(kv_lens[b] >= q_lens[b], FIA, "FIA.sparse_3",
+                    f"batch {b}: {q_lens[b]} queries but only {kv_lens[b]} keys")
+        k, v = kv_rows(b)
+        o, row_lse = _attend(query[q_starts[b]:q_cum[b]], k, v, scale,
+                             _causal_limit(sparse_mode, q_lens[b], kv_lens[b]))
+        out[q_starts[b]:q_cum[b]] = o
+        lse[q_starts[b]:q_cum[b], :, 0] = row_lse
+    result = out.to(query.dtype)
+    if a["softmax_lse_flag"]:
+        return result, lse
+    return result, torch.zeros(1, dtype=torch.float32)
+
+
+def _fia_mla_paged(a, query, key, value, q_rope, k_rope, num_heads, layout, sparse_mode, scale):
+    """MLA form: query/key the latent parts (D=512), query_rope/key_rope the rotary parts (64)."""
+    require(layout in ("BSH", "BSND", "BNSD"), FIA, "FIA.rope_layout", f"input_layout={layout}")
+    if layout == "BSH":
+        raise unmodelled(FIA, "BSH with query_rope")
+    require(q_rope.is_contiguous() and q_rope.dtype in HALF_TYPES, FIA, "FIA.rope_contiguous",
+            f"query_rope {q_rope.dtype} contiguous={q_rope.is_contiguous()}")
+    require(k_rope.is_contiguous() and k_rope.dtype in HALF_TYPES, FIA, "FIA.key_rope_contiguous",
+            f"key_rope {k_rope.dtype} contiguous={k_rope.is_contiguous()}")
+    require(a["block_table"] is not None, FIA, "FIA.rope_block_size", "the MLA form needs page attention")
+    bnsd = layout == "BNSD"
+    require(query.dim() == 4, FIA, "FIA.rope_query",
+            f"query must be 4-D in {layout}, got {tuple(query.shape)}")
+    batch, s_len = query.shape[0], query.shape[2] if bnsd else query.shape[1]
+    n = query.shape[1] if bnsd else query.shape[2]
+    require(1 <= s_len <= 16 and n in (32, 64, 128) and n == num_heads and query.shape[3] == 512, FIA,
+            "FIA.rope_query", f"query {tuple(query.shape)} ({layout}), num_heads={num_heads}")
+    require(q_rope.shape[:3] == query.shape[:3] and q_rope.shape[3] == 64, FIA, "FIA.rope_query",
+            f"query_rope {tuple(q_rope.shape)} for query {tuple(query.shape)}")
+    block_size = a["block_size"]
+    kv_n = key.shape[1] if key.dim() == 4 else 1
+    require(kv_n == 1 and key.shape[-1] == 512, FIA, "FIA.rope_key", f"key {tuple(key.shape)}")
+    require(k_rope.shape[:-1] == key.shape[:-1] and k_rope.shape[-1] == 64, FIA, "FIA.rope_key",
+            f"key_rope {tuple(k_rope.shape)} for key {tuple(key.shape)}")
+    require(block_size in (16, 128), FIA, "FIA.rope_block_size", f"block_size={block_size}")
+    if s_len == 1:
+        require(sparse_mode == 0 and a["atten_mask"] is None or sparse_mode == 4, FIA, "FIA.rope_sparse",
+                f"Q_S=1 with sparse_mode={sparse_mode}")
+    else:
+        require(sparse_mode in (3, 4) and a["atten_mask"] is not None, FIA, "FIA.rope_sparse",
+                f"Q_S={s_len} with sparse_mode={sparse_mode}")
+    if sparse_mode == 4:
+        raise unmodelled(FIA, "sparse_mode=4 in the MLA form")
+    kv_lens = list(a["actual_seq_lengths_kv"]) if a["actual_seq_lengths_kv"] is not None else None
+    block_table = a["block_table"]
+    _check_paged(FIA, key, block_table, block_size, kv_lens, batch, 1, strict_block=False)
+    q = query if not bnsd else query.transpose(1, 2)  # [B, S, N, D]
+    qr = q_rope if not bnsd else q_rope.transpose(1, 2)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(batch):
+        latent = _paged_rows(key, block_table[b], kv_lens[b], block_size, 1)
+        rope = _paged_rows(k_rope, block_table[b], kv_lens[b], block_size, 1)
+        limit = None if s_len == 1 else kv_lens[b] - s_len
+        out[b], _ = _attend(q[b], latent, latent, scale, limit, q_rope=qr[b], k_rope=rope)
+    out = out.to(query.dtype)
+    return (out.transpose(1, 2).contiguous() if bnsd else out), torch.zeros(1, dtype=torch.float32)
+
+
+# -- _npu_reshape_and_cache (ATB) --------------------------------------------------------------
+def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
+    op = "_npu_reshape_and_cache"
+    require(key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2], op, "RAC.shapes",
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} must be [num_tokens, num_head, head_size]")
+    require(key_cache.dim() == 4 and value_cache.dim() == 4 and key_cache.shape[:3] == value_cache.shape[:3]
+            and key_cache.shape[2:] == key.shape[1:] and value_cache.shape[2:] == value.shape[1:], op,
+            "RAC.shapes", f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} must be "
+                          "[num_blocks, block_size, num_head, head_size] matching key/value")
+    require(slot_indices.dim() == 1 and slot_indices.shape[0] == key.shape[0]
+            and slot_indices.dtype == torch.int32, op, "RAC.shapes",
+            f"slot_indices {tuple(slot_indices.shape)} {slot_indices.dtype}")
+    require(len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) == 1
+            and key.dtype in (*HALF_TYPES, torch.int8), op, "RAC.dtypes",
+            f"{key.dtype}/{value.dtype}/{key_cache.dtype}/{value_cache.dtype}")
+    require(key_cache.is_contiguous() and value_cache.is_contiguous(), op, "RAC.cache_contiguous",
+            "key_cache/value_cache must be contiguous")
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    slots = slot_indices.to(torch.int64)
+    require(bool(((slots >= 0) & (slots < capacity)).all()), op, "PROJECT.valid_slots",
+            f"slots outside [0, {capacity})")
+    key_cache.view(capacity, *key_cache.shape[2:])[slots] = key
+    value_cache.view(capacity, *value_cache.shape[2:])[slots] = value
+    return None
+
+
+# -- npu_scatter_nd_update_ ----------------------------------------------------------------------
+def npu_scatter_nd_update_(input, indices, updates):
+    op = "npu_scatter_nd_update_"
+    require(indices.dim() >= 2 and indices.shape[-1] <= input.dim(), op, "SNU.indices",
+            f"indices {tuple(indices.shape)} for input of rank {input.dim()}")
+    require(indices.dtype in (torch.int32, torch.int64), op, "SNU.indices_dtype",
+            f"indices are {indices.dtype}")
+    depth = indices.shape[-1]
+    require(tuple(updates.shape) == tuple(indices.shape[:-1]) + tuple(input.shape[depth:]), op,
+            "SNU.updates_shape", f"updates {tuple(updates.shape)} for indices {tuple(indices.shape)} "
+                                 f"into {tuple(input.shape)}")
+    require(updates.dtype == input.dtype and 1 <= input.dim() <= 8, op, "SNU.dtype",
+            f"input {input.dtype} rank {input.dim()}, updates {updates.dtype}")
+    require(input.is_contiguous(), op, "PROJECT.no_hidden_cache_copy", "the updated tensor is not contiguous")
+    flat = indices.reshape(-1, depth).to(torch.int64)
+    bounds = torch.tensor(input.shape[:depth])
+    require(bool(((flat >= 0) & (flat < bounds)).all()), op, "SNU.indices_dtype", "an index is out of range")
+    input[tuple(flat.unbind(1))] = updates.reshape(-1, *input.shape[depth:])
+    return input
+
+
+# -- npu_grouped_matmul --------------------------------------------------------------------------
+_GMM_UNMODELLED = ("bias", "scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
+                   "activation_input", "activation_quant_scale", "activation_quant_offset", "tuning_config",
+                   "output_dtype", "x_dtype", "weight_dtype", "scale_dtype", "per_token_scale_dtype")
+
+
+def npu_grouped_matmul(**a):
+    op = "npu_grouped_matmul"
+    for name in _GMM_UNMODELLED:
+        if a[name] is not None:
+            raise unmodelled(op, name)
+    if a["act_type"] not in (0, None):
+        raise unmodelled(op, f"act_type={a['act_type']}")
+    group_type = a["group_type"]
+    require(group_type in (-1, 0), op, "GMM.group_type", f"group_type={group_type}")
+    if group_type != 0 or len(a["x"]) != 1 or len(a["weight"]) != 1:
+        raise unmodelled(op, "anything but one x, one 3-D weight, group_type=0")
+    [x], [weight] = a["x"], a["weight"]
+    group_list, list_type = a["group_list"], a["group_list_type"]
+    require(a["split_item"] in (2, 3) and weight.dim() == 3 and x.dim() == 2 and group_list is not None, op,
+            "GMM.single_tensor",
+            f"split_item={a['split_item']}, weight {tuple(weight.shape)}, x {tuple(x.shape)}")
+    require(x.is_contiguous(), op, "GMM.single_tensor", "x is transposed / not contiguous")
+    k_dim, n_dim = weight.shape[1], weight.shape[2]
+    transposed = weight.stride(1) == 1 and weight.stride(2) == k_dim and weight.stride(0) == k_dim * n_dim
+    require(weight.is_contiguous() or transposed, op, "GMM.weight_transpose",
+            f"weight strides {weight.stride()} are neither contiguous nor a transpose of the last two dims")
+    require(group_list.dtype == torch.int64 and group_list.dim() == 1, op, "GMM.group_list_dtype",
+            f"group_list {group_list.dtype} rank {group_list.dim()}")
+    require(group_list.shape[0] == weight.shape[0] and group_list.shape[0] <= 1024, op, "GMM.single_tensor",
+            f"{group_list.shape[0]} groups for {weight.shape[0]} weights")
+    values = group_list.tolist()
+    if list_type == 0:
+        require(all(v >= 0 for v in values) and all(b >= a_ for a_, b in zip(values, values[1:])), op,
+                "GMM.group_list", f"cumulative group_list {values}")
+        ends = values
+    else:
+        require(all(v >= 0 for v in values), op, "GMM.group_list", f"group_list counts {values}")
+        ends = list(torch.tensor(values).cumsum(0).tolist())
+    require(ends[-1] == x.shape[0], op, "GMM.single_tensor",
+            f"groups cover {ends[-1]} rows, x has {x.shape[0]}")
+    require(x.shape[1] == k_dim, op, "GMM.single_tensor",
+            f"x {tuple(x.shape)} @ weight {tuple(weight.shape)}")
+    require(max(k_dim, n_dim) < 65536, op, "GMM.inner_limit", f"K={k_dim}, N={n_dim}")
+    require(x.dtype == weight.dtype and x.dtype in (*HALF_TYPES, torch.float32), op, "GMM.single_tensor",
+            f"x {x.dtype}, weight {weight.dtype}")
+    out = torch.empty(x.shape[0], n_dim, dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(ends):
+        out[start:end] = x[start:end].float() @ weight[e].float()
+        start = end
+    return [out.to(x.dtype)]
+
+
+# -- npu_swiglu -----------------------------------------------------------------------------------
+def npu_swiglu(input, dim):
+    require(input.dtype in (*HALF_TYPES, torch.float32) and 1 <= input.dim() <= 8, "npu_swiglu",
+            "SWIGLU.dtype", f"{input.dtype} rank {input.dim()}")
+    a, b = input.float().chunk(2, dim=dim)
+    return (F.silu(a) * b).to(input.dtype)
+
+
+KERNELS = {
+    "npu": {
+        FIA: npu_fused_infer_attention_score,
+        "npu_scatter_nd_update_": npu_scatter_nd_update_,
+        "npu_grouped_matmul": npu_grouped_matmul,
+        "npu_swiglu": npu_swiglu,
+    },
+    "atb": {
+        "_npu_reshape_and_cache": _npu_reshape_and_cache,
+    },
+}

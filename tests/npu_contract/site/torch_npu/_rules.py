@@ -1,0 +1,146 @@
+"""The documented preconditions the contract double enforces, each with its source.
+
+A rule cites the text it enforces: a quote from a file inside the pinned torch_npu
+wheel (``torch_npu/_op_plugin_docs.py`` or ``torch_npu/op_plugin/atb/...``), checked
+verbatim against the wheel by ``tests/npu_contract/test_double.py``, or a quote from
+public Ascend documentation / Ascend op-plugin sources (recorded with its address;
+those are not part of the wheel, so CI cannot re-read them).
+
+Rules marked ``project`` are not torch_npu's: they are this distribution's own
+requirement on how it calls an op (for example, caches must be passed as
+contiguous tensors so no hidden full-cache copy happens), and say why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DOCS = "torch_npu/_op_plugin_docs.py"
+ATB_DOC_RESHAPE = ("https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/ascendtbapi/"
+                   "ascendtb_01_0073.html (CANN ATB ReshapeAndCacheOperation)")
+OP_PLUGIN_ATB_COMMON = "Ascend/op-plugin op_plugin/utils/custom_functions/atb/AtbCommon.cpp"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    source: str
+    quote: str
+    in_wheel: bool = True
+
+
+RULES: dict[str, Rule] = {r.id: r for r in [
+    # -- npu_fused_infer_attention_score ---------------------------------------------------
+    Rule("FIA.query", DOCS, "query: Tensor类型, attention结构的Query输入, 数据类型支持float16、bfloat16、int8, "
+                            "不支持非连续的Tensor, 数据格式支持ND."),
+    Rule("FIA.key", DOCS, "key: Tensor类型, attention结构的Key输入, 不支持非连续的Tensor, 数据格式支持ND."),
+    Rule("FIA.value", DOCS, "value: Tensor类型, attention结构的Value输入, 不支持非连续的Tensor, 数据格式支持ND."),
+    Rule("FIA.kv_dtype", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float16、bfloat16、int8、int4(int32)."),
+    Rule("FIA.kv_same_shape", DOCS, "参数key、value中对应tensor的shape需要完全一致"),
+    Rule("FIA.mask_dtype", DOCS, "atten_mask: Tensor类型, 对QK的结果进行mask, 用于指示是否计算Token间的相关性, "
+                                 "数据类型支持bool、int8和uint8. 不支持非连续的Tensor"),
+    Rule("FIA.mask_2048", DOCS, "sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)或(1, S, S)或(1, 1, S, S), "
+                                "其中S的值需要固定为2048, 且需要用户保证传入的atten_mask为下三角, "
+                                "不传入atten_mask或者传入的shape不正确报错."),
+    Rule("FIA.sparse_3", DOCS, "sparse_mode为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景, "
+                               "需要传入优化后的atten_mask矩阵(2048*2048)."),
+    Rule("FIA.sparse_values", DOCS, "参数sparse_mode当前仅支持值为0、1、2、3、4的场景, 取其它值时会报错."),
+    Rule("FIA.tnd_seq_lengths", DOCS, "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. "
+                                      "该入参中每个元素的值表示当前Batch与之前所有Batch的seqlen和, "
+                                      "因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值."),
+    Rule("FIA.tnd_kv_lengths", DOCS, "当key/value的input_layout为TND时, 该入参必须传入, 且该入参元素的数量等于Batch值. "
+                                     "该入参中每个元素的值表示当前Batch与之前所有Batch的seqlenKv和, "
+                                     "因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值."),
+    Rule("FIA.heads", DOCS, "需要满足num_heads整除num_key_value_heads, num_heads与num_key_value_heads的比值不能大于64."),
+    Rule("FIA.n_d_limits", DOCS, "支持N轴小于等于256, 支持D轴小于等于512"),
+    Rule("FIA.d_align", DOCS, "输入类型全为float16、bfloat16时, D轴需16对齐."),
+    Rule("FIA.pa_block_size", DOCS, "在使能page attention场景下, block_size最小为128, 最大为512, 且要求是128的倍数."),
+    Rule("FIA.pa_kv_layout", DOCS, "当query的input_layout为BNSD、TND时, kv cache排布支持(blocknum, blocksize, H)和"
+                                   "(blocknum, KV_N, blocksize, D)两种格式, 当query的input_layout为BSH、BSND时, "
+                                   "kv cache排布只支持(blocknum, blocksize, H)一种格式."),
+    Rule("FIA.pa_kv_lengths", DOCS, "page attention场景下, 必须传入actual_seq_lengths_kv."),
+    Rule("FIA.pa_kv_lengths_per_batch", DOCS, "在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch的实际长度, "
+                                              "值不大于KV_S."),
+    Rule("FIA.block_table_dtype", DOCS, "block_table: Tensor类型, 数据类型支持int32."),
+    Rule("FIA.block_table_shape", DOCS, "page attention场景下, block_table必须为二维, 第一维长度需等于B, "
+                                        "第二维长度不能小于maxBlockNumPerSeq"),
+    Rule("FIA.blocknum", DOCS, "blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和."),
+    Rule("FIA.pa_no_int8_query", DOCS, "ntion场景下, 不支持输入query为int8的场景."),
+    Rule("FIA.rope_pair", DOCS, "query_rope和key_rope要求同时配置或同时不配置, 不支持只配置其中一个."),
+    Rule("FIA.rope_query", DOCS, "query_rope配置时要求query的S为1-16、N为32、64、128, D为512, "
+                                 "shape中B、N、S与query一致, D为64."),
+    Rule("FIA.rope_key", DOCS, "key_rope配置时要求key的N为1, D为512, key_rope的shape中B、N、S与key一致, D为64."),
+    Rule("FIA.rope_sparse", DOCS, "sparse: Q_S等于1时支持sparse=0且不传mask或sparse=4且传入mask, "
+                                  "Q_S大于1时支持sparse=3或sparse=4且传入mask;"),
+    Rule("FIA.rope_block_size", DOCS, "该场景下, 必须开启PageAttention, 此时block_size支持16、128"),
+    Rule("FIA.rope_contiguous", DOCS, "query_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的query的"
+                                      "rope信息, 数据类型支持float16、bfloat16, 不支持非连续的Tensor, 数据格式支持ND."),
+    Rule("FIA.key_rope_contiguous", DOCS, "key_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的key的"
+                                          "rope信息, 数据类型支持float16、bfloat16, 不支持非连续的Tensor, 数据格式支持ND."),
+    Rule("FIA.rope_layout", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: input_layout形状支持BSH、BSND、BNSD, "
+                                  "当数据格式为NZ时input_layout不支持BNSD."),
+    # -- _npu_reshape_and_cache (ATB ReshapeAndCacheOperation) -----------------------------
+    Rule("RAC.shapes", ATB_DOC_RESHAPE, "keyCache [num_blocks, block_size, num_head, k_head_size] ND/NZ; "
+                                        "key [num_tokens, num_head, k_head_size]; slotMapping [num_tokens] int32",
+         in_wheel=False),
+    Rule("RAC.dtypes", ATB_DOC_RESHAPE, "key、value、keyCache、valueCache、keyCacheOut 、valueCacheOut的数据类型都必须完全一致。",
+         in_wheel=False),
+    Rule("RAC.cache_contiguous", OP_PLUGIN_ATB_COMMON,
+         'ParamSetter::Output passes the cache to AtTensor2AtbTensor, which does '
+         'TORCH_CHECK(at_tensor.is_contiguous(), "at_tensor is not contiguous")', in_wheel=False),
+    # -- npu_scatter_nd_update_ ------------------------------------------------------------------
+    Rule("SNU.indices", DOCS, "indices至少是2维，其最后1维的大小不能超过input的维度大小。"),
+    Rule("SNU.updates_shape", DOCS, "假设indices最后1维的大小是a，则updates的shape等于indices除最后1维外的shape"
+                                    "加上input除前a维外的shape。"),
+    Rule("SNU.dtype", DOCS, "input：Tensor类型，必选输入，源数据张量，数据格式支持ND，支持非连续的Tensor，"
+                            "数据类型需要与updates一致，维度只能是1~8维。"),
+    Rule("SNU.indices_dtype", DOCS, "indices：Tensor类型，必选输入，索引张量，数据类型支持int32、int64，数据格式支持ND，"
+                                    "支持非连续的Tensor，indices中的索引数据不支持越界。"),
+    # -- npu_grouped_matmul -------------------------------------------------------------------
+    Rule("GMM.single_tensor", DOCS, "0: 仅支持split_item为2或3. weight中tensor需为3维, x、y中tensor需为2维. "
+                                    "必须传group_list, 且当group_list_type为0时, 最后一个值与x中tensor的第一维相等, "
+                                    "当group_list_type为1时, 数值的总和与x中tensor的第一维相等. "
+                                    "group_list第1维最大支持1024, 即最多支持1024个group. 支持weight转置. x不支持转置."),
+    Rule("GMM.group_list", DOCS, "当group_list_type为0时, group_list必须为非负单调非递减数列."),
+    Rule("GMM.group_list_dtype", DOCS, "group_list (List[int]/torch.Tensor): 用于指定分组的索引, "
+                                       "表示x的第0维矩阵乘法的索引情况. 数据类型支持torch.int64."),
+    Rule("GMM.group_type", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 当前支持取-1、0."),
+    Rule("GMM.weight_transpose", DOCS, "tensor转置: 指若tensor shape为[M,K]时, 则stride为[1,M],数据排布为[K,M]的场景, "
+                                       "即非连续tensor."),
+    Rule("GMM.inner_limit", DOCS, "x和weight中每一组tensor的最后一维大小都应小于InnerLimit."),
+    # -- npu_swiglu ---------------------------------------------------------------------------------
+    Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
+    Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),
+]}
+
+# The project's own calling rules (not torch_npu's).
+PROJECT_RULES = {
+    "PROJECT.no_hidden_cache_copy": (
+        "KV caches are passed to in-place cache-write ops as contiguous tensors: a non-contiguous "
+        "cache is copied to a contiguous temporary by the framework (and, for ATB, rejected on output), "
+        "so either the write is lost or every step copies the whole cache."),
+    "PROJECT.valid_slots": (
+        "Cache-write ops receive only real token slots (no -1 padding): negative slots are not "
+        "documented for these ops."),
+}
+
+
+class ContractViolation(RuntimeError):
+    """A call that breaks a documented torch_npu precondition (it would fail or misbehave on an NPU)."""
+
+
+def require(condition: bool, op: str, rule_id: str, detail: str) -> None:
+    if condition:
+        return
+    if rule_id in RULES:
+        rule = RULES[rule_id]
+        cite = f"{rule.source}: {rule.quote!r}"
+    else:
+        cite = PROJECT_RULES[rule_id]
+    raise ContractViolation(f"torch_npu contract: {op}: {detail} [{rule_id}; {cite}]")
+
+
+def unmodelled(op: str, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"torch_npu contract double: {op} with {what} is not modelled; add its documented semantics "
+        "and preconditions to tests/npu_contract before calling it")

@@ -1,0 +1,16 @@
+"""Stub of ``torch_npu.utils._error_code``: the names torch_npu's meta functions import."""
+
+from enum import Enum
+
+
+class ErrCode(Enum):
+    SUCCESS = (0, "success")
+    PARAM = (1, "invalid parameter")
+    TYPE = (2, "invalid type")
+    VALUE = (3, "invalid value")
+    NOT_SUPPORT = (7, "feature not supported")
+    INTERNAL = (5, "internal error")
+
+
+def ops_error(error) -> str:
+    return f" [contract double: {getattr(error, 'name', error)}]"

@@ -1,0 +1,296 @@
+"""The torch_npu contract double itself: its schemas are the pinned wheel's, its rules
+quote the wheel's docs, it rejects each documented violation, and its semantics
+equal brute-force computations that share no code with it."""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+
+import pytest
+import torch
+
+from tests.npu_contract import extract_schemas
+from tests.npu_contract import wheel as npu_wheel
+
+torch_npu = pytest.importorskip("torch_npu")
+if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+    pytest.skip("the real torch_npu is active on this host", allow_module_level=True)
+
+from torch_npu import _contract, _rules  # noqa: E402
+from torch_npu._rules import ContractViolation  # noqa: E402
+
+BF16 = torch.bfloat16
+MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+@pytest.fixture(scope="module")
+def wheel_zip():
+    with zipfile.ZipFile(npu_wheel.fetch()) as zf:
+        yield zf
+
+
+# -- provenance ----------------------------------------------------------------------------
+def test_schemas_are_the_pinned_wheels(wheel_zip):
+    committed = json.loads((npu_wheel.HERE / "schemas.json").read_text())
+    regenerated = extract_schemas.extract(npu_wheel.fetch(), None, None)
+    assert regenerated["torch_npu"] == committed["torch_npu"]
+    assert regenerated["schemas"]["npu"] == committed["schemas"]["npu"]
+    header = wheel_zip.read(extract_schemas.ATB_HEADER).decode()
+    decls = extract_schemas._atb_cpp_declarations(header)
+    for key, text in committed["schemas"]["atb"].items():
+        if committed["atb_sources"][key] == "libop_plugin_atb.so":
+            assert regenerated["schemas"]["atb"][key] == text
+        else:  # taken from op-plugin sources: must still agree with the wheel's C++ header
+            assert extract_schemas._agrees_with_header(text, decls), key
+
+
+def test_every_cited_quote_is_in_the_wheels_docs(wheel_zip):
+    docs = wheel_zip.read(_rules.DOCS).decode()
+    cited = [r for r in _rules.RULES.values() if r.in_wheel]
+    assert len(cited) > 30
+    missing = [r.id for r in cited if r.quote not in docs]
+    assert not missing, f"rules quoting text the wheel's docs do not contain: {missing}"
+
+
+def test_names_and_schemas_are_torch_npus():
+    assert torch_npu.npu_fused_infer_attention_score is torch.ops.npu.npu_fused_infer_attention_score
+    assert torch_npu._npu_reshape_and_cache is torch.ops.atb._npu_reshape_and_cache
+    assert torch_npu.atb.npu_multi_head_latent_attention is torch.ops.atb.npu_multi_head_latent_attention
+    q = torch.zeros(1, 2, 16, dtype=BF16)
+    with pytest.raises(Exception, match="positional argument"):  # num_heads is keyword-only
+        torch_npu.npu_fused_infer_attention_score(q, q, q, 2)
+    with pytest.raises(Exception):
+        torch_npu.npu_fused_infer_attention_score(q, q, q, num_head=2)  # a misspelt keyword
+    with pytest.raises(NotImplementedError):  # a registered op the project does not call has no kernel
+        torch_npu.npu_rms_norm(torch.zeros(2, 4), torch.ones(4))
+
+
+def test_meta_comparison_catches_a_wrong_output_shape():
+    overload = torch.ops.npu.npu_swiglu.default
+    full = {"input": torch.zeros(3, 8), "dim": -1}
+    _contract._compare_with_meta("npu::npu_swiglu", overload, overload._schema, full, torch.zeros(3, 4))
+    with pytest.raises(AssertionError, match="meta function"):
+        _contract._compare_with_meta("npu::npu_swiglu", overload, overload._schema, full, torch.zeros(3, 8))
+
+
+# -- rules: each documented violation is refused, naming its rule --------------------------
+def _gqa_args(**change):
+    nb, kvn, bs, d, n = 4, 2, 128, 16, 4
+    args = dict(query=torch.randn(5, n, d, dtype=BF16), key=torch.randn(nb, kvn, bs, d, dtype=BF16),
+                value=torch.randn(nb, kvn, bs, d, dtype=BF16), num_heads=n, num_key_value_heads=kvn,
+                input_layout="TND", block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                block_size=bs, actual_seq_lengths=[4, 5], actual_seq_lengths_kv=[200, 130],
+                atten_mask=MASK, sparse_mode=3, scale=0.25)
+    args.update(change)
+    return args
+
+
+def _fia(**kw):
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    return torch_npu.npu_fused_infer_attention_score(q, k, v, **kw)
+
+
+def _mla(heads=32, latent=512, token_major=False, **change):
+    """The MLA form of the fused attention op (one decode token, two cache blocks)."""
+    cache_shape = (2, 128, 1) if token_major else (2, 1, 128)
+    args = dict(query_rope=torch.randn(1, heads, 1, 64, dtype=BF16),
+                key_rope=torch.randn(*cache_shape, 64, dtype=BF16), num_heads=heads, num_key_value_heads=1,
+                input_layout="BNSD", block_table=torch.zeros(1, 1, dtype=torch.int32), block_size=128,
+                actual_seq_lengths_kv=[5])
+    args.update(change)
+    cache = torch.randn(*cache_shape, latent, dtype=BF16)
+    query = torch.randn(1, heads, 1, latent, dtype=BF16)
+    return torch_npu.npu_fused_infer_attention_score(query, cache, cache, **args)
+
+
+def _rac(**change):
+    args = dict(key=torch.randn(3, 1, 8, dtype=BF16), value=torch.randn(3, 1, 4, dtype=BF16),
+                key_cache=torch.zeros(2, 16, 1, 8, dtype=BF16),
+                value_cache=torch.zeros(2, 16, 1, 4, dtype=BF16),
+                slot_indices=torch.tensor([0, 17, 31], dtype=torch.int32))
+    args.update(change)
+    return torch_npu._npu_reshape_and_cache(**args)
+
+
+def _gmm(x_rows=6, group_list=(2, 6), weight=None, **kw):
+    weight = torch.randn(2, 8, 4, dtype=BF16) if weight is None else weight
+    return torch_npu.npu_grouped_matmul([torch.randn(x_rows, 8, dtype=BF16)], [weight],
+                                        group_list=torch.tensor(group_list), split_item=2, group_type=0, **kw)
+
+
+VIOLATIONS = {
+    "float32 query": ("FIA.query", lambda: _fia(**_gqa_args(query=torch.randn(5, 4, 16)))),
+    "strided key cache": ("FIA.key", lambda: _fia(**_gqa_args(
+        key=torch.randn(4, 128, 2, 16, dtype=BF16).transpose(1, 2)))),
+    "causal mode without the mask": ("FIA.mask_2048", lambda: _fia(**_gqa_args(atten_mask=None))),
+    "a 1024 mask": ("FIA.mask_2048", lambda: _fia(**_gqa_args(atten_mask=MASK[:1024, :1024].contiguous()))),
+    "a lower-triangle mask": ("FIA.sparse_3", lambda: _fia(**_gqa_args(atten_mask=MASK.T.contiguous()))),
+    "block size 16 in prefill": ("FIA.pa_block_size", lambda: _fia(**_gqa_args(
+        key=torch.randn(40, 2, 16, 16, dtype=BF16), value=torch.randn(40, 2, 16, 16, dtype=BF16),
+        block_size=16, block_table=torch.arange(40, dtype=torch.int32).view(2, 20)))),
+    "per-sequence query lengths in TND": ("FIA.tnd_seq_lengths", lambda: _fia(**_gqa_args(
+        actual_seq_lengths=[4, 1]))),
+    "int64 block table": ("FIA.block_table_dtype", lambda: _fia(**_gqa_args(
+        block_table=torch.tensor([[0, 1], [2, 3]])))),
+    "block table too narrow": ("FIA.block_table_shape", lambda: _fia(**_gqa_args(
+        actual_seq_lengths_kv=[300, 130]))),
+    "too few cache blocks": ("FIA.blocknum", lambda: _fia(**_gqa_args(
+        key=torch.randn(2, 2, 128, 16, dtype=BF16), value=torch.randn(2, 2, 128, 16, dtype=BF16),
+        block_table=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)))),
+    "head dim not 16-aligned": ("FIA.d_align", lambda: _fia(**_gqa_args(
+        query=torch.randn(5, 4, 12, dtype=BF16), key=torch.randn(4, 2, 128, 12, dtype=BF16),
+        value=torch.randn(4, 2, 128, 12, dtype=BF16)))),
+    "5 query heads over 2 KV heads": ("FIA.heads", lambda: _fia(**_gqa_args(
+        query=torch.randn(5, 5, 16, dtype=BF16), num_heads=5))),
+    "MLA with 16 query heads": ("FIA.rope_query", lambda: _mla(heads=16)),
+    "MLA latent 256": ("FIA.rope_query", lambda: _mla(latent=256)),
+    "MLA key in (blocks, block_size, 1, D) read as KV_N = block_size": ("FIA.rope_key",
+                                                                        lambda: _mla(token_major=True)),
+    "strided MLA query_rope": ("FIA.rope_contiguous", lambda: _mla(
+        query_rope=torch.randn(1, 32, 1, 128, dtype=BF16)[..., :64])),
+    "strided cache for ReshapeAndCache": ("RAC.cache_contiguous", lambda: _rac(
+        key_cache=torch.zeros(2, 16, 2, 8, dtype=BF16)[:, :, :1],
+        value_cache=torch.zeros(2, 16, 1, 4, dtype=BF16))),
+    "int64 slots for ReshapeAndCache": ("RAC.shapes", lambda: _rac(slot_indices=torch.tensor([0, 1, 2]))),
+    "padding slot -1 for ReshapeAndCache": ("PROJECT.valid_slots", lambda: _rac(
+        slot_indices=torch.tensor([0, -1, 2], dtype=torch.int32))),
+    "mixed dtypes for ReshapeAndCache": ("RAC.dtypes", lambda: _rac(key=torch.randn(3, 1, 8))),
+    "scatter into a strided cache": ("PROJECT.no_hidden_cache_copy", lambda: torch_npu.npu_scatter_nd_update_(
+        torch.zeros(4, 3, 2)[:, :2], torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2))),
+    "scatter updates of the wrong shape": ("SNU.updates_shape", lambda: torch_npu.npu_scatter_nd_update_(
+        torch.zeros(4, 3, 2), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 3))),
+    "grouped matmul groups not covering x": ("GMM.single_tensor", lambda: _gmm(x_rows=7)),
+    "grouped matmul decreasing group list": ("GMM.group_list", lambda: _gmm(group_list=(5, 6), x_rows=6) and
+                                              _gmm(group_list=(6, 2))),
+    "grouped matmul int32 group list": ("GMM.group_list_dtype", lambda: torch_npu.npu_grouped_matmul(
+        [torch.randn(6, 8, dtype=BF16)], [torch.randn(2, 8, 4, dtype=BF16)],
+        group_list=torch.tensor([2, 6], dtype=torch.int32), split_item=2, group_type=0)),
+    "grouped matmul with a permuted weight": ("GMM.weight_transpose", lambda: _gmm(
+        weight=torch.randn(8, 2, 4, dtype=BF16).transpose(0, 1))),
+}
+
+
+@pytest.mark.parametrize("case", VIOLATIONS)
+def test_documented_violation_is_refused(case):
+    rule, call = VIOLATIONS[case]
+    with pytest.raises(ContractViolation) as info:
+        call()
+    assert f"[{rule};" in str(info.value)
+
+
+def test_unmodelled_arguments_are_refused_not_guessed():
+    with pytest.raises(NotImplementedError, match="pse_shift"):
+        _fia(**_gqa_args(pse_shift=torch.zeros(1, 4, 5, 256, dtype=BF16)))
+
+
+# -- semantics against brute force ----------------------------------------------------------
+def _brute_attention(q, k, v, scale, visible):
+    """q [S, N, D], k/v [L, KVN, D]: softmax over the ``visible(i)`` first keys, head by head."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for i in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            n = visible(i)
+            scores = k[:n, h // group].double() @ q[i, h].double() * scale
+            out[i, h] = torch.softmax(scores, 0) @ v[:n, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("cache_format", ["blocknum,KV_N,blocksize,D", "blocknum,blocksize,H"])
+def test_paged_gqa_attention_semantics(cache_format):
+    torch.manual_seed(0)
+    nb, kvn, bs, d, n = 6, 2, 128, 16, 4
+    seqs = [(130, 3), (5, 1), (257, 2)]  # (kv_len, q_len): chunked prefill, decode, prefix hit
+    table = torch.tensor([[4, 1, 0], [2, 0, 0], [3, 5, 0]], dtype=torch.int32)
+    keys = [torch.randn(L, kvn, d, dtype=BF16) for L, _ in seqs]
+    vals = [torch.randn(L, kvn, d, dtype=BF16) for L, _ in seqs]
+    kc = torch.zeros(nb, kvn, bs, d, dtype=BF16)
+    vc = torch.zeros_like(kc)
+    for r, (L, _) in enumerate(seqs):
+        for p in range(L):
+            kc[table[r, p // bs], :, p % bs] = keys[r][p]
+            vc[table[r, p // bs], :, p % bs] = vals[r][p]
+    if cache_format == "blocknum,blocksize,H":
+        kc, vc = kc.transpose(1, 2).reshape(nb, bs, kvn * d), vc.transpose(1, 2).reshape(nb, bs, kvn * d)
+    qs = [torch.randn(q, n, d, dtype=BF16) for _, q in seqs]
+    cum = torch.tensor([q for _, q in seqs]).cumsum(0).tolist()
+    # two more blocks than the batch needs are in the cache, so table rows may be short
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        torch.cat(qs), kc, vc, num_heads=n, num_key_value_heads=kvn, input_layout="TND",
+        block_table=table, block_size=bs, actual_seq_lengths=cum,
+        actual_seq_lengths_kv=[L for L, _ in seqs], atten_mask=MASK, sparse_mode=3, scale=0.3)
+    start = 0
+    for r, (L, q_len) in enumerate(seqs):
+        expected = _brute_attention(qs[r], keys[r], vals[r], 0.3, lambda i: L - q_len + i + 1)
+        torch.testing.assert_close(out[start:start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
+        start += q_len
+
+
+def test_mla_form_semantics():
+    torch.manual_seed(1)
+    nb, bs, heads, seq = 3, 128, 32, 150
+    latent = torch.randn(nb, 1, bs, 512, dtype=BF16)
+    rope = torch.randn(nb, 1, bs, 64, dtype=BF16)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    q, q_rope = torch.randn(1, heads, 1, 512, dtype=BF16), torch.randn(1, heads, 1, 64, dtype=BF16)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, latent, latent, query_rope=q_rope, key_rope=rope, num_heads=heads, num_key_value_heads=1,
+        input_layout="BNSD", scale=0.05, block_table=table, block_size=bs, actual_seq_lengths_kv=[seq])
+    rows = torch.cat([latent[2, 0], latent[0, 0]])[:seq].double()
+    rope_rows = torch.cat([rope[2, 0], rope[0, 0]])[:seq].double()
+    for h in range(heads):
+        scores = (rows @ q[0, h, 0].double() + rope_rows @ q_rope[0, h, 0].double()) * 0.05
+        expected = torch.softmax(scores, 0) @ rows
+        torch.testing.assert_close(out[0, h, 0].double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_tnd_without_page_attention_semantics():
+    torch.manual_seed(2)
+    q_lens, kv_lens, n, d = [2, 3], [4, 3], 2, 32
+    q = torch.randn(sum(q_lens), n, d, dtype=BF16)
+    k, v = torch.randn(sum(kv_lens), n, d, dtype=BF16), torch.randn(sum(kv_lens), n, d, dtype=BF16)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=n, input_layout="TND", actual_seq_lengths=[2, 5], actual_seq_lengths_kv=[4, 7],
+        atten_mask=MASK, sparse_mode=3, scale=1 / math.sqrt(d))
+    qs = ks = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        expected = _brute_attention(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len], 1 / math.sqrt(d),
+                                    lambda i, q_len=q_len, kv_len=kv_len: kv_len - q_len + i + 1)
+        torch.testing.assert_close(out[qs:qs + q_len].double(), expected, rtol=2e-2, atol=2e-2)
+        qs, ks = qs + q_len, ks + kv_len
+
+
+def test_cache_write_semantics():
+    key, value = torch.randn(3, 1, 8, dtype=BF16), torch.randn(3, 1, 4, dtype=BF16)
+    kc, vc = torch.zeros(2, 16, 1, 8, dtype=BF16), torch.zeros(2, 16, 1, 4, dtype=BF16)
+    torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=kc, value_cache=vc,
+                                     slot_indices=torch.tensor([0, 17, 31], dtype=torch.int32))
+    for row, slot in enumerate([0, 17, 31]):
+        assert torch.equal(kc[slot // 16, slot % 16], key[row])
+        assert torch.equal(vc[slot // 16, slot % 16], value[row])
+    assert int((kc != 0).any(-1).sum()) == 3
+    cache = torch.zeros(3, 2, 4, 5)
+    index = torch.tensor([[[1, 0, 2], [1, 1, 2]], [[0, 0, 3], [0, 1, 3]]])
+    updates = torch.randn(2, 2, 5)
+    assert torch_npu.npu_scatter_nd_update_(cache, index, updates) is cache
+    assert torch.equal(cache[1, :, 2], updates[0]) and torch.equal(cache[0, :, 3], updates[1])
+    assert int((cache != 0).any(-1).sum()) == 4
+
+
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_grouped_matmul_and_swiglu_semantics(group_list_type):
+    torch.manual_seed(3)
+    x = torch.randn(7, 8, dtype=BF16)
+    weight = torch.randn(3, 4, 8, dtype=BF16).transpose(1, 2)  # [E, K, N] as a transposed view
+    counts = [2, 0, 5]
+    groups = counts if group_list_type else torch.tensor(counts).cumsum(0).tolist()
+    [y] = torch_npu.npu_grouped_matmul([x], [weight], group_list=torch.tensor(groups), split_item=2,
+                                       group_type=0, group_list_type=group_list_type)
+    rows = [e for e, c in enumerate(counts) for _ in range(c)]
+    for i, e in enumerate(rows):
+        torch.testing.assert_close(y[i].float(), x[i].float() @ weight[e].float(), rtol=2e-2, atol=2e-2)
+    act = torch_npu.npu_swiglu(y)
+    a, b = y.float()[:, :2], y.float()[:, 2:]
+    torch.testing.assert_close(act.float(), a * torch.sigmoid(a) * b, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,126 @@
+"""The distribution's NPU kernels (``npu_*``) run through the torch_npu contract double
+on random shapes: every torch_npu call must pass the contract, and the results must
+equal the reference kernels (bf16, the dtype the NPU kernels take)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch_npu = pytest.importorskip("torch_npu")
+
+from vllm.ascend.kernels import attention, mla, moe  # noqa: E402
+
+BF16 = torch.bfloat16
+TOL = dict(rtol=3e-2, atol=3e-2)
+
+
+def _requests(data, block_size: int, max_blocks: int):
+    """(kv_len, q_len) per request: prefill, chunked prefill / prefix hit, decode."""
+    n = data.draw(st.integers(1, 4))
+    out = []
+    for _ in range(n):
+        kv = data.draw(st.integers(1, block_size * max_blocks))
+        q = data.draw(st.sampled_from([1, min(kv, 3), kv]))
+        out.append((kv, q))
+    return out
+
+
+def _slots(table, kv_len, q_len, block_size):
+    return [int(table[p // block_size]) * block_size + p % block_size for p in range(kv_len - q_len, kv_len)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 4]),
+       head_size=st.sampled_from([16, 64]), block_size=st.sampled_from([128, 256]))
+def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_size, block_size):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    max_blocks = 3
+    reqs = _requests(data, block_size, max_blocks)
+    num_blocks = 1 + max_blocks * len(reqs)  # block 0 is vLLM's null block
+    table = torch.arange(1, num_blocks, dtype=torch.int32).view(len(reqs), max_blocks)
+    shape = (num_blocks, kv_heads, block_size, head_size)
+    planes = {name: (torch.zeros(shape, dtype=BF16), torch.zeros(shape, dtype=BF16))
+              for name in ("npu", "ref")}
+    # History first (as earlier steps wrote it), then this step's tokens plus two padding slots.
+    history = [torch.randn(kv - q, kv_heads, head_size, dtype=BF16) for kv, q in reqs]
+    for r, (kv, q) in enumerate(reqs):
+        if kv > q:
+            slots = torch.tensor(_slots(table[r], kv - q, kv - q, block_size))
+            writers = (("npu", attention.npu_write_kv_cache), ("ref", attention.reference_write_kv_cache))
+            for name, write in writers:
+                write(history[r], -history[r], *planes[name], slots)
+    new = sum(q for _, q in reqs)
+    key = torch.randn(new + 2, kv_heads, head_size, dtype=BF16)
+    value = torch.randn(new + 2, kv_heads, head_size, dtype=BF16)
+    slots = sum((_slots(table[r], kv, q, block_size) for r, (kv, q) in enumerate(reqs)), [])
+    slots = torch.tensor(slots + [-1, -1])
+    attention.npu_write_kv_cache(key, value, *planes["npu"], slots)
+    attention.reference_write_kv_cache(key, value, *planes["ref"], slots)
+    for npu_plane, ref_plane in zip(planes["npu"], planes["ref"]):
+        assert torch.equal(npu_plane[1:], ref_plane[1:])  # padding went to the null block only
+    query = torch.randn(new, kv_heads * group, head_size, dtype=BF16)
+    qsl = torch.tensor([0] + [q for _, q in reqs]).cumsum(0).tolist()
+    seq_lens = [kv for kv, _ in reqs]
+    out_npu, out_ref = torch.zeros_like(query), torch.zeros_like(query)
+    attention.npu_paged_attention(query, *planes["npu"], table, qsl, seq_lens, head_size ** -0.5, out_npu)
+    scale = head_size ** -0.5
+    attention.reference_paged_attention(query, *planes["ref"], table, qsl, seq_lens, scale, out_ref)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), heads=st.sampled_from([4, 32, 100]), block_size=st.sampled_from([16, 128]))
+def test_mla_write_decode_and_prefill_equal_reference(data, heads, block_size):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    rank, rope_dim, max_blocks = 512, 64, 2
+    reqs = _requests(data, block_size, max_blocks)
+    num_blocks = 1 + max_blocks * len(reqs)
+    table = torch.arange(1, num_blocks, dtype=torch.int32).view(len(reqs), max_blocks)
+    planes = {name: (torch.zeros(num_blocks, block_size, 1, rank, dtype=BF16),
+                     torch.zeros(num_blocks, block_size, 1, rope_dim, dtype=BF16)) for name in ("npu", "ref")}
+    total = sum(kv for kv, _ in reqs)
+    kv_c = torch.randn(total + 1, rank, dtype=BF16)
+    k_pe = torch.randn(total + 1, 1, rope_dim, dtype=BF16)
+    slots = sum((_slots(table[r], kv, kv, block_size) for r, (kv, _) in enumerate(reqs)), [])
+    slots = torch.tensor(slots + [-1])
+    mla.npu_write_latent_cache(kv_c, k_pe, *planes["npu"], slots)
+    mla.reference_write_latent_cache(kv_c, k_pe, *planes["ref"], slots)
+    for npu_plane, ref_plane in zip(planes["npu"], planes["ref"]):
+        assert torch.equal(npu_plane[1:], ref_plane[1:])
+    seq_lens = [kv for kv, _ in reqs]
+    q_nope = torch.randn(len(reqs), heads, rank, dtype=BF16)
+    q_pe = torch.randn(len(reqs), heads, rope_dim, dtype=BF16)
+    out_npu = mla.npu_mla_decode(q_nope, q_pe, *planes["npu"], table, seq_lens, 0.04)
+    out_ref = mla.reference_mla_decode(q_nope, q_pe, *planes["ref"], table, seq_lens, 0.04)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    # Prefill attention over expanded keys/values (V narrower than Q/K, as in DeepSeek).
+    q_lens = [q for _, q in reqs]
+    q = torch.randn(sum(q_lens), 4, 96, dtype=BF16)
+    k = torch.randn(total, 4, 96, dtype=BF16)
+    v = torch.randn(total, 4, 32, dtype=BF16)
+    torch.testing.assert_close(mla.npu_prefill_attention(q, k, v, q_lens, seq_lens, 0.1).float(),
+                               mla.reference_prefill_attention(q, k, v, q_lens, seq_lens, 0.1).float(), **TOL)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), tokens=st.integers(1, 9), experts=st.sampled_from([2, 4, 8]),
+       top_k=st.sampled_from([1, 2]), with_map=st.booleans())
+def test_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    hidden, inter = 16, 8
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    w13 = (torch.randn(experts, 2 * inter, hidden) * 0.2).to(BF16)
+    w2 = (torch.randn(experts, hidden, inter) * 0.2).to(BF16)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    expert_map = None
+    if with_map:  # this rank holds the upper half of the experts (some tokens route to none of them)
+        local = experts // 2
+        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
+        w13, w2 = w13[experts - local:], w2[experts - local:]
+    out_npu = moe.npu_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
+    out_ref = moe.reference_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)

@@ -1,0 +1,96 @@
+"""The NPU platform's start-up rules, checked with the contract double reporting one NPU
+(so the real NPUPlatform is selected), and host emulation's accelerator answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.ascend.worker.worker import device_local_rank
+
+from .test_cli import _vllm
+
+torch_npu = pytest.importorskip("torch_npu")
+if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+    pytest.skip("needs the torch_npu contract double", allow_module_level=True)
+
+NPU_HOST = {"TORCH_NPU_DOUBLE_DEVICES": "1"}  # the double answers "one NPU": NPUPlatform is chosen
+
+
+def _python(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
+    """Building the engine config (what the API server does) asks the platform for the
+    device name and memory; on an NPU host that must not create an NPU context there."""
+    result = _python(f"""
+        import vllm, torch_npu
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        config = EngineArgs(model={str(tiny_models['qwen2'])!r}, dtype="bfloat16").create_engine_config()
+        print("PLATFORM", type(current_platform).__name__, config.cache_config.block_size)
+        print("RUNTIME_CALLS", torch_npu.npu.runtime_calls)
+    """, NPU_HOST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PLATFORM NPUPlatform 128" in result.stdout
+    assert "RUNTIME_CALLS []" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--dtype", "float32"), "error: dtype float32 is not supported by the Ascend NPU kernels"),
+    (("--dtype", "bfloat16", "--block-size", "16"),
+     "error: --block-size 16 is not supported by the Ascend NPU attention kernels"),
+])
+def test_npu_start_up_errors_are_one_line(args, message, tiny_models):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
+    env.update(NPU_HOST)
+    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    cmd = [*exe, "serve", str(tiny_models["qwen2"]), "--host", "127.0.0.1", "--port", "1", *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), last
+    assert "Traceback" not in result.stderr
+
+
+def test_float32_in_npu_path_mode_is_refused_too(tiny_models):
+    result = _vllm("serve", str(tiny_models["qwen2"]), "--dtype", "float32", "--port", "1",
+                   emulate="1", extra_env={"VLLM_ASCEND_KERNELS": "npu"})
+    assert result.returncode == 1 and "use --dtype with one of: bfloat16, float16" in result.stderr
+
+
+def test_data_parallel_ranks_get_their_own_devices():
+    config = SimpleNamespace(data_parallel_size=2, distributed_executor_backend="mp",
+                             data_parallel_backend="mp", nnodes_within_dp=1, data_parallel_rank_local=1,
+                             data_parallel_index=1, pipeline_parallel_size=1,
+                             prefill_context_parallel_size=1, tensor_parallel_size=2)
+    assert [device_local_rank(config, r) for r in (0, 1)] == [2, 3]
+    config.data_parallel_rank_local = None  # falls back to the DP index, as upstream does
+    assert device_local_rank(config, 1) == 3
+    config.data_parallel_size = 1
+    assert device_local_rank(config, 1) == 1
+    config.data_parallel_size, config.distributed_executor_backend = 2, "ray"  # Ray assigns devices itself
+    assert device_local_rank(config, 1) == 1
+
+
+def test_upstream_cleanup_helper_works_in_a_test_process():
+    """Upstream's test fixtures call cleanup_dist_env_and_memory(), which empties the
+    accelerator cache; in host emulation that must work in any process importing vllm."""
+    result = _python("""
+        import vllm
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+        import torch
+        torch.accelerator.synchronize()
+        print("CLEAN")
+    """, {"VLLM_ASCEND_EMULATE": "1"})
+    assert result.returncode == 0 and "CLEAN" in result.stdout, result.stderr[-3000:]
