@@ -37,14 +37,39 @@ def _install_built_wheel(session: nox.Session) -> Path:
     return wheel
 
 
+UPSTREAM_TEST_REQUIREMENTS = str(ROOT / "tests" / "upstream" / "requirements.txt")
+
+
+def _upstream_conformance(session: nox.Session, *args: str) -> None:
+    """Upstream's own tests (unpacked from the pinned sdist) against the installed wheel."""
+    source = session.run("python", "-m", "ascend_builder", "upstream-tests", env=BUILDER_ENV,
+                         silent=True).strip().splitlines()[-1]
+    session.run("python", "-m", "tests.upstream.run", "--source", source, *args)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Builder tests (synthetic upstreams), the real-wheel integration test, and the runtime
-    tests (host emulation of the NPU platform against Hugging Face transformers)."""
-    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"))
+    """Builder tests (synthetic upstreams), the real-wheel integration test, the runtime
+    tests (host emulation against Hugging Face transformers, the NPU path under the
+    torch_npu contract), then upstream's fast conformance selection."""
+    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
+                    "-r", UPSTREAM_TEST_REQUIREMENTS)
     wheel = _install_built_wheel(session)
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]),
                 env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)})
+    if not session.posargs:
+        _upstream_conformance(session, "--selection", "fast")
+
+
+@nox.session(name="upstream-tests")
+def upstream_tests(session: nox.Session) -> None:
+    """Upstream vLLM's test suite against the built wheel in host emulation, judged by
+    tests/upstream/expectations.toml: `nox -s upstream-tests [-- --selection fast|full] [-- PATHS]`."""
+    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
+                    "-r", UPSTREAM_TEST_REQUIREMENTS)
+    _install_built_wheel(session)
+    _upstream_conformance(session, "--summary", str(ROOT / ".work" / "upstream" / "summary.json"),
+                          *session.posargs)
 
 
 @nox.session

@@ -76,6 +76,19 @@ def cmd_rebase(args) -> int:
     return 0
 
 
+def cmd_upstream_tests(args) -> int:
+    from .patchset import load_patch_set
+    from .upstream_tests import upstream_test_tree
+
+    cfg = load_config(args.root, patch_set=args.patch_set)
+    pin = load_patch_set(cfg.patch_set_dir).pin
+    dest_root = Path(args.dest or cfg.work_root / "upstream").resolve()
+    tree = upstream_test_tree(pin, cache_dir(), dest_root, _sdist_arg(args.sdist),
+                              note=lambda m: print(m, file=sys.stderr))
+    print(tree)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import bench_build
     from .pipeline import BuildInputs
@@ -120,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--sdist", help="local sdist of the target version instead of fetching it")
     r.add_argument("--pinned-sdist", help="local sdist of the pinned version (env VLLM_ASCEND_SDIST)")
     r.set_defaults(func=cmd_rebase)
+
+    u = sub.add_parser("upstream-tests", help="unpack upstream's tests/ from the pinned sdist; print the path")
+    u.add_argument("--dest", help="where (default: .work/upstream/)")
+    u.add_argument("--sdist", help="local sdist (env VLLM_ASCEND_SDIST)")
+    u.set_defaults(func=cmd_upstream_tests)
 
     be = sub.add_parser("bench", help="benchmarks")
     be.add_argument("what", choices=["build"])

@@ -142,6 +142,15 @@ class NPUPlatform(Platform):
         return False
 
     @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        # vLLM's hybrid KV-cache manager overlays the groups of a model with mixed
+        # attention (e.g. full + sliding window) on the same per-layer regions. Every
+        # group reads its region as planes in the same proportion (K|V halves, equal
+        # page sizes), so a block's bytes are the same in every group's view
+        # (attention/kv_layout.py); the runner and backends need nothing more.
+        return True
+
+    @classmethod
     def get_device_communicator_cls(cls) -> str:
         return "vllm.ascend.distributed.communicator.NPUCommunicator"
 

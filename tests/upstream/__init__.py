@@ -1,0 +1,1 @@
+"""Upstream conformance: upstream vLLM's own test suite against this distribution's wheel."""
