@@ -64,7 +64,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(name="upstream-tests")
 def upstream_tests(session: nox.Session) -> None:
     """Upstream vLLM's test suite against the built wheel in host emulation, judged by
-    tests/upstream/expectations.toml: `nox -s upstream-tests [-- --selection fast|full] [-- PATHS]`."""
+    the patch set's upstream-expectations.toml: `nox -s upstream-tests [-- --selection fast] [-- PATHS]`."""
     session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
                     "-r", UPSTREAM_TEST_REQUIREMENTS)
     _install_built_wheel(session)

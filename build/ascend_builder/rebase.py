@@ -58,7 +58,12 @@ class RebaseReport:
         ]
         lines += [f"| {p.patch} | {p.status} | {p.detail.replace('|', '/')} |" for p in self.patches]
         summary = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
-        lines += ["", f"Summary: {summary or 'no patches'}", f"Overlay: {self.overlay}", ""]
+        lines += ["", f"Summary: {summary or 'no patches'}", f"Overlay: {self.overlay}", "",
+                  "Next: once the series applies, add `patches/<name>-<version>/` (pin + series), point",
+                  "`patch-set` in pyproject.toml at it, build, and run upstream's own tests against the",
+                  f"new wheel: `nox -s upstream-tests` (upstream's tests come from the {self.to_version} sdist;",
+                  "start its upstream-expectations.toml from the current one). This needs a host where",
+                  f"{self.name} {self.to_version}'s dependencies install.", ""]
         return "\n".join(lines)
 
 

@@ -68,6 +68,9 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     assert any(r.startswith("mooncake-transfer-engine-npu") and 'extra == "mooncake"' in r for r in requires)
     assert any(r.startswith("mooncake-transfer-engine-non-cuda") and 'extra == "mooncake-host"' in r
                for r in requires)
+    # What upstream's code imports for the served model families (docs/conformance.md).
+    assert "numba==0.65.0" in requires
+    assert 'torchvision==0.28.0; platform_machine == "aarch64"' in requires
     # Upstream's common requirements are all there too.
     assert any(r.startswith("transformers") for r in requires)
     assert not any(r.startswith("torch==") and r != "torch==2.13.0" for r in requires)

@@ -91,6 +91,12 @@ def test_upstream_cleanup_helper_works_in_a_test_process():
         cleanup_dist_env_and_memory()
         import torch
         torch.accelerator.synchronize()
-        print("CLEAN")
+        # Upstream's KV connectors ask for the device index and hand it back as an int.
+        from vllm.platforms import current_platform
+        index = torch.accelerator.current_device_index()
+        current_platform.set_device(index)
+        current_platform.set_device(torch.device("cpu", 0))
+        current_platform.check_runner_kv_caches_multi_layer()  # no per-index cache list
+        print("CLEAN", index)
     """, {"VLLM_ASCEND_EMULATE": "1"})
-    assert result.returncode == 0 and "CLEAN" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "CLEAN 0" in result.stdout, result.stderr[-3000:]

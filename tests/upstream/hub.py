@@ -7,7 +7,7 @@ cards' documented sizes, not downloaded), a small byte-level BPE tokenizer with 
 model's special tokens, processor files for multimodal models, and, only where a test
 loads weights and the architecture is small, seeded random weights at the published
 shapes. Tests that need the real weights, the real vocabulary or exact hub files
-beyond these are listed in ``expectations.toml`` ("needs a real model").
+beyond these are listed in the patch set's ``upstream-expectations.toml`` (reason ``real-model``).
 
 The cache is rebuilt when this file changes (a content hash names the directory).
 """

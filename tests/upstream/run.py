@@ -1,12 +1,13 @@
 """Run upstream vLLM's own tests against the installed wheel, in host emulation, and
-judge the outcome against ``expectations.toml``.
+judge the outcome against the patch set's ``upstream-expectations.toml``.
 
     python -m tests.upstream.run --source DIR [--selection fast|full] [PATH ...]
 
 ``DIR`` is upstream's test tree unpacked from the pinned sdist
 (``python -m ascend_builder upstream-tests`` prints it; ``nox -s upstream-tests`` does
-all of this). Offline hub entries come from ``hub.py``. Every test not listed in the
-expectations file must pass; a listed one must fail (or be skipped) as listed. Any
+all of this). Offline hub entries come from ``hub.py``. The expectations belong to the
+patch set (``patches/<set>/upstream-expectations.toml``). Every test not listed there
+must pass; a listed one must fail (or be skipped) as listed. Any
 other outcome -- an unexpected failure, skip or pass, or an expectation that no
 longer matches any test -- fails the run, so the file stays true. Counts per
 directory are printed, and written as JSON with ``--summary``.
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import fnmatch
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,13 @@ from pathlib import Path
 from tests.upstream.hub import ensure_hub
 
 HERE = Path(__file__).resolve().parent
-EXPECTATIONS = HERE / "expectations.toml"
+ROOT = HERE.parents[1]
+
+
+def default_expectations() -> Path:
+    """``patches/<patch set>/upstream-expectations.toml`` of the default patch set."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
+    return ROOT / "patches" / config["patch-set"] / "upstream-expectations.toml"
 ACCEPTS = {"pass": {"passed"}, "fail": {"failed", "error"}, "skip": {"skipped"}}
 NEEDS_REF = {"upstream-bug", "not-offered"}
 # Variables of this project's own test session that must not leak into upstream's run.
@@ -45,10 +52,15 @@ class Expectation:
     note: str
 
     def matches(self, test: str) -> bool:
-        return any(fnmatch.fnmatchcase(test, p) for p in self.patterns)
+        return any(_pattern(p).fullmatch(test) for p in self.patterns)
 
 
-def load_expectations(path: Path = EXPECTATIONS) -> tuple[dict, dict, list[Expectation]]:
+def _pattern(text: str) -> re.Pattern:
+    """Node ids hold ``[params]``, so only ``*`` is a wildcard (any characters)."""
+    return re.compile(".*".join(map(re.escape, text.split("*"))))
+
+
+def load_expectations(path: Path) -> tuple[dict, dict, list[Expectation]]:
     data = tomllib.loads(path.read_text())
     reasons, selections = data["reasons"], data["selections"]
     expectations = []
@@ -89,29 +101,31 @@ def _directory(test: str) -> str:
 
 
 def report(judgement: dict, reasons: dict) -> tuple[str, dict]:
+    """Unexpected results first, then per directory: passed, expected fail/skip by reason,
+    unexpected. The summary is the same counts as data."""
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     lines = []
     for test, v in sorted(judgement["verdicts"].items()):
-        d = counts[_directory(test)]
+        c = counts[_directory(test)]
         if not v["ok"]:
-            d["unexpected"] += 1
+            c["unexpected"] += 1
             lines.append(f"UNEXPECTED {v['outcome']} (expected {v['expected']}): {test}\n    {v['message']}")
         elif v["expected"] == "pass":
-            d["passed"] += 1
+            c["passed"] += 1
         else:
-            d[f"expected {v['expected']}: {v['reason']}"] += 1
+            c[f"{v['expected']}: {v['reason']}"] += 1
     for e in judgement["stale"]:
         lines.append(f"STALE expectation ({e.outcome}, {e.reason}) matches no test: {list(e.patterns)}")
-    table = ["", f"{'directory':42} {'passed':>7} {'expected fail/skip (by reason)':>34} {'unexpected':>10}"]
+    table = ["", f"{'directory':48} {'passed':>7} {'unexpected':>10}  expected fail / skip by reason"]
     for d, c in sorted(counts.items()):
-        expected = ", ".join(f"{k.split(': ')[1]} {k.split()[1]} {n}" for k, n in sorted(c.items())
-                             if k.startswith("expected"))
-        table.append(f"{d:42} {c['passed']:>7} {expected or '-':>34} {c['unexpected']:>10}")
+        expected = ", ".join(f"{k} {n}" for k, n in sorted(c.items()) if ":" in k)
+        table.append(f"{d:48} {c['passed']:>7} {c['unexpected']:>10}  {expected or '-'}")
     summary = {d: dict(c) for d, c in sorted(counts.items())}
     return "\n".join(lines + table), summary
 
 
-def run_pytest(source: Path, paths: list[str], timeout: int, hub_cache: Path) -> dict[str, dict]:
+def run_pytest(source: Path, paths: list[str], timeout: int, hub_cache: Path,
+               keep: Path | None = None, workers: int = 1) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
     with tempfile.TemporaryDirectory() as tmp:
         outcomes_file = Path(tmp) / "outcomes.jsonl"
@@ -120,28 +134,39 @@ def run_pytest(source: Path, paths: list[str], timeout: int, hub_cache: Path) ->
                    PYTHONPATH=str(HERE / "plugin"), VLLM_ASCEND_HOST_KV_CACHE_MB="64")
         cmd = [sys.executable, "-m", "pytest", "-p", "ascend_outcomes", "-p", "no:cacheprovider", "-q",
                "--continue-on-collection-errors", f"--timeout={timeout}", "-o", "addopts=", "-rN",
-               "--disable-warnings", *paths]
-        subprocess.run(cmd, cwd=source, env=env)
+               "--disable-warnings", *(["-n", str(workers)] if workers > 1 else []), *paths]
+        code = subprocess.run(cmd, cwd=source, env=env, check=False).returncode
         if not outcomes_file.exists():
             raise SystemExit("error: upstream's pytest run ended without results (see its output above)")
+        if code not in (0, 1):  # 2 interrupted, 3 internal error, 4 usage, 5 nothing collected
+            raise SystemExit(f"error: upstream's pytest run did not complete (exit code {code}; "
+                             "see its output above)")
+        if keep:
+            keep.write_text(outcomes_file.read_text())
         return {r["test"]: r for r in map(json.loads, outcomes_file.read_text().splitlines())}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", type=Path, required=True, help="upstream test tree (from the pinned sdist)")
-    p.add_argument("--selection", default="full", help="named selection in expectations.toml (default: full)")
+    p.add_argument("--selection", default="full", help="named selection in the expectations (default: full)")
+    p.add_argument("--expectations", type=Path, default=default_expectations(),
+                   help="expectations file (default: the default patch set's upstream-expectations.toml)")
     p.add_argument("--timeout", type=int, default=180, help="per-test timeout in seconds")
     p.add_argument("--cache", type=Path, default=Path(".work/upstream"), help="where the offline hub is built")
     p.add_argument("--summary", type=Path, help="write per-directory counts as JSON here")
+    p.add_argument("--workers", type=int, help="pytest-xdist worker processes (default: the selection's)")
+    p.add_argument("--outcomes", type=Path, help="keep every test's outcome, message and seconds (JSON lines) here")
     p.add_argument("paths", nargs="*", help="test paths relative to the upstream tree (default: the selection)")
     args = p.parse_args(argv)
 
-    reasons, selections, expectations = load_expectations()
-    paths = args.paths or selections[args.selection]
+    reasons, selections, expectations = load_expectations(args.expectations)
+    selection = selections[args.selection]
+    paths = args.paths or selection["paths"]
+    workers = args.workers or selection.get("workers", 1)
     hub_cache = ensure_hub(args.cache.resolve())
     started = time.monotonic()
-    outcomes = run_pytest(args.source.resolve(), paths, args.timeout, hub_cache)
+    outcomes = run_pytest(args.source.resolve(), paths, args.timeout, hub_cache, args.outcomes, workers)
     judgement = judge(outcomes, expectations, paths)
     text, summary = report(judgement, reasons)
     print(text)

@@ -3,8 +3,9 @@ per test with its outcome, and one per module that fails to collect.
 
 Outcomes: passed, failed (the test body), error (setup or teardown), skipped. A test
 that passes but errors in teardown counts as error. Written to the file named by
-``ASCEND_OUTCOMES``; a module with its own name so it cannot clash with upstream's
-``tests`` package, which is first on ``sys.path`` during the run.
+``ASCEND_OUTCOMES`` as each test finishes, so a run that is killed keeps what it did;
+a module with its own name so it cannot clash with upstream's ``tests`` package, which
+is first on ``sys.path`` during the run.
 """
 
 from __future__ import annotations
@@ -13,20 +14,29 @@ import json
 import os
 
 _results: dict[str, dict] = {}
+_writer = True  # False in pytest-xdist workers: their reports reach the controller, which writes
+
+
+def pytest_configure(config) -> None:
+    global _writer
+    _writer = not hasattr(config, "workerinput")
 
 
 def _summary(report) -> str:
-    """One line: the skip reason, or the last ``E`` line of a failure."""
+    """One line: the skip reason, or a failure's ``E`` lines (the exception and its
+    detail, e.g. pydantic's "Value error, ..." below "1 validation error for ...")."""
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2])[:300]
     text = (getattr(report, "longreprtext", "") or "").strip()
-    errors = [line[2:].strip() for line in text.splitlines() if line.startswith("E ")]
-    last = errors[-1] if errors else (text.splitlines()[-1] if text else "")
-    return last[:300]
+    errors = [line[2:].strip() for line in text.splitlines() if line.startswith("E ") and line[2:].strip()]
+    if not errors:
+        return text.splitlines()[-1][:300] if text else ""
+    return " | ".join(errors[:3] + errors[-1:] if len(errors) > 4 else errors)[:500]
 
 
 def pytest_runtest_logreport(report) -> None:
-    entry = _results.setdefault(report.nodeid, {"outcome": "passed", "message": ""})
+    entry = _results.setdefault(report.nodeid, {"outcome": "passed", "message": "", "seconds": 0.0})
+    entry["seconds"] = round(entry["seconds"] + report.duration, 3)
     if report.when == "call" and report.failed:
         entry.update(outcome="failed", message=_summary(report))
     elif report.failed and entry["outcome"] != "failed":
@@ -37,14 +47,17 @@ def pytest_runtest_logreport(report) -> None:
         entry["outcome"] = "skipped" if report.skipped else "passed"
 
 
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    _write(nodeid, _results.pop(nodeid, {"outcome": "passed", "message": "", "seconds": 0.0}))
+
+
 def pytest_collectreport(report) -> None:
     if report.failed:
-        _results[report.nodeid] = {"outcome": "error", "message": f"collection: {_summary(report)}"}
+        _write(report.nodeid, {"outcome": "error", "message": f"collection: {_summary(report)}"})
 
 
-def pytest_sessionfinish(session, exitstatus) -> None:
+def _write(nodeid: str, entry: dict) -> None:
     path = os.environ.get("ASCEND_OUTCOMES")
-    if path:
-        with open(path, "w") as f:
-            for nodeid, entry in sorted(_results.items()):
-                f.write(json.dumps({"test": nodeid, **entry}) + "\n")
+    if path and _writer:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": nodeid, **entry}) + "\n")

@@ -73,10 +73,11 @@ class HostDevice(Device):
 
 
 def answer_accelerator_calls() -> None:
-    """torch.accelerator.synchronize/empty_cache raise on a torch with no accelerator,
-    and upstream calls them on generic paths (sampler warm-up, profiling clean-up,
-    shutdown, ``cleanup_dist_env_and_memory``). On the host there is nothing to
-    synchronise or free, so they return. Only when no accelerator exists; idempotent."""
+    """torch.accelerator.synchronize/empty_cache/current_device_index raise on a torch
+    with no accelerator, and upstream calls them on generic paths (sampler warm-up,
+    profiling clean-up, shutdown, ``cleanup_dist_env_and_memory``, KV connectors). On
+    the host there is nothing to synchronise or free and each process has one emulated
+    device, index 0. Only when no accelerator exists; idempotent."""
     if torch.accelerator.is_available() or getattr(torch.accelerator, "_ascend_host_answers", False):
         return
 
@@ -86,6 +87,7 @@ def answer_accelerator_calls() -> None:
     torch.accelerator.synchronize = nothing
     torch.accelerator.empty_cache = nothing
     torch.accelerator.empty_host_cache = nothing
+    torch.accelerator.current_device_index = lambda: 0
     torch.accelerator._ascend_host_answers = True
 
 

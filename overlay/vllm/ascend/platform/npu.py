@@ -103,8 +103,10 @@ class NPUPlatform(Platform):
         return float(ascend_device.current().memory_allocated())
 
     @classmethod
-    def set_device(cls, device: torch.device) -> None:
-        ascend_device.current().set_device(device.index or 0)
+    def set_device(cls, device: torch.device | int) -> None:
+        # Upstream callers pass either (KV connectors pass the bare index).
+        index = device if isinstance(device, int) else device.index
+        ascend_device.current().set_device(index or 0)
 
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
@@ -149,6 +151,13 @@ class NPUPlatform(Platform):
         # page sizes), so a block's bytes are the same in every group's view
         # (attention/kv_layout.py); the runner and backends need nothing more.
         return True
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # Layers sharing a layer index (cross + self attention, draft layers) are fine:
+        # the attention backends take each layer's cache from the layer itself, never
+        # from the runner's per-index list.
+        pass
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:

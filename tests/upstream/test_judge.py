@@ -1,0 +1,67 @@
+"""The conformance judge: what counts as expected, unexpected and stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.upstream.run import Expectation, default_expectations, judge, load_expectations, report
+
+FILE = "tests/v1/core/test_a.py"
+
+
+def _outcomes(**tests: str) -> dict:
+    return {f"{FILE}::{name}": {"outcome": outcome, "message": f"{name} {outcome}"} for name, outcome in tests.items()}
+
+
+def _unexpected(judgement: dict) -> set[str]:
+    return {t.split("::")[1] for t, v in judgement["verdicts"].items() if not v["ok"]}
+
+
+EXPECT = [Expectation((f"{FILE}::test_cuda*",), "fail", "cuda", ""),
+          Expectation((f"{FILE}::test_skipped",), "skip", "cuda", "")]
+
+
+def test_listed_failures_and_skips_are_expected_and_others_must_pass():
+    outcomes = _outcomes(test_ok="passed", test_cuda_1="failed", test_cuda_2="error", test_skipped="skipped")
+    judgement = judge(outcomes, EXPECT, [FILE])
+    assert not _unexpected(judgement) and not judgement["stale"]
+    _text, summary = report(judgement, {"cuda": "needs CUDA"})
+    assert summary["tests/v1/core"] == {"passed": 1, "fail: cuda": 2, "skip: cuda": 1}
+
+
+def test_unexpected_failure_pass_and_skip_are_reported():
+    outcomes = _outcomes(test_ok="failed", test_cuda_1="passed", test_skipped="passed", test_new="skipped")
+    judgement = judge(outcomes, EXPECT, [FILE])
+    assert _unexpected(judgement) == {"test_ok", "test_cuda_1", "test_skipped", "test_new"}
+    text, _ = report(judgement, {})
+    assert "UNEXPECTED passed (expected fail)" in text and "UNEXPECTED failed (expected pass)" in text
+
+
+def test_an_expectation_that_matches_nothing_in_a_run_module_is_stale():
+    judgement = judge(_outcomes(test_ok="passed"), EXPECT, [FILE])
+    assert len(judgement["stale"]) == 2
+    # ... but not when its module was not part of the selection.
+    assert not judge(_outcomes(test_ok="passed"), EXPECT, ["tests/v1/other"])["stale"]
+
+
+def test_the_committed_expectations_are_well_formed():
+    reasons, selections, expectations = load_expectations(default_expectations())
+    assert set(reasons) == {"cuda", "real-model", "oot-rejected", "upstream-bug", "not-offered"}
+    assert {"fast", "full"} <= set(selections)
+    assert all(e.reason in reasons for e in expectations)
+
+
+def test_a_reference_is_required_for_bugs_and_features_not_offered(tmp_path: Path):
+    bad = tmp_path / "e.toml"
+    bad.write_text('[reasons]\nupstream-bug = "x"\n[selections]\nfast = []\n'
+                   '[[expect]]\ntests = ["a"]\noutcome = "fail"\nreason = "upstream-bug"\n')
+    with pytest.raises(ValueError, match="needs a note"):
+        load_expectations(bad)
+
+
+def test_brackets_in_node_ids_are_literal_and_star_spans_parameters():
+    e = Expectation((f"{FILE}::test_x[cuda-*]", f"{FILE}::test_y[a]"), "skip", "cuda", "")
+    assert e.matches(f"{FILE}::test_x[cuda-True]") and e.matches(f"{FILE}::test_y[a]")
+    assert not e.matches(f"{FILE}::test_x[cpu-True]") and not e.matches(f"{FILE}::test_ya")
