@@ -134,6 +134,8 @@ def run_pytest(source: Path, paths: list[str], timeout: int, hub_cache: Path,
                    PYTHONPATH=str(HERE / "plugin"), VLLM_ASCEND_HOST_KV_CACHE_MB="64")
         cmd = [sys.executable, "-m", "pytest", "-p", "ascend_outcomes", "-p", "no:cacheprovider", "-q",
                "--continue-on-collection-errors", f"--timeout={timeout}", "-o", "addopts=", "-rN",
+               # upstream's pyproject leaves it unset; pytest-asyncio warns in every process
+               "-o", "asyncio_default_fixture_loop_scope=function",
                "--disable-warnings", *(["-n", str(workers)] if workers > 1 else []), *paths]
         code = subprocess.run(cmd, cwd=source, env=env, check=False).returncode
         if not outcomes_file.exists():
