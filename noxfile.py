@@ -40,6 +40,11 @@ def _install_built_wheel(session: nox.Session) -> Path:
 UPSTREAM_TEST_REQUIREMENTS = str(ROOT / "tests" / "upstream" / "requirements.txt")
 
 
+def _install_test_requirements(session: nox.Session) -> None:
+    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
+                    "-r", UPSTREAM_TEST_REQUIREMENTS)
+
+
 def _upstream_conformance(session: nox.Session, *args: str) -> None:
     """Upstream's own tests (unpacked from the pinned sdist) against the installed wheel."""
     source = session.run("python", "-m", "ascend_builder", "upstream-tests", env=BUILDER_ENV,
@@ -52,8 +57,7 @@ def tests(session: nox.Session) -> None:
     """Builder tests (synthetic upstreams), the real-wheel integration test, the runtime
     tests (host emulation against Hugging Face transformers, the NPU path under the
     torch_npu contract), then upstream's fast conformance selection."""
-    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
-                    "-r", UPSTREAM_TEST_REQUIREMENTS)
+    _install_test_requirements(session)
     wheel = _install_built_wheel(session)
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]),
                 env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)})
@@ -65,8 +69,7 @@ def tests(session: nox.Session) -> None:
 def upstream_tests(session: nox.Session) -> None:
     """Upstream vLLM's test suite against the built wheel in host emulation, judged by
     the patch set's upstream-expectations.toml: `nox -s upstream-tests [-- --selection fast] [-- PATHS]`."""
-    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
-                    "-r", UPSTREAM_TEST_REQUIREMENTS)
+    _install_test_requirements(session)
     _install_built_wheel(session)
     _upstream_conformance(session, "--summary", str(ROOT / ".work" / "upstream" / "summary.json"),
                           *session.posargs)

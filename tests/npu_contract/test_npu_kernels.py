@@ -4,6 +4,11 @@ equal the reference kernels (bf16, the dtype the NPU kernels take)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,3 +129,65 @@ def test_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
     out_npu = moe.npu_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
     out_ref = moe.reference_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+
+
+def test_npu_slots_send_padding_to_the_null_block():
+    """Padding tokens (slot -1) are written to slot 0 (block 0, vLLM's null block) without
+    a host sync; through the double, the write lands there and nowhere else."""
+    slots = attention.npu_slots(torch.tensor([5, -1, 130, 7]), 3)
+    assert slots.dtype == torch.int64 and slots.tolist() == [5, 0, 130]
+    planes = (torch.zeros(3, 2, 128, 16, dtype=BF16), torch.zeros(3, 2, 128, 16, dtype=BF16))
+    key = torch.randn(3, 2, 16, dtype=BF16)
+    attention.npu_write_kv_cache(key, -key, *planes, torch.tensor([5, -1, 130]))
+    k_plane, v_plane = planes
+    assert torch.equal(k_plane[0, :, 0], key[1]) and torch.equal(v_plane[0, :, 0], -key[1])
+    assert torch.equal(k_plane[0, :, 5], key[0]) and torch.equal(k_plane[1, :, 2], key[2])
+    assert int((k_plane != 0).any(dim=-1).sum()) == 3 * 2  # three tokens x two heads, nothing else
+
+
+@pytest.mark.parametrize("heads", [1, 32, 33, 64, 65, 128])
+def test_mla_decode_pads_heads_to_the_documented_counts(heads):
+    padded = mla.npu_padded_heads(heads)
+    assert padded == min(n for n in (32, 64, 128) if n >= heads)
+    torch.manual_seed(heads)
+    latent = torch.randn(2, 16, 1, 512, dtype=BF16)
+    rope = torch.randn(2, 16, 1, 64, dtype=BF16)
+    table = torch.tensor([[1]], dtype=torch.int32)
+    q_nope, q_pe = torch.randn(1, heads, 512, dtype=BF16), torch.randn(1, heads, 64, dtype=BF16)
+    out = mla.npu_mla_decode(q_nope, q_pe, latent, rope, table, [9], 0.04)  # the double checks num_heads
+    assert out.shape == (1, heads, 512)
+    torch.testing.assert_close(out.float(),
+                               mla.reference_mla_decode(q_nope, q_pe, latent, rope, table, [9], 0.04).float(),
+                               **TOL)
+
+
+def test_mla_decode_refuses_more_heads_than_the_kernel_takes():
+    with pytest.raises(ValueError, match="at most 128 query heads per rank.*tensor-parallel"):
+        mla.npu_padded_heads(129)
+
+
+@pytest.mark.parametrize("choice, emulate, expect_npu", [
+    ("npu", "1", True), ("reference", "1", False), ("auto", "1", False), ("auto", "0", True)])
+def test_npu_kernels_binds_the_facade_once_from_the_kernel_choice(choice, emulate, expect_npu):
+    """``npu_kernels()`` follows VLLM_ASCEND_KERNELS (auto: NPU kernels unless emulating), and
+    the facade binds accordingly: with the NPU kernels a cache write goes through the
+    double's torch_npu op, with the reference kernels no torch_npu op is called."""
+    code = """
+        import torch, torch_npu
+        from torch_npu import _contract
+        from vllm.ascend.kernels import npu_kernels, attention
+        planes = [torch.zeros(2, 1, 128, 8, dtype=torch.bfloat16) for _ in range(2)]
+        token = torch.ones(1, 1, 8, dtype=torch.bfloat16)
+        attention.write_kv_cache(token, token, *planes, torch.tensor([130]))
+        print(npu_kernels(), attention.write_kv_cache is attention.npu_write_kv_cache,
+              _contract.calls["npu::npu_scatter_nd_update_"], float(planes[0][1, 0, 2].sum()))
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ASCEND_KERNELS", "VLLM_ASCEND_EMULATE")}
+    env.update(VLLM_ASCEND_KERNELS=choice, VLLM_ASCEND_EMULATE=emulate)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    on, bound, calls, written = result.stdout.split()[-4:]
+    assert (on, bound) == (str(expect_npu), str(expect_npu))
+    assert int(calls) == (2 if expect_npu else 0)  # K and V planes
+    assert float(written) == 8.0  # either way the token reached block 1, offset 2

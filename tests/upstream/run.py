@@ -89,11 +89,22 @@ def judge(outcomes: dict[str, dict], expectations: list[Expectation], selected: 
         ok = result["outcome"] in ACCEPTS[expected]
         verdicts[test] = {"outcome": result["outcome"], "expected": expected, "ok": ok,
                           "reason": match.reason if match else None, "message": result.get("message", "")}
-    ran = {t.split("::")[0] for t in outcomes}
-    stale = [e for e in expectations if e not in used
-             and any(p.split("::")[0] in ran for p in e.patterns)
-             and any(p.split("::")[0].startswith(tuple(selected)) for p in e.patterns)]
+    stale = [e for e in expectations if e not in used and any(_selected(p, selected) for p in e.patterns)]
     return {"verdicts": verdicts, "stale": stale}
+
+
+def _selected(pattern: str, selected: list[str]) -> bool:
+    """Whether the run covered what a pattern names: its file lies under a selected
+    directory or file (a file that no longer exists included), or it falls within a
+    selected node id."""
+    file = pattern.split("::")[0].removesuffix("*")
+    for path in selected:
+        if "::" in path:
+            if pattern.startswith(path):
+                return True
+        elif file == path or file.startswith(path.rstrip("/") + "/"):
+            return True
+    return False
 
 
 def _directory(test: str) -> str:
@@ -143,9 +154,10 @@ def run_pytest(source: Path, paths: list[str], timeout: int, hub_cache: Path,
         if code not in (0, 1):  # 2 interrupted, 3 internal error, 4 usage, 5 nothing collected
             raise SystemExit(f"error: upstream's pytest run did not complete (exit code {code}; "
                              "see its output above)")
+        text = outcomes_file.read_text()
         if keep:
-            keep.write_text(outcomes_file.read_text())
-        return {r["test"]: r for r in map(json.loads, outcomes_file.read_text().splitlines())}
+            keep.write_text(text)
+        return {r["test"]: r for r in map(json.loads, text.splitlines())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     reasons, selections, expectations = load_expectations(args.expectations)
+    if args.selection not in selections:
+        p.error(f"no selection {args.selection!r} in {args.expectations}; "
+                f"it has: {', '.join(sorted(selections))}")
     selection = selections[args.selection]
     paths = args.paths or selection["paths"]
     workers = args.workers or selection.get("workers", 1)

@@ -44,6 +44,12 @@ def test_an_expectation_that_matches_nothing_in_a_run_module_is_stale():
     assert len(judgement["stale"]) == 2
     # ... but not when its module was not part of the selection.
     assert not judge(_outcomes(test_ok="passed"), EXPECT, ["tests/v1/other"])["stale"]
+    # An entry for a file that is gone from a selected directory is stale too (a rebase
+    # that renamed it), and a test-level selection covers only what it names.
+    gone = [Expectation(("tests/v1/core/test_gone.py*",), "fail", "cuda", "")]
+    assert judge(_outcomes(test_ok="passed"), gone, ["tests/v1/core"])["stale"] == gone
+    assert not judge(_outcomes(test_ok="passed"), gone, ["tests/v1/core_extra"])["stale"]
+    assert not judge(_outcomes(test_ok="passed"), EXPECT, [f"{FILE}::test_ok"])["stale"]
 
 
 def test_the_committed_expectations_are_well_formed():
