@@ -120,16 +120,18 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: `build` (raw upstream build vs. distribution build) or `serve`
-    (host-emulation start-up time and tokens/s of the tiny models)."""
-    if not session.posargs or session.posargs[0] not in ("build", "serve"):
-        session.error("name a benchmark: nox -s bench -- build | serve")
+    """Benchmarks: `build` (raw upstream build vs. distribution build), `serve`
+    (host-emulation start-up time and tokens/s of the tiny models) or `moe` (the MoE
+    communication strategies on gloo: bytes, latency, the selector's choice)."""
+    if not session.posargs or session.posargs[0] not in ("build", "serve", "moe"):
+        session.error("name a benchmark: nox -s bench -- build | serve | moe")
     session.install("-r", BUILD_REQUIREMENTS)
     if session.posargs[0] == "build":
         _builder(session, "bench", *session.posargs)
         return
     _install_built_wheel(session)
-    session.run("python", str(ROOT / "benchmarks" / "serve.py"), *session.posargs[1:])
+    session.run("python", str(ROOT / "benchmarks" / f"{session.posargs[0]}.py"), *session.posargs[1:],
+                env={"VLLM_ASCEND_EMULATE": "1"})
 
 
 if os.environ.get("CI"):

@@ -7,12 +7,18 @@ greedy ``generate`` is the oracle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 try:
@@ -100,6 +106,49 @@ def run_vllm(model: Path, batches: list[list[str]], engine: dict | None = None, 
                                             **(engine or {})},
             "batches": batches, "chats": chats or [], "max_tokens": max_tokens}
     return run_spec(spec, timeout)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_cli() -> str:
+    exe = Path(sys.executable).with_name("vllm")
+    return str(exe) if exe.exists() else shutil.which("vllm")
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, args: list[str], log: Path, timeout: float = 300):
+    """``vllm serve`` in host emulation on 127.0.0.1; yields its base URL once healthy
+    and stops the whole process group afterwards."""
+    port = free_port()
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
+    cmd = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {timeout}s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def clean_shutdown(output: str) -> None:

@@ -2,10 +2,11 @@
 through the torch_npu contract double (VLLM_ASCEND_KERNELS=npu in host emulation).
 
 For each architecture one process runs three engines in bf16 (the dtype the NPU
-kernels take): the reference kernels at TP=1, the NPU kernels at TP=1 and at TP=2.
-The NPU runs must produce the reference's greedy tokens for every prompt (prefill,
-chunked prefill with 128-token steps, prefix-cache hits over 128-token blocks,
-decode). Two implementations may legitimately pick different tokens only where the
+kernels take): the reference kernels at TP=1, the NPU kernels at TP=1 and at TP=2
+(for the MoE model with expert parallelism and the MC2 strategy: torch_npu's MoE
+dispatch/combine ops). The NPU runs must produce the reference's greedy tokens for every
+prompt (prefill, chunked prefill with 128-token steps, prefix-cache hits over 128-token
+blocks, decode). Two implementations may legitimately pick different tokens only where the
 reference's top two candidates are within NEAR_TIE of each other; each such case is
 reported as a warning, never hidden. Every torch_npu call has to pass the contract
 (a violation fails the engine), and the double's call log proves the NPU kernels ran.
@@ -36,6 +37,11 @@ EXPECTED_OPS = {
     "atb::_npu_reshape_and_cache": (MLA512,),
     "npu::npu_grouped_matmul": (MLA512,),
     "npu::npu_swiglu": (MLA512,),
+}
+# Ops only the TP=2 run calls: it serves the MoE model with expert parallelism and MC2.
+EXPECTED_TP2_OPS = {
+    "npu::npu_moe_distribute_dispatch_v2": (MLA512,),
+    "npu::npu_moe_distribute_combine_v2": (MLA512,),
 }
 
 
@@ -80,6 +86,8 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         engine = dict(ENGINE)
         if name == "npu_tp2":
             engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
+            if arch == MLA512:  # expert parallelism over the two ranks, every step through MC2
+                engine.update(enable_expert_parallel=True, additional_config={"moe_comm_method": "mc2"})
         specs.append({"model": str(tiny_models[arch]), "engine": engine, "batches": batches,
                       "max_tokens": MAX_TOKENS, "logprobs": 2,
                       "env": {**env, "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name)}})
@@ -107,6 +115,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     assert not _call_counts(tmp_path / "reference"), "the reference run must not call torch_npu"
     for name in ("npu_tp1", "npu_tp2"):
         counts = _call_counts(tmp_path / name)
-        for op, archs in EXPECTED_OPS.items():
+        expected = {**EXPECTED_OPS, **(EXPECTED_TP2_OPS if name == "npu_tp2" else {})}
+        for op, archs in expected.items():
             if arch in archs:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"

@@ -4,66 +4,23 @@ answer with the same text as the LLM API."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import run_vllm
+from .conftest import run_vllm, vllm_server
 
 PROMPT = "Once upon a time there was a small model that learned to count"
 CHAT = [{"role": "user", "content": "Tell me about paged attention."}]
 MAX_TOKENS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_cli() -> str:
-    exe = Path(sys.executable).with_name("vllm")
-    return str(exe) if exe.exists() else shutil.which("vllm")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
-    cmd = [_vllm_cli(), "serve", str(tiny_models["llama"]), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after 300s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+    args = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+    with vllm_server(tiny_models["llama"], args, log) as base:
         yield base, tiny_models["llama"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -40,3 +40,13 @@ class Device(ABC):
 
     @abstractmethod
     def event(self, **kwargs) -> object: ...
+
+    @abstractmethod
+    def soc_generation(self) -> str:
+        """"A2", "A3", "other" (another Ascend SoC) or "host" (emulation): what the MoE
+        strategy selector and the MC2 arguments depend on."""
+
+    @abstractmethod
+    def comm_name(self, group) -> str:
+        """The name under which the collective-communication library knows ``group``
+        (the HCCL communicator name that torch_npu's MC2 ops take as ``group_ep``)."""

@@ -71,6 +71,13 @@ class HostDevice(Device):
     def event(self, **kwargs) -> object:
         return _HostEvent(**kwargs)
 
+    def soc_generation(self) -> str:
+        return "host"
+
+    def comm_name(self, group) -> str:
+        # The c10d name: the contract double resolves it back to the (gloo) group.
+        return group.group_name
+
 
 def answer_accelerator_calls() -> None:
     """torch.accelerator.synchronize/empty_cache/current_device_index raise on a torch

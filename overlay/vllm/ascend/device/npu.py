@@ -52,6 +52,23 @@ class NPUDevice(Device):
     def event(self, **kwargs) -> object:
         return self._npu.Event(**kwargs)
 
+    def soc_generation(self) -> str:
+        # torch_npu.npu.get_soc_version(): Atlas A2 parts report 220-225, A3 250-255
+        # (the ranges vllm-ascend's device-type detection uses).
+        version = int(self._npu.get_soc_version())
+        if 220 <= version <= 225:
+            return "A2"
+        if 250 <= version <= 255:
+            return "A3"
+        return "other"
+
+    def comm_name(self, group) -> str:
+        import torch
+        import torch.distributed as dist
+
+        backend = group._get_backend(torch.device("npu"))
+        return backend.get_hccl_comm_name(dist.get_rank(group=group))
+
     def cann_version(self) -> str:
         try:
             from torch_npu.npu.utils import get_cann_version  # documented in torch_npu

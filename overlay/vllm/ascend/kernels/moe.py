@@ -16,7 +16,10 @@ from vllm.ascend.kernels import pick, torch_npu
 
 def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
     ids = topk_ids.to(torch.int64)
-    return ids if expert_map is None else expert_map.to(torch.int64)[ids]
+    if expert_map is None:
+        return ids
+    # A negative id (a row no expert should take) must not index the map from its end.
+    return torch.where(ids >= 0, expert_map.to(torch.int64)[ids.clamp(min=0)], -1)
 
 
 def reference_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,

@@ -235,10 +235,34 @@ class NPUPlatform(Platform):
         if model_config is not None and model_config.enable_sleep_mode:
             raise AscendConfigError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
 
+        if parallel_config.use_sequence_parallel_moe:
+            # Upstream splits the tokens of DP x TP + EP MoE layers over TP ("sequence
+            # parallel"); on this platform that path decodes differently from transformers
+            # (measured with the tiny DeepSeek-V3 at DP 2 x TP 2, every strategy), so the
+            # Ascend strategies split over TP themselves instead.
+            parallel_config.all2all_backend = "naive"
+            _adjust("sequence-parallel MoE off", "its DP x TP + EP decode is not yet correct on Ascend")
+        if model_config is not None:
+            from vllm.ascend.moe.step import validate_config
+
+            try:
+                validate_config(vllm_config)
+            except ValueError as exc:
+                raise AscendConfigError(str(exc)) from None
+
         # Worker processes must not inherit a half-initialised device runtime.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         # No side streams for shared experts on this platform.
         os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
+
+    @classmethod
+    def set_additional_forward_context(cls, *args, **kwargs) -> dict:
+        # The MoE strategy of this forward, from values every DP/EP rank shares.
+        from vllm.ascend.moe.step import step_for_forward
+
+        step = step_for_forward(kwargs["vllm_config"], kwargs.get("num_tokens"),
+                                kwargs.get("num_tokens_across_dp"))
+        return {} if step is None else {"ascend_moe": step}
 
     @classmethod
     def default_block_size(cls) -> int:

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 DOCS = "torch_npu/_op_plugin_docs.py"
 ATB_DOC_RESHAPE = ("https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/ascendtbapi/"
                    "ascendtb_01_0073.html (CANN ATB ReshapeAndCacheOperation)")
+MC2_DISPATCH_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_dispatch_v2.md "
+                    "(commit 517f2e7d)")
+MC2_COMBINE_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_combine_v2.md "
+                   "(commit 517f2e7d)")
 OP_PLUGIN_ATB_COMMON = "Ascend/op-plugin op_plugin/utils/custom_functions/atb/AtbCommon.cpp"
 
 
@@ -108,6 +112,24 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("GMM.weight_transpose", DOCS, "tensor转置: 指若tensor shape为[M,K]时, 则stride为[1,M],数据排布为[K,M]的场景, "
                                        "即非连续tensor."),
     Rule("GMM.inner_limit", DOCS, "x和weight中每一组tensor的最后一维大小都应小于InnerLimit."),
+    # -- npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) --------------------------------------------
+    Rule("MC2.expert_ids", MC2_DISPATCH_DOC, "shape为\\(BS, K\\)，数据类型支持`int32`，数据格式为$ND$，支持非连续的Tensor。"
+                                             "对应[torch\\_npu.npu\\_moe\\_distribute\\_combine\\_v2]"
+                                             "(torch_npu-npu_moe_distribute_combine_v2.md)的`expert_ids`输入，"
+                                             "张量里value取值范围为\\[0, moe\\_expert\\_num\\)，"
+                                             "且同一行中的K个value不能重复。", in_wheel=False),
+    Rule("MC2.mask_order", MC2_DISPATCH_DOC, "当输入为1维时，参数为true表示对应的token参与通信，true必须排到false之前，"
+                                             "例：{true, false, true} 为非法输入", in_wheel=False),
+    Rule("MC2.uniform_bs", MC2_DISPATCH_DOC, "当每张卡的BS数量不一致时，所有token必须全部有效。", in_wheel=False),
+    Rule("MC2.top_k", MC2_DISPATCH_DOC, "K：表示选取topK个专家，取值范围为0<K≤16", in_wheel=False),
+    Rule("MC2.batch", MC2_DISPATCH_DOC, "`comm_alg`设置为\"\"或\"fullmesh_v1\"时，`BS`的取值范围为0<BS≤512。",
+         in_wheel=False),
+    Rule("MC2.dtype", MC2_DISPATCH_DOC, "表示有BS个token，数据类型支持`bfloat16`、`float16`。", in_wheel=False),
+    Rule("MC2.group", MC2_DISPATCH_DOC, "**group\\_ep** (`str`)：必选参数，EP通信域名称，专家并行的通信域。"
+                                        "字符串长度范围为\\[1,128\\)。", in_wheel=False),
+    Rule("MC2.expert_scales", MC2_COMBINE_DOC, "表示每个token的topK个专家的权重，要求为2维张量，shape为\\(BS, K\\)，"
+                                               "其中共享专家不需要乘权重系数，直接相加即可。数据类型支持`float32`",
+         in_wheel=False),
     # -- npu_swiglu ---------------------------------------------------------------------------------
     Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
     Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),

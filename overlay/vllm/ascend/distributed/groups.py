@@ -1,0 +1,41 @@
+"""Process groups of the Ascend distribution beside upstream's (TP, DP, EP, ...).
+
+MC2: torch_npu's MoE dispatch/combine ops need an EP communication domain that carries
+no other operator ("the EP comm domain used by dispatch/combine may carry no other
+operator", torch_npu npu_moe_distribute_dispatch_v2 docs), so the MC2 strategy gets its
+own group with exactly the EP group's ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vllm.distributed.parallel_state import (GroupCoordinator, get_ep_group, get_world_group,
+                                             init_model_parallel_group)
+
+_MC2: GroupCoordinator | None = None
+
+
+def init_mc2_group(backend: str) -> None:
+    """Create the MC2 group (collective over the whole world: every rank takes part in
+    creating every EP rank list's group). Call once per worker after upstream's groups;
+    like upstream's groups it lives until the worker process exits."""
+    global _MC2
+    if _MC2 is not None:
+        return
+    ep = get_ep_group()
+    world = get_world_group()
+    mine = torch.tensor(ep.ranks, dtype=torch.int64)
+    every = torch.empty(world.world_size * ep.world_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine, group=world.cpu_group)
+    rank_lists = sorted({tuple(r) for r in every.view(world.world_size, ep.world_size).tolist()})
+    _MC2 = init_model_parallel_group([list(r) for r in rank_lists], world.local_rank, backend,
+                                     group_name="mc2")
+
+
+def get_mc2_group() -> GroupCoordinator:
+    if _MC2 is None:
+        raise RuntimeError("the MC2 group is not initialised: MC2 needs expert parallelism "
+                           "(--enable-expert-parallel with an EP size above 1)")
+    return _MC2

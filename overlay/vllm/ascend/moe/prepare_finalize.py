@@ -1,0 +1,265 @@
+"""The Ascend MoE communication strategies as one upstream modular-kernel
+prepare/finalize: prepare moves tokens to the ranks holding their experts, the local
+experts run (``experts.py``), finalize brings the results back.
+
+- AllGather: upstream's naive gather/reduce-scatter over the DP group (through this
+  distribution's communicator), or nothing without DP. Every rank computes its experts
+  for every gathered token; the output is a partial sum the runner all-reduces over TP.
+- AllToAll: each TP rank takes a slice of its tokens; per-expert counts are exchanged
+  first, then ``all_to_all_single`` carries exactly the routed (token, expert) rows to
+  the experts' owners and back; the routing weights are applied at the source.
+  The output is the full sum (``output_is_reduced``).
+- MC2: the TP slices are padded to one batch size on every EP rank (an active mask
+  marks the real rows) and go through the MC2 dispatch/combine kernels
+  (``kernels/mc2.py``: torch_npu's ops, or the reference on ordinary collectives);
+  combine applies the routing weights. The output is the full sum.
+
+The strategy is chosen per forward (``step.py``) from values every rank shares, so all
+EP ranks run the same collectives; a rank with no requests runs a one-token dummy
+batch through the same path. What prepare leaves for finalize is kept on the instance
+(prepare and finalize run back to back: no async prepare, no dual-batch overlap).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.distributed.parallel_state import get_ep_group, get_tp_group
+from vllm.logger import init_logger
+from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep import (
+    MoEPrepareAndFinalizeNaiveDPEPModular)
+from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+from vllm.ascend.kernels.mc2 import Mc2Comm, mc2_combine, mc2_dispatch
+from vllm.ascend.moe.selector import MoEComm
+from vllm.ascend.moe.step import MoEStep, step_for
+
+logger = init_logger(__name__)
+_ANNOUNCED: set[MoEComm] = set()
+
+
+def current_step(vllm_config, num_local_tokens: int) -> MoEStep:
+    """This forward's step; without one from the platform hook (no DP metadata), the
+    local token count is what every EP rank sees (they are the TP ranks of one DP rank)."""
+    if is_forward_context_available():
+        ctx = get_forward_context()
+        step = ctx.additional_kwargs.get("ascend_moe")
+        if step is not None:
+            return step
+        if ctx.dp_metadata is not None:
+            return step_for(vllm_config, int(ctx.dp_metadata.num_tokens_across_dp_cpu.max()))
+    return step_for(vllm_config, num_local_tokens)
+
+
+def _tp_slice(num_tokens: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """(start, end, slice length) of this TP rank's equal share of the tokens."""
+    share = max(1, math.ceil(num_tokens / tp_size))
+    start = min(tp_rank * share, num_tokens)
+    return start, min(start + share, num_tokens), share
+
+
+def _tp_all_gather(part: torch.Tensor, share: int, num_tokens: int) -> torch.Tensor:
+    """The TP ranks' slices (each padded to ``share`` rows) back into ``[num_tokens, H]``."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return part[:num_tokens]
+    padded = part.new_zeros((share, part.shape[1]))
+    padded[: part.shape[0]] = part
+    gathered = part.new_empty((share * tp.world_size, part.shape[1]))
+    dist.all_gather_into_tensor(gathered, padded, group=tp.device_group)
+    return gathered[:num_tokens]
+
+
+class AllToAllStrategy:
+    reduced = True
+
+    def __init__(self) -> None:
+        self._owner: torch.Tensor | None = None  # EP rank of every global expert
+
+    def owners(self, expert_map: torch.Tensor, num_experts: int) -> torch.Tensor:
+        if self._owner is None:
+            ep = get_ep_group()
+            maps = expert_map.new_empty(ep.world_size * num_experts)
+            dist.all_gather_into_tensor(maps, expert_map.contiguous(), group=ep.device_group)
+            held = maps.view(ep.world_size, num_experts) >= 0
+            if not bool(held.any(dim=0).all()):
+                raise RuntimeError("AllToAll MoE: some expert is held by no EP rank")
+            self._owner = held.to(torch.int8).argmax(dim=0).to(torch.int64)  # first holder
+        return self._owner
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, on_input, step):
+        ep = get_ep_group()
+        num_tokens, k = topk_ids.shape
+        tp = get_tp_group()
+        start, end, share = _tp_slice(num_tokens, tp.world_size, tp.rank_in_group)
+        owner = self.owners(expert_map, num_experts)
+        ids = topk_ids[start:end].reshape(-1).to(torch.int64)
+        order = torch.argsort(owner[ids] * num_experts + ids, stable=True)
+        sorted_ids = ids[order]
+        # Per-expert counts first: rank r gets the counts of the experts it owns.
+        counts = torch.bincount(sorted_ids, minlength=num_experts)
+        by_owner = torch.argsort(owner, stable=True)
+        experts_per_rank = torch.bincount(owner, minlength=ep.world_size).tolist()
+        mine_count = experts_per_rank[ep.rank_in_group]
+        recv_expert_counts = counts.new_empty(mine_count * ep.world_size)
+        dist.all_to_all_single(recv_expert_counts, counts[by_owner].contiguous(),
+                               [mine_count] * ep.world_size, experts_per_rank, group=ep.device_group)
+        send_split = torch.bincount(owner[sorted_ids], minlength=ep.world_size).tolist()
+        recv_by_source = recv_expert_counts.view(ep.world_size, -1)
+        recv_split = recv_by_source.sum(1).tolist()
+        rows = a1[start:end][order // k]
+        weights = topk_weights[start:end].reshape(-1)[order].to(torch.float32)
+        if on_input:
+            rows = (rows.float() * weights.unsqueeze(1)).to(a1.dtype)
+        received = a1.new_empty((sum(recv_split), a1.shape[1]))
+        dist.all_to_all_single(received, rows.contiguous(), recv_split, send_split, group=ep.device_group)
+        mine = by_owner[owner[by_owner] == ep.rank_in_group]  # my experts, in the order counts came
+        row_ids = mine.repeat(ep.world_size).repeat_interleave(recv_by_source.reshape(-1))
+        self._call = (start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input)
+        ones = torch.ones((received.shape[0], 1), dtype=torch.float32, device=a1.device)
+        return received, None, None, row_ids.to(torch.int32).unsqueeze(1), ones
+
+    def finalize(self, output, fused_expert_output):
+        start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input = self._call
+        self._call = None
+        ep = get_ep_group()
+        back = fused_expert_output.new_empty((sum(send_split), fused_expert_output.shape[1]))
+        dist.all_to_all_single(back, fused_expert_output.contiguous(), send_split, recv_split,
+                               group=ep.device_group)
+        part = torch.zeros((end - start, output.shape[1]), dtype=torch.float32, device=output.device)
+        contrib = back.float() if on_input else back.float() * weights.unsqueeze(1)
+        part.index_add_(0, order // k, contrib)
+        output.copy_(_tp_all_gather(part.to(output.dtype), share, num_tokens))
+
+
+class MC2Strategy:
+    reduced = True
+
+    def __init__(self) -> None:
+        self._comm: Mc2Comm | None = None
+
+    def comm(self) -> Mc2Comm:
+        if self._comm is None:
+            from vllm.ascend import device as ascend_device
+            from vllm.ascend.distributed.groups import get_mc2_group
+
+            group = get_mc2_group()
+            dev = ascend_device.current()
+            self._comm = Mc2Comm(group.device_group, dev.comm_name(group.device_group), group.world_size,
+                                 group.rank_in_group, dev.soc_generation())
+        return self._comm
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, on_input, step):
+        comm = self.comm()
+        num_tokens, k = topk_ids.shape
+        if on_input and k != 1:
+            raise NotImplementedError("MC2 applies router weights on the input only with top-k 1")
+        # Every EP rank dispatches padded / TP rows: its slice of its DP rank's tokens.
+        tp = get_tp_group()
+        share = step.mc2_padded_tokens // tp.world_size
+        if share * tp.world_size < num_tokens:
+            raise RuntimeError(f"MC2 step carries {share * tp.world_size} rows but this rank has "
+                               f"{num_tokens} tokens")
+        start = tp.rank_in_group * share
+        x = a1.new_zeros((share, a1.shape[1]))
+        # Padding rows name k distinct, valid experts (the op checks every row).
+        ids = torch.arange(k, dtype=torch.int32, device=a1.device).repeat(share, 1)
+        scales = torch.zeros((share, k), dtype=torch.float32, device=a1.device)
+        end = min(start + share, num_tokens)
+        n = max(end - start, 0)
+        if n:
+            x[:n] = a1[start:end]
+            ids[:n] = topk_ids[start:end].to(torch.int32)
+            scales[:n] = topk_weights[start:end].to(torch.float32)
+        mask = torch.arange(share, device=a1.device) < n
+        if on_input:
+            x = (x.float() * scales).to(a1.dtype)
+            scales = torch.ones_like(scales)
+        dispatched = mc2_dispatch(x, ids, mask, comm, num_experts)
+        local = num_experts // comm.ep_size
+        counts = dispatched.expert_token_nums.to(torch.int64)
+        rows = dispatched.expand_x.shape[0]
+        # Rows past the valid count carry an expert held elsewhere, so the experts skip them.
+        elsewhere = num_experts - 1 if comm.ep_rank == 0 else 0
+        row_ids = torch.full((rows,), elsewhere, dtype=torch.int32, device=a1.device)
+        valid = int(counts.sum())
+        row_ids[:valid] = (torch.arange(local, device=a1.device).repeat_interleave(counts)
+                           + comm.ep_rank * local).to(torch.int32)
+        self._call = (ids, scales, mask, dispatched, num_tokens, share)
+        ones = torch.ones((rows, 1), dtype=torch.float32, device=a1.device)
+        return dispatched.expand_x, None, None, row_ids.unsqueeze(1), ones
+
+    def finalize(self, output, fused_expert_output):
+        ids, scales, mask, dispatched, num_tokens, share = self._call
+        self._call = None
+        comm = self.comm()
+        part = mc2_combine(fused_expert_output.contiguous(), ids, dispatched, scales, mask, comm,
+                           comm.ep_size * dispatched.expert_token_nums.shape[0])
+        output.copy_(_tp_all_gather(part, share, num_tokens))
+
+
+class AscendMoEPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
+    """One prepare/finalize for every strategy; the forward's step picks which runs."""
+
+    def __init__(self, moe, vllm_config) -> None:
+        super().__init__()
+        self.moe = moe
+        self.vllm_config = vllm_config
+        pc = moe.moe_parallel_config
+        sp = pc.is_sequence_parallel  # off on Ascend (platform/npu.py); upstream's semantics kept
+        self._gather = (MoEPrepareAndFinalizeNaiveDPEPModular(sp, num_dispatchers=pc.dp_size * pc.sp_size)
+                        if pc.dp_size > 1 or sp else MoEPrepareAndFinalizeNoDPEPModular())
+        # Layers whose model reduces the output itself, sequence-parallel MoE and prefill
+        # context parallelism keep upstream's semantics: gather/reduce-scatter only.
+        self.gather_only = bool(moe.skip_final_all_reduce or sp or pc.pcp_size > 1)
+        self._strategies = {MoEComm.ALLTOALL: AllToAllStrategy(), MoEComm.MC2: MC2Strategy()}
+        self._active = None
+
+    @property
+    def activation_format(self) -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int32  # what MC2 takes; the other paths accept it
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return None
+
+    def num_dispatchers(self) -> int:
+        return self.moe.moe_parallel_config.ep_size
+
+    def output_is_reduced(self) -> bool:
+        return self._active is not None and self._active.reduced
+
+    def supports_async(self) -> bool:
+        return False
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, defer_input_quant=False) -> mk.PrepareResultType:
+        step = current_step(self.vllm_config, a1.shape[0])
+        comm = MoEComm.ALLGATHER if self.gather_only or expert_map is None else step.comm
+        if comm not in _ANNOUNCED:
+            _ANNOUNCED.add(comm)
+            logger.info("Ascend MoE: first step with the %s strategy (%d tokens at most per DP rank)",
+                        comm.value, step.max_tokens)
+        if comm is MoEComm.ALLGATHER:
+            self._active = None
+            # The experts apply on-input router weights themselves (they get the flag too).
+            return self._gather.prepare(a1, topk_weights, topk_ids, num_experts, expert_map, False,
+                                        quant_config, defer_input_quant)
+        self._active = self._strategies[comm]
+        return self._active.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                    apply_router_weight_on_input, step)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl) -> None:
+        if self._active is None:
+            self._gather.finalize(output, fused_expert_output, topk_weights, topk_ids,
+                                  apply_router_weight_on_input, weight_and_reduce_impl)
+            return
+        self._active.finalize(output, fused_expert_output)

@@ -1,0 +1,141 @@
+"""Which MoE communication strategy a step uses: one pure function every rank evaluates
+on the same inputs.
+
+The only per-step input is the largest token count across the DP ranks, which every
+rank learns from the DP metadata all-reduce (an idle rank running a one-token dummy
+batch sees the same maximum as the busiest rank), so all EP ranks always choose the
+same strategy and the same MC2 batch size. The table is in docs/moe.md.
+
+NPU rules follow vllm-ascend (``vllm_ascend/ascend_forward_context.py``,
+select_moe_comm_method at commit 182b75ea); the MC2 limits quote torch_npu's
+``npu_moe_distribute_dispatch_v2`` documentation (Ascend/op-plugin
+docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_dispatch_v2.md). Host
+thresholds were measured with ``nox -s bench -- moe`` on the CI machine (2 cores, gloo).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class MoEComm(enum.Enum):
+    ALLGATHER = "allgather"
+    ALLTOALL = "alltoall"
+    MC2 = "mc2"
+
+
+CHOICES = tuple(c.value for c in MoEComm)
+
+# Tokens per TP rank one MC2 dispatch may carry (BS limit of dispatch_v2: A2 fullmesh
+# "0<BS<=256", A3 "0<BS<=512"; vllm-ascend caps at 512).
+MC2_TOKENS_PER_RANK = {"A2": 256, "A3": 512, "other": 256, "host": 512}
+# A2 uses MC2 only for large EP with few experts per device (vllm-ascend _select_a2).
+A2_MC2_MIN_EP = 16
+A2_MC2_MAX_EXPERTS_PER_DEVICE = 24
+MC2_MAX_TOP_K = 16  # "0<K<=16"
+MC2_MAX_EXPERTS = 1024  # moe_expert_num range [1, 1024]
+# ep_world_size: A2 fullmesh {2..8, 16, 32, 64, 128, 256}; A3 [2, 768].
+A2_MC2_EP_SIZES = frozenset({2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256})
+A3_MC2_MAX_EP = 768
+# H: A2 fullmesh (0, 7168] and a multiple of 32; A3 [1024, 8192].
+A2_MC2_MAX_HIDDEN = 7168
+A3_MC2_HIDDEN = (1024, 8192)
+# Host emulation (gloo on CPU): AllToAll beats AllGather only with at least this many EP
+# ranks and tokens (max across DP); below, AllGather's two collectives win. Measured with
+# `nox -s bench -- moe` on the CI machine; see docs/moe.md.
+HOST_ALLTOALL_MIN_EP = 4
+HOST_ALLTOALL_MIN_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """Everything static the choice depends on (identical on every rank)."""
+
+    expert_parallel: bool  # --enable-expert-parallel and an EP group larger than one
+    ep_size: int
+    tp_size: int
+    dp_size: int
+    num_experts: int  # global routed experts
+    top_k: int
+    hidden_size: int
+    soc: str  # "A2" | "A3" | "other" | "host" (host: only the SoC-independent limits apply)
+    mc2_capacity: int  # tokens per DP rank MC2 may carry (a multiple of tp_size)
+    linear_placement: bool = True  # EP rank r holds experts r*E/ep ...; no EPLB redundancy
+    quantized: bool = False  # does not change the choice (it changes MC2's quant_mode)
+
+
+def mc2_capacity(max_num_seqs: int, num_speculative_tokens: int, tp_size: int, soc: str) -> int:
+    """Tokens per DP rank (across its TP group) that MC2 may carry in one step: a decode
+    batch (every request with its draft tokens), at most the per-rank BS limit per TP rank."""
+    per_tp_rank = math.ceil(max_num_seqs * (1 + num_speculative_tokens) / tp_size)
+    return min(per_tp_rank, MC2_TOKENS_PER_RANK[soc]) * tp_size
+
+
+def mc2_padded_tokens(max_tokens: int, tp_size: int) -> int:
+    """Rows every TP group pads to for MC2, so every EP rank dispatches the same BS."""
+    return max(1, math.ceil(max_tokens / tp_size)) * tp_size
+
+
+def unusable_reason(comm: MoEComm, layout: MoELayout) -> str | None:
+    """Why ``comm`` cannot run with this layout (None: it can)."""
+    if comm is MoEComm.ALLGATHER:
+        return None
+    if not layout.expert_parallel or layout.ep_size <= 1:
+        return f"{comm.value} needs expert parallelism (--enable-expert-parallel with DP x TP > 1)"
+    if comm is MoEComm.ALLTOALL:
+        return None
+    e, ep, k, h = layout.num_experts, layout.ep_size, layout.top_k, layout.hidden_size
+    if not layout.linear_placement:
+        return "mc2 needs linear expert placement without EPLB (--expert-placement-strategy linear)"
+    if e % ep:
+        return f"mc2 needs the {e} routed experts to split evenly over the {ep} EP ranks"
+    if k > MC2_MAX_TOP_K or e > MC2_MAX_EXPERTS:
+        return f"mc2 takes top-k <= {MC2_MAX_TOP_K} and <= {MC2_MAX_EXPERTS} experts (model: top-k {k}, {e})"
+    if layout.soc == "A2" and (ep not in A2_MC2_EP_SIZES or h > A2_MC2_MAX_HIDDEN or h % 32):
+        return (f"mc2 on Atlas A2 needs an EP size in {sorted(A2_MC2_EP_SIZES)} and hidden size <= "
+                f"{A2_MC2_MAX_HIDDEN}, a multiple of 32 (EP {ep}, hidden {h})")
+    if layout.soc == "A3" and (ep > A3_MC2_MAX_EP or not A3_MC2_HIDDEN[0] <= h <= A3_MC2_HIDDEN[1]):
+        return (f"mc2 on Atlas A3 needs EP <= {A3_MC2_MAX_EP} and hidden size in "
+                f"[{A3_MC2_HIDDEN[0]}, {A3_MC2_HIDDEN[1]}] (EP {ep}, hidden {h})")
+    if layout.soc == "other":
+        return "mc2 is only wired for Atlas A2 and A3"
+    return None
+
+
+def select(max_tokens: int, layout: MoELayout) -> MoEComm:
+    """The strategy for a step whose largest DP rank runs ``max_tokens`` tokens."""
+    if not layout.expert_parallel or layout.ep_size <= 1:
+        return MoEComm.ALLGATHER
+    mc2_ok = unusable_reason(MoEComm.MC2, layout) is None and max_tokens <= layout.mc2_capacity
+    if layout.soc == "A2":
+        few_experts = layout.num_experts // layout.ep_size <= A2_MC2_MAX_EXPERTS_PER_DEVICE
+        big_ep = layout.ep_size >= A2_MC2_MIN_EP
+        return MoEComm.MC2 if mc2_ok and few_experts and big_ep else MoEComm.ALLGATHER
+    if layout.soc == "A3":
+        return MoEComm.MC2 if mc2_ok else MoEComm.ALLTOALL
+    if layout.soc == "host":
+        big = layout.ep_size >= HOST_ALLTOALL_MIN_EP and max_tokens >= HOST_ALLTOALL_MIN_TOKENS
+        return MoEComm.ALLTOALL if big else MoEComm.ALLGATHER
+    return MoEComm.ALLGATHER
+
+
+def choose(max_tokens: int, layout: MoELayout, forced: MoEComm | None = None) -> MoEComm:
+    """``select`` unless the user forced a strategy. A forced MC2 still cannot carry a
+    step above its capacity (the op's BS limit): such steps run AllToAll."""
+    if forced is None:
+        return select(max_tokens, layout)
+    if forced is MoEComm.MC2 and max_tokens > layout.mc2_capacity:
+        return MoEComm.ALLTOALL
+    return forced
+
+
+def parse_override(value) -> MoEComm | None:
+    """``additional_config["moe_comm_method"]``: None/"auto" or one of CHOICES."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, str) and value.strip().lower() in CHOICES:
+        return MoEComm(value.strip().lower())
+    raise ValueError(f"additional_config moe_comm_method must be one of auto, {', '.join(CHOICES)}; "
+                     f"got {value!r}")

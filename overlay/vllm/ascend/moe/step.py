@@ -1,0 +1,111 @@
+"""The MoE strategy of each forward: computed once per forward-context set (the
+platform's ``set_additional_forward_context``), read by every MoE layer.
+
+``additional_config`` key ``moe_comm_method`` (``auto`` | ``allgather`` | ``alltoall`` |
+``mc2``) forces a strategy; ``validate_config`` turns a bad value, or one the layout
+cannot use, into one start-up error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+from vllm.ascend.moe import selector
+from vllm.ascend.moe.selector import MoEComm, MoELayout
+
+logger = init_logger(__name__)
+CONFIG_KEY = "moe_comm_method"
+
+
+@dataclass(frozen=True)
+class MoEStep:
+    comm: MoEComm
+    max_tokens: int  # the largest token count of any DP rank in this forward
+    mc2_padded_tokens: int  # rows each TP group pads to when the step runs MC2
+
+
+def forced(vllm_config) -> MoEComm | None:
+    return selector.parse_override((vllm_config.additional_config or {}).get(CONFIG_KEY))
+
+
+def _expert_parallel(vllm_config) -> tuple[bool, int]:
+    pc = vllm_config.parallel_config
+    ep = pc.data_parallel_size * pc.prefill_context_parallel_size * pc.tensor_parallel_size
+    return bool(pc.enable_expert_parallel) and ep > 1, ep
+
+
+def layout_of(vllm_config, soc: str) -> MoELayout:
+    pc, sc, mc = vllm_config.parallel_config, vllm_config.scheduler_config, vllm_config.model_config
+    expert_parallel, ep = _expert_parallel(vllm_config)
+    spec = vllm_config.speculative_config
+    num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+    tp = pc.tensor_parallel_size
+    if forced(vllm_config) is MoEComm.MC2:
+        # Forced MC2 carries as much as the op allows, prefill included.
+        capacity = selector.mc2_capacity(sc.max_num_batched_tokens, 0, tp, soc)
+    else:
+        capacity = selector.mc2_capacity(sc.max_num_seqs, num_spec, tp, soc)
+    return MoELayout(
+        expert_parallel=expert_parallel, ep_size=ep if expert_parallel else 1, tp_size=tp,
+        dp_size=pc.data_parallel_size, num_experts=mc.get_num_experts(), top_k=mc.get_num_experts_per_tok(),
+        hidden_size=mc.get_hidden_size(), soc=soc, mc2_capacity=capacity,
+        linear_placement=pc.expert_placement_strategy == "linear" and not pc.enable_eplb,
+        quantized=vllm_config.quant_config is not None)
+
+
+def validate_config(vllm_config) -> None:
+    """Start-up check of ``moe_comm_method`` (SoC limits are checked again in the worker)."""
+    choice = forced(vllm_config)
+    if choice is None or vllm_config.model_config is None:
+        return
+    if not vllm_config.model_config.is_moe:
+        logger.warning("additional_config moe_comm_method=%s has no effect: the model has no MoE layers",
+                       choice.value)
+        return
+    reason = selector.unusable_reason(choice, layout_of(vllm_config, "host"))
+    if reason is not None:
+        raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: {reason}")
+
+
+_LAYOUT: dict[int, MoELayout] = {}
+
+
+def worker_layout(vllm_config) -> MoELayout:
+    """This process's layout (cached; the SoC comes from the device layer)."""
+    key = id(vllm_config)
+    if key not in _LAYOUT:
+        from vllm.ascend import device as ascend_device
+
+        layout = layout_of(vllm_config, ascend_device.current().soc_generation())
+        choice = forced(vllm_config)
+        if choice is not None:
+            reason = selector.unusable_reason(choice, layout)
+            if reason is not None:
+                raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: "
+                                 f"{reason}")
+        _LAYOUT.clear()
+        _LAYOUT[key] = layout
+    return _LAYOUT[key]
+
+
+def step_for(vllm_config, max_tokens: int) -> MoEStep:
+    layout = worker_layout(vllm_config)
+    comm = selector.choose(max_tokens, layout, forced(vllm_config))
+    return MoEStep(comm, max_tokens, selector.mc2_padded_tokens(max_tokens, layout.tp_size))
+
+
+def step_for_forward(vllm_config, num_tokens, num_tokens_across_dp) -> MoEStep | None:
+    """The platform hook's part: None for dense models or when no token count is known
+    (the MoE layers then derive the step from their own input, valid without DP)."""
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.is_moe:
+        return None
+    if num_tokens_across_dp is not None:
+        max_tokens = int(num_tokens_across_dp.max())
+    elif num_tokens is not None:
+        max_tokens = int(num_tokens)
+    else:
+        return None
+    return step_for(vllm_config, max_tokens)
