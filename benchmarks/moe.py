@@ -76,7 +76,7 @@ def main() -> None:
             key = (per_rank[0]["strategy"], per_rank[0]["tokens"][0])
             measured[key] = {"median_s": max(r["median_s"] for r in per_rank),
                              "bytes": max(r["bytes_sent"] for r in per_rank)}
-        lay = selector.MoELayout(expert_parallel=True, ep_size=ep, tp_size=1, dp_size=ep,
+        lay = selector.MoELayout(expert_parallel=True, ep_size=ep, tp_size=1,
                                  num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
                                  soc="host", mc2_capacity=selector.mc2_capacity(256, 0, 1, "host"))
         for n in grid:

@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
 
 
 def layout(**kw) -> MoELayout:
-    base = dict(expert_parallel=True, ep_size=16, tp_size=1, dp_size=16, num_experts=256, top_k=8,
+    base = dict(expert_parallel=True, ep_size=16, tp_size=1, num_experts=256, top_k=8,
                 hidden_size=7168, soc="A3", mc2_capacity=512)
     base.update(kw)
     return MoELayout(**base)
@@ -140,6 +140,7 @@ def test_config_override_is_checked_at_start_up(moe_config):
     with pytest.raises(AscendConfigError, match="one of auto, allgather, alltoall, mc2; got 'deepep'"):
         moe_config(dp=2, tp=1, ep=True, forced="deepep")
     forced = moe_config(dp=2, tp=2, ep=True, forced="mc2")
-    lay = worker_layout(forced)
+    lay, choice = worker_layout(forced)
     assert lay.ep_size == 4 and lay.soc == "host" and dataclasses.asdict(lay)["num_experts"] == 8
+    assert choice is MoEComm.MC2 and lay.mc2_capacity == 2 * 512  # forced: up to the op's limit per TP rank
     assert step_for_forward(forced, 3, torch.tensor([3, 1])).comm is MoEComm.MC2

@@ -75,41 +75,46 @@ def _tp_all_gather(part: torch.Tensor, share: int, num_tokens: int) -> torch.Ten
     return gathered[:num_tokens]
 
 
+class _Placement:
+    """Which EP rank holds each global expert, learnt once per layer from every rank's
+    expert map (so any placement works), and what follows from it for this rank."""
+
+    def __init__(self, expert_map: torch.Tensor, num_experts: int) -> None:
+        ep = get_ep_group()
+        maps = expert_map.new_empty(ep.world_size * num_experts)
+        dist.all_gather_into_tensor(maps, expert_map.contiguous(), group=ep.device_group)
+        held = maps.view(ep.world_size, num_experts) >= 0
+        if not bool(held.any(dim=0).all()):
+            raise RuntimeError("AllToAll MoE: some expert is held by no EP rank")
+        self.owner = held.to(torch.int8).argmax(dim=0).to(torch.int64)  # first holder
+        self.by_owner = torch.argsort(self.owner, stable=True)  # experts grouped by rank
+        self.experts_per_rank = torch.bincount(self.owner, minlength=ep.world_size).tolist()
+        self.mine = self.by_owner[self.owner[self.by_owner] == ep.rank_in_group]  # ascending ids
+
+
 class AllToAllStrategy:
     reduced = True
 
     def __init__(self) -> None:
-        self._owner: torch.Tensor | None = None  # EP rank of every global expert
-
-    def owners(self, expert_map: torch.Tensor, num_experts: int) -> torch.Tensor:
-        if self._owner is None:
-            ep = get_ep_group()
-            maps = expert_map.new_empty(ep.world_size * num_experts)
-            dist.all_gather_into_tensor(maps, expert_map.contiguous(), group=ep.device_group)
-            held = maps.view(ep.world_size, num_experts) >= 0
-            if not bool(held.any(dim=0).all()):
-                raise RuntimeError("AllToAll MoE: some expert is held by no EP rank")
-            self._owner = held.to(torch.int8).argmax(dim=0).to(torch.int64)  # first holder
-        return self._owner
+        self._placement: _Placement | None = None
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, on_input, step):
         ep = get_ep_group()
         num_tokens, k = topk_ids.shape
         tp = get_tp_group()
         start, end, share = _tp_slice(num_tokens, tp.world_size, tp.rank_in_group)
-        owner = self.owners(expert_map, num_experts)
+        if self._placement is None:
+            self._placement = _Placement(expert_map, num_experts)
+        place = self._placement
         ids = topk_ids[start:end].reshape(-1).to(torch.int64)
-        order = torch.argsort(owner[ids] * num_experts + ids, stable=True)
-        sorted_ids = ids[order]
+        order = torch.argsort(place.owner[ids] * num_experts + ids, stable=True)
         # Per-expert counts first: rank r gets the counts of the experts it owns.
-        counts = torch.bincount(sorted_ids, minlength=num_experts)
-        by_owner = torch.argsort(owner, stable=True)
-        experts_per_rank = torch.bincount(owner, minlength=ep.world_size).tolist()
-        mine_count = experts_per_rank[ep.rank_in_group]
+        counts = torch.bincount(ids, minlength=num_experts)
+        mine_count = len(place.mine)
         recv_expert_counts = counts.new_empty(mine_count * ep.world_size)
-        dist.all_to_all_single(recv_expert_counts, counts[by_owner].contiguous(),
-                               [mine_count] * ep.world_size, experts_per_rank, group=ep.device_group)
-        send_split = torch.bincount(owner[sorted_ids], minlength=ep.world_size).tolist()
+        dist.all_to_all_single(recv_expert_counts, counts[place.by_owner].contiguous(),
+                               [mine_count] * ep.world_size, place.experts_per_rank, group=ep.device_group)
+        send_split = torch.bincount(place.owner[ids], minlength=ep.world_size).tolist()
         recv_by_source = recv_expert_counts.view(ep.world_size, -1)
         recv_split = recv_by_source.sum(1).tolist()
         rows = a1[start:end][order // k]
@@ -118,8 +123,7 @@ class AllToAllStrategy:
             rows = (rows.float() * weights.unsqueeze(1)).to(a1.dtype)
         received = a1.new_empty((sum(recv_split), a1.shape[1]))
         dist.all_to_all_single(received, rows.contiguous(), recv_split, send_split, group=ep.device_group)
-        mine = by_owner[owner[by_owner] == ep.rank_in_group]  # my experts, in the order counts came
-        row_ids = mine.repeat(ep.world_size).repeat_interleave(recv_by_source.reshape(-1))
+        row_ids = place.mine.repeat(ep.world_size).repeat_interleave(recv_by_source.reshape(-1))
         self._call = (start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input)
         ones = torch.ones((received.shape[0], 1), dtype=torch.float32, device=a1.device)
         return received, None, None, row_ids.to(torch.int32).unsqueeze(1), ones
@@ -182,24 +186,22 @@ class MC2Strategy:
             scales = torch.ones_like(scales)
         dispatched = mc2_dispatch(x, ids, mask, comm, num_experts)
         local = num_experts // comm.ep_size
-        counts = dispatched.expert_token_nums.to(torch.int64)
         rows = dispatched.expand_x.shape[0]
-        # Rows past the valid count carry an expert held elsewhere, so the experts skip them.
+        # Each row's local expert from the per-expert counts, on the device (no host sync);
+        # rows past the valid count name an expert held elsewhere, so the experts skip them.
+        ends = dispatched.expert_token_nums.to(torch.int64).cumsum(0)
+        local_of_row = torch.searchsorted(ends, torch.arange(rows, device=a1.device), right=True)
         elsewhere = num_experts - 1 if comm.ep_rank == 0 else 0
-        row_ids = torch.full((rows,), elsewhere, dtype=torch.int32, device=a1.device)
-        valid = int(counts.sum())
-        row_ids[:valid] = (torch.arange(local, device=a1.device).repeat_interleave(counts)
-                           + comm.ep_rank * local).to(torch.int32)
-        self._call = (ids, scales, mask, dispatched, num_tokens, share)
+        row_ids = torch.where(local_of_row < local, local_of_row + comm.ep_rank * local, elsewhere)
+        self._call = (ids, scales, mask, dispatched, num_tokens, share, num_experts)
         ones = torch.ones((rows, 1), dtype=torch.float32, device=a1.device)
-        return dispatched.expand_x, None, None, row_ids.unsqueeze(1), ones
+        return dispatched.expand_x, None, None, row_ids.to(torch.int32).unsqueeze(1), ones
 
     def finalize(self, output, fused_expert_output):
-        ids, scales, mask, dispatched, num_tokens, share = self._call
+        ids, scales, mask, dispatched, num_tokens, share, num_experts = self._call
         self._call = None
-        comm = self.comm()
-        part = mc2_combine(fused_expert_output.contiguous(), ids, dispatched, scales, mask, comm,
-                           comm.ep_size * dispatched.expert_token_nums.shape[0])
+        part = mc2_combine(fused_expert_output.contiguous(), ids, dispatched, scales, mask, self.comm(),
+                           num_experts)
         output.copy_(_tp_all_gather(part, share, num_tokens))
 
 

@@ -56,7 +56,6 @@ class MoELayout:
     expert_parallel: bool  # --enable-expert-parallel and an EP group larger than one
     ep_size: int
     tp_size: int
-    dp_size: int
     num_experts: int  # global routed experts
     top_k: int
     hidden_size: int

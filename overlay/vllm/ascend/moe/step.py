@@ -36,23 +36,29 @@ def _expert_parallel(vllm_config) -> tuple[bool, int]:
     return bool(pc.enable_expert_parallel) and ep > 1, ep
 
 
-def layout_of(vllm_config, soc: str) -> MoELayout:
+def layout_of(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
     pc, sc, mc = vllm_config.parallel_config, vllm_config.scheduler_config, vllm_config.model_config
     expert_parallel, ep = _expert_parallel(vllm_config)
     spec = vllm_config.speculative_config
     num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
     tp = pc.tensor_parallel_size
-    if forced(vllm_config) is MoEComm.MC2:
+    if choice is MoEComm.MC2:
         # Forced MC2 carries as much as the op allows, prefill included.
         capacity = selector.mc2_capacity(sc.max_num_batched_tokens, 0, tp, soc)
     else:
         capacity = selector.mc2_capacity(sc.max_num_seqs, num_spec, tp, soc)
     return MoELayout(
         expert_parallel=expert_parallel, ep_size=ep if expert_parallel else 1, tp_size=tp,
-        dp_size=pc.data_parallel_size, num_experts=mc.get_num_experts(), top_k=mc.get_num_experts_per_tok(),
+        num_experts=mc.get_num_experts(), top_k=mc.get_num_experts_per_tok(),
         hidden_size=mc.get_hidden_size(), soc=soc, mc2_capacity=capacity,
         linear_placement=pc.expert_placement_strategy == "linear" and not pc.enable_eplb,
         quantized=vllm_config.quant_config is not None)
+
+
+def _check_forced(choice: MoEComm | None, layout: MoELayout) -> None:
+    reason = None if choice is None else selector.unusable_reason(choice, layout)
+    if reason is not None:
+        raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: {reason}")
 
 
 def validate_config(vllm_config) -> None:
@@ -64,35 +70,29 @@ def validate_config(vllm_config) -> None:
         logger.warning("additional_config moe_comm_method=%s has no effect: the model has no MoE layers",
                        choice.value)
         return
-    reason = selector.unusable_reason(choice, layout_of(vllm_config, "host"))
-    if reason is not None:
-        raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: {reason}")
+    _check_forced(choice, layout_of(vllm_config, "host", choice))
 
 
-_LAYOUT: dict[int, MoELayout] = {}
+_WORKER: tuple[int, MoELayout, MoEComm | None] | None = None
 
 
-def worker_layout(vllm_config) -> MoELayout:
-    """This process's layout (cached; the SoC comes from the device layer)."""
-    key = id(vllm_config)
-    if key not in _LAYOUT:
+def worker_layout(vllm_config) -> tuple[MoELayout, MoEComm | None]:
+    """This process's layout and forced strategy, worked out once (the SoC comes from the
+    device layer, so SoC limits of a forced strategy are checked here)."""
+    global _WORKER
+    if _WORKER is None or _WORKER[0] != id(vllm_config):
         from vllm.ascend import device as ascend_device
 
-        layout = layout_of(vllm_config, ascend_device.current().soc_generation())
         choice = forced(vllm_config)
-        if choice is not None:
-            reason = selector.unusable_reason(choice, layout)
-            if reason is not None:
-                raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: "
-                                 f"{reason}")
-        _LAYOUT.clear()
-        _LAYOUT[key] = layout
-    return _LAYOUT[key]
+        layout = layout_of(vllm_config, ascend_device.current().soc_generation(), choice)
+        _check_forced(choice, layout)
+        _WORKER = (id(vllm_config), layout, choice)
+    return _WORKER[1], _WORKER[2]
 
 
 def step_for(vllm_config, max_tokens: int) -> MoEStep:
-    layout = worker_layout(vllm_config)
-    comm = selector.choose(max_tokens, layout, forced(vllm_config))
+    layout, choice = worker_layout(vllm_config)
+    comm = selector.choose(max_tokens, layout, choice)
     return MoEStep(comm, max_tokens, selector.mc2_padded_tokens(max_tokens, layout.tp_size))
 
 

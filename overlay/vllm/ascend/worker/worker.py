@@ -59,11 +59,11 @@ class NPUWorker(Worker):
             self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
             current_platform.dist_backend,
         )
-        if self.model_config.is_moe and self.parallel_config.enable_expert_parallel:
+        if self.model_config.is_moe:
             from vllm.ascend.distributed.groups import init_mc2_group
-            from vllm.distributed.parallel_state import get_ep_group
+            from vllm.ascend.moe.step import worker_layout
 
-            if get_ep_group().world_size > 1:
+            if worker_layout(self.vllm_config)[0].expert_parallel:
                 init_mc2_group(current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self._init_workspace_and_model_runner()

@@ -19,6 +19,13 @@ HALF_TYPES = (torch.float16, torch.bfloat16)
 MASK_SIZE = 2048
 
 
+def _refuse_unmodelled(op: str, a: dict, names: tuple[str, ...]) -> None:
+    """Optional arguments the double has no semantics for must be left unset."""
+    for name in names:
+        if a[name] is not None:
+            raise unmodelled(op, name)
+
+
 def _contiguous(t: torch.Tensor | None) -> bool:
     return t is None or t.is_contiguous()
 
@@ -136,9 +143,7 @@ def _tnd_cumulative(op, lengths, total, rule) -> list[int]:
 
 
 def npu_fused_infer_attention_score(**a):
-    for name in _FIA_UNMODELLED:
-        if a[name] is not None:
-            raise unmodelled(FIA, name)
+    _refuse_unmodelled(FIA, a, _FIA_UNMODELLED)
     if a["softmax_lse_flag"] and a["input_layout"] != "TND":
         raise unmodelled(FIA, "softmax_lse_flag outside TND")
     query, key, value = a["query"], a["key"], a["value"]
@@ -320,9 +325,7 @@ _GMM_UNMODELLED = ("bias", "scale", "offset", "antiquant_scale", "antiquant_offs
 
 def npu_grouped_matmul(**a):
     op = "npu_grouped_matmul"
-    for name in _GMM_UNMODELLED:
-        if a[name] is not None:
-            raise unmodelled(op, name)
+    _refuse_unmodelled(op, a, _GMM_UNMODELLED)
     if a["act_type"] not in (0, None):
         raise unmodelled(op, f"act_type={a['act_type']}")
     group_type = a["group_type"]
@@ -417,9 +420,7 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 
 def npu_moe_distribute_dispatch_v2(**a):
     op = MC2_DISPATCH
-    for name in _MC2_DISPATCH_UNMODELLED:
-        if a[name] is not None:
-            raise unmodelled(op, name)
+    _refuse_unmodelled(op, a, _MC2_DISPATCH_UNMODELLED)
     if a["quant_mode"] != 0 or a["shared_expert_num"] not in (0, 1):
         raise unmodelled(op, f"quant_mode={a['quant_mode']}, shared_expert_num={a['shared_expert_num']}")
     group = _mc2_group(op, a)
@@ -473,9 +474,7 @@ def npu_moe_distribute_dispatch_v2(**a):
 
 def npu_moe_distribute_combine_v2(**a):
     op = MC2_COMBINE
-    for name in _MC2_COMBINE_UNMODELLED:
-        if a[name] is not None:
-            raise unmodelled(op, name)
+    _refuse_unmodelled(op, a, _MC2_COMBINE_UNMODELLED)
     if a["comm_quant_mode"] != 0 or a["shared_expert_num"] not in (0, 1):
         raise unmodelled(op, f"comm_quant_mode={a['comm_quant_mode']}, "
                              f"shared_expert_num={a['shared_expert_num']}")
