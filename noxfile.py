@@ -121,10 +121,11 @@ def rebase(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks: `build` (raw upstream build vs. distribution build), `serve`
-    (host-emulation start-up time and tokens/s of the tiny models) or `moe` (the MoE
-    communication strategies on gloo: bytes, latency, the selector's choice)."""
-    if not session.posargs or session.posargs[0] not in ("build", "serve", "moe"):
-        session.error("name a benchmark: nox -s bench -- build | serve | moe")
+    (host-emulation start-up time and tokens/s of the tiny models), `moe` (the MoE
+    communication strategies on gloo: bytes, latency, the selector's choice) or `mtp`
+    (DeepSeek MTP: acceptance, accepted tokens per step, tokens/s with and without)."""
+    if not session.posargs or session.posargs[0] not in ("build", "serve", "moe", "mtp"):
+        session.error("name a benchmark: nox -s bench -- build | serve | moe | mtp")
     session.install("-r", BUILD_REQUIREMENTS)
     if session.posargs[0] == "build":
         _builder(session, "bench", *session.posargs)

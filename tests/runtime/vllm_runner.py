@@ -3,13 +3,16 @@
     python -m tests.runtime.vllm_runner '<json spec>'
 
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
-"chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "env": {...}}, or
+"chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
+"env": {...}}, or
 {"runs": [spec, ...]} to run several engines one after another in this process (each
 with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
 prefix cache). Output per run: {"batches": [[{"token_ids": [...], "logprobs": [[[id,
 lp], ...] per step] (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
-"chats": [...], "startup_s": t}; with "runs" the output is {"runs": [...]}.
+"chats": [...], "startup_s": t, "generate_s": t (all batches), "counters": {name: value}}
+(vLLM's counter metrics, when the engine has ``"disable_log_stats": false``); with "runs"
+the output is {"runs": [...]}.
 """
 
 from __future__ import annotations
@@ -30,16 +33,20 @@ def _run(spec: dict) -> dict:
         t0 = time.perf_counter()
         llm = LLM(model=spec["model"], **spec.get("engine", {}))
         startup = time.perf_counter() - t0
-        params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
-                                logprobs=spec.get("logprobs"))
+        params = SamplingParams(**{"max_tokens": spec.get("max_tokens", 16), "temperature": 0.0,
+                                   "ignore_eos": True, "logprobs": spec.get("logprobs"),
+                                   **spec.get("sampling", {})})
         results = []
+        t0 = time.perf_counter()
         for batch in spec["batches"]:
             outs = llm.generate(batch, params, use_tqdm=False)
             results.append([_completion(o) for o in outs])
+        generate = time.perf_counter() - t0
         chats = []
         for conversation in spec.get("chats", []):
             [out] = llm.chat(conversation, params, use_tqdm=False)
             chats.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text})
+        counters = _counters(llm)
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -49,7 +56,22 @@ def _run(spec: dict) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return {"batches": results, "chats": chats, "startup_s": startup}
+    return {"batches": results, "chats": chats, "startup_s": startup, "generate_s": generate,
+            "counters": counters}
+
+
+def _counters(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter
+
+    try:
+        metrics = llm.get_metrics()
+    except AssertionError:  # stats logging is off for this engine
+        return {}
+    counters: dict = {}
+    for m in metrics:
+        if isinstance(m, Counter):  # summed over engines (data-parallel ranks)
+            counters[m.name] = counters.get(m.name, 0) + m.value
+    return counters
 
 
 def _completion(o) -> dict:

@@ -1,5 +1,6 @@
 """pytest plugin loaded into upstream's test run (``-p ascend_outcomes``): one JSON line
-per test with its outcome, and one per module that fails to collect.
+per test with its outcome, and one per module that fails to collect; and the platform's
+Triton-kernel replacements registered at session start, as a vLLM worker does.
 
 Outcomes: passed, failed (the test body), error (setup or teardown), skipped. A test
 that passes but errors in teardown counts as error. Written to the file named by
@@ -20,6 +21,16 @@ _writer = True  # False in pytest-xdist workers: their reports reach the control
 def pytest_configure(config) -> None:
     global _writer
     _writer = not hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session) -> None:
+    """What every vLLM worker process does before it builds a model runner
+    (``WorkerWrapperBase.init_worker``): the platform puts its kernels in place of
+    upstream's Triton kernels. Upstream's kernel-level tests never pass through a
+    worker, so this process does it too (each xdist worker runs its own session)."""
+    from vllm.platforms import current_platform
+
+    current_platform.register_triton_kernel_overrides()
 
 
 def _summary(report) -> str:

@@ -20,6 +20,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
+    QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -39,6 +40,10 @@ class AscendMLAMetadata(MLACommonMetadata):
 
 
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
+    # Speculative verification (1 + k query tokens per request) takes the decode path:
+    # forward_mqa gives every query token a row of its own (decode_rows).
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
         kwargs["metadata_cls"] = AscendMLAMetadata
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
@@ -49,6 +54,18 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         metadata.seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu().tolist()
         return metadata
+
+
+def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int]):
+    """One decode row per query token. A request verifying k draft tokens has 1 + k
+    query tokens; its token i attends to the first ``seq_len - q_len + i + 1`` keys, the
+    same absorbed decode plain decoding runs for that position."""
+    q_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+    if all(n == 1 for n in q_lens):
+        return block_table, seq_lens
+    rows = [r for r, n in enumerate(q_lens) for _ in range(n)]
+    lens = [s - n + i + 1 for s, n in zip(seq_lens, q_lens) for i in range(n)]
+    return block_table[torch.tensor(rows, device=block_table.device)], lens
 
 
 class AscendMLABackend(MLACommonBackend):
@@ -122,9 +139,11 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         q_nope, q_pe = q if isinstance(q, tuple) else q.split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        decode = attn_metadata.decode
-        seq_lens = attn_metadata.seq_lens_cpu[: attn_metadata.num_decodes]
-        out = kernels.mla_decode(q_nope, q_pe, latent, rope, decode.block_table, seq_lens, self.scale)
+        num_decodes = attn_metadata.num_decodes
+        block_table, seq_lens = decode_rows(attn_metadata.decode.block_table,
+                                            attn_metadata.query_start_cpu[: num_decodes + 1],
+                                            attn_metadata.seq_lens_cpu[:num_decodes])
+        out = kernels.mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens, self.scale)
         return out, None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -40,6 +41,14 @@ class Device(ABC):
 
     @abstractmethod
     def event(self, **kwargs) -> object: ...
+
+    @abstractmethod
+    def current_stream(self) -> object:
+        """The stream work is being queued on (``torch.cuda.current_stream()``)."""
+
+    @abstractmethod
+    def stream_context(self, stream) -> AbstractContextManager:
+        """Queue work on ``stream`` inside the block (``torch.cuda.stream(s)``)."""
 
     @abstractmethod
     def soc_generation(self) -> str:

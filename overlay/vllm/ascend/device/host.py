@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+from contextlib import AbstractContextManager, nullcontext
 
 import psutil
 import torch
@@ -70,6 +71,12 @@ class HostDevice(Device):
 
     def event(self, **kwargs) -> object:
         return _HostEvent(**kwargs)
+
+    def current_stream(self) -> object:
+        return _HostStream()
+
+    def stream_context(self, stream) -> AbstractContextManager:
+        return nullcontext()
 
     def soc_generation(self) -> str:
         return "host"

@@ -52,6 +52,12 @@ class NPUDevice(Device):
     def event(self, **kwargs) -> object:
         return self._npu.Event(**kwargs)
 
+    def current_stream(self) -> object:
+        return self._npu.current_stream()
+
+    def stream_context(self, stream):
+        return self._npu.stream(stream)
+
     def soc_generation(self) -> str:
         # torch_npu.npu.get_soc_version(): Atlas A2 parts report 220-225, A3 250-255
         # (the ranges vllm-ascend's device-type detection uses).

@@ -8,6 +8,7 @@ classes in both modes; only ``vllm.ascend.device`` and ``vllm.ascend.kernels`` d
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,17 @@ def _check_block_size(block_size: int, use_mla: bool) -> None:
     if not ok:
         raise AscendConfigError(f"--block-size {block_size} is not supported by the Ascend NPU attention "
                                 f"kernels: use {rule}, e.g. --block-size {NPU_BLOCK_SIZE}")
+
+
+@functools.cache
+def _register_kernel_overrides() -> None:
+    """Upstream's Triton kernels that have no torch fallback, replaced by the kernels
+    facade. Once per process: registering again would wrap the wrappers."""
+    from vllm.ascend.kernels.slot_mapping import register_slot_mapping_override
+    from vllm.ascend.kernels.spec_decode import register_spec_decode_overrides
+
+    register_slot_mapping_override()
+    register_spec_decode_overrides()
 
 
 def _adjust(what: str, reason: str) -> None:
@@ -135,9 +147,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        from vllm.ascend.kernels.slot_mapping import register_slot_mapping_override
-
-        register_slot_mapping_override()
+        _register_kernel_overrides()
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:
@@ -244,9 +254,11 @@ class NPUPlatform(Platform):
             _adjust("sequence-parallel MoE off", "its DP x TP + EP decode is not yet correct on Ascend")
         if model_config is not None:
             from vllm.ascend.moe.step import validate_config
+            from vllm.ascend.spec_decode.config import validate_speculative_config
 
             try:
                 validate_config(vllm_config)
+                validate_speculative_config(vllm_config)
             except ValueError as exc:
                 raise AscendConfigError(str(exc)) from None
 

@@ -1,6 +1,7 @@
 """The Ascend model runner: upstream's GPU model runner with device calls routed to
-vllm.ascend.device. Upstream's Triton slot-mapping kernel is replaced by
-vllm.ascend.kernels.slot_mapping (registered by the platform)."""
+vllm.ascend.device. Upstream's Triton kernels that have no torch fallback (slot mapping,
+the speculative-decoding steps and rejection sampler) are replaced by vllm.ascend.kernels
+(registered by the platform)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,21 @@ ASCEND_KV_CONNECTORS: frozenset[str] = frozenset()
 
 @contextmanager
 def _device_streams_and_events():
-    """While upstream's runner builds itself, ``torch.cuda.Stream``/``Event`` (which it
-    names directly) make the device layer's streams and events instead."""
+    """Inside the block, the stream and event calls upstream's runner names directly
+    (``torch.cuda.Stream``/``Event``/``current_stream``/``stream``, ``torch.Event``) go to
+    the device layer: while the runner builds itself, and around its per-step copies on
+    a side stream (the draft tokens of speculative decoding)."""
     dev = ascend_device.current()
-    saved = torch.cuda.Stream, torch.cuda.Event
+    saved = torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, torch.Event
     torch.cuda.Stream = lambda *a, **kw: dev.stream()  # type: ignore[assignment]
     torch.cuda.Event = lambda *a, **kw: dev.event(**kw)  # type: ignore[assignment]
+    torch.Event = torch.cuda.Event  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **kw: dev.current_stream()  # type: ignore[assignment]
+    torch.cuda.stream = dev.stream_context  # type: ignore[assignment]
     try:
         yield
     finally:
-        torch.cuda.Stream, torch.cuda.Event = saved
+        torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, torch.Event = saved
 
 
 class NPUModelRunner(GPUModelRunner):
@@ -46,6 +52,38 @@ class NPUModelRunner(GPUModelRunner):
 
     def _sync_device(self) -> None:
         self.device_layer.synchronize()
+
+    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
+        with _device_streams_and_events():
+            super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only)
+
+    # -- seeded sampling on the host ------------------------------------------------------
+    # A request whose prefill is still partial samples a token that is thrown away, and
+    # upstream then steps its seeded generator back by rewinding the Philox offset (CUDA,
+    # and the NPU's generator). CPU generators have no offset, so in host emulation the
+    # generator's state is saved before sampling and put back instead.
+    def _sample(self, *args, **kwargs):
+        self._discarded_generator_states = {}
+        if self.device.type == "cpu":
+            mask = self.discard_request_mask.np[: self.input_batch.num_reqs]
+            for i in mask.nonzero()[0].tolist():
+                gen = self.input_batch.generators.get(i)
+                if gen is not None:
+                    self._discarded_generator_states[i] = (gen, gen.get_state())
+        return super()._sample(*args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved = getattr(self, "_discarded_generator_states", {})
+        generators = self.input_batch.generators
+        for i in saved:
+            del generators[i]  # upstream's rewind would ask this CPU generator for an offset
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            for i, (gen, state) in saved.items():
+                gen.set_state(state)
+                generators[i] = gen
+            self._discarded_generator_states = {}
 
     def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
         if self.device.type == "cpu":

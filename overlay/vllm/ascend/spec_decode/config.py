@@ -1,0 +1,43 @@
+"""Start-up checks for ``--speculative-config`` on the Ascend platform.
+
+Upstream's drafter, rejection sampler and MTP model run unchanged; the platform supplies
+their kernels (``kernels/spec_decode.py``), the side-stream copy of the draft tokens
+(``worker/model_runner.py``) and multi-token decode rows in MLA (``attention/mla.py``).
+What this platform has not been built or tested for is refused here, in one line.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+TESTED_METHODS = ("mtp",)  # "deepseek_mtp" is rewritten to "mtp" by upstream's config
+
+
+def validate_speculative_config(vllm_config) -> None:
+    """Raise ValueError naming the setting to change, or return."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if spec.method not in TESTED_METHODS:
+        logger.warning_once("Ascend platform: speculative method %r is not tested on this platform "
+                            "(tested: deepseek_mtp)", spec.method)
+    draft_tp = spec.draft_tensor_parallel_size
+    if draft_tp is not None and draft_tp != tp:
+        # Upstream would build a second tensor-parallel group for the drafter; the
+        # Ascend groups (MC2, the MoE strategies) are made once per worker.
+        raise ValueError(f"speculative draft_tensor_parallel_size {draft_tp} differs from "
+                         f"--tensor-parallel-size {tp}; the Ascend drafter runs on the target's ranks: "
+                         f"drop draft_tensor_parallel_size or set it to {tp}")
+    if spec.rejection_sample_method == "block":
+        raise ValueError("speculative rejection_sample_method 'block' runs only in upstream's V2 model "
+                         "runner, which the Ascend platform does not use: use 'standard'")
+    if spec.parallel_drafting:
+        raise ValueError("speculative parallel_drafting is not supported on Ascend: drop it")
+    if spec.method in TESTED_METHODS and vllm_config.model_config.quantization is not None:
+        quantization = vllm_config.model_config.quantization
+        raise ValueError(f"speculative decoding with a quantized model ({quantization}) "
+                         "is not supported on Ascend yet: the MTP module of a quantized checkpoint needs "
+                         "the Ascend quantization; serve the float checkpoint or drop --speculative-config")
