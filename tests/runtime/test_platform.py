@@ -100,3 +100,39 @@ def test_upstream_cleanup_helper_works_in_a_test_process():
         print("CLEAN", index)
     """, {"VLLM_ASCEND_EMULATE": "1"})
     assert result.returncode == 0 and "CLEAN 0" in result.stdout, result.stderr[-3000:]
+
+
+def test_speculative_settings_the_platform_cannot_run_are_one_line(tiny_models):
+    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}'
+    result = _vllm("serve", str(tiny_models["deepseek_v3"]), "--dtype", "float32", "--port", "1",
+                   "--tensor-parallel-size", "2", "--speculative-config", spec, emulate="1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: speculative draft_tensor_parallel_size 1 differs from "
+                           "--tensor-parallel-size 2")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({}, None),
+    ({"rejection_sample_method": "block"}, "rejection_sample_method 'block'"),
+    ({"parallel_drafting": True}, "parallel_drafting"),
+    ({"quantization": "fp8"}, "quantized model (fp8)"),
+    ({"draft_tensor_parallel_size": 2}, None),
+])
+def test_speculative_config_checks(change, refused):
+    from vllm.ascend.spec_decode.config import validate_speculative_config
+
+    spec = SimpleNamespace(method="mtp", draft_tensor_parallel_size=None,
+                           rejection_sample_method="standard", parallel_drafting=False)
+    for key, value in change.items():
+        if key != "quantization":
+            setattr(spec, key, value)
+    config = SimpleNamespace(speculative_config=spec,
+                             parallel_config=SimpleNamespace(tensor_parallel_size=2),
+                             model_config=SimpleNamespace(quantization=change.get("quantization")))
+    if refused is None:
+        validate_speculative_config(config)
+    else:
+        with pytest.raises(ValueError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+            validate_speculative_config(config)

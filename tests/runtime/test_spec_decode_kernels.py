@@ -377,3 +377,19 @@ def test_rejection_sample_matches_textbook_reference(form, with_draft_probs):
     # Both outcomes happened: some drafts accepted, some rejected with a recovered token.
     assert any(row[0] == d[0] for row, d, g in zip(expected, drafts, greedy) if d and not g)
     assert any(row[i] != d[i] for row, d, g in zip(expected, drafts, greedy) if not g for i in range(len(d)))
+
+
+def test_mla_verification_rows():
+    """Verification requests (1 + k query tokens) take MLA's decode path, one row per query
+    token: token i of a request with q_len tokens sees its first seq_len - q_len + i + 1 keys."""
+    from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+
+    from vllm.ascend.attention.mla import AscendMLAMetadataBuilder, decode_rows
+
+    assert AscendMLAMetadataBuilder.query_len_support == QueryLenSupport.UNIFORM
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    rows, lens = decode_rows(table, [0, 3, 4, 7], [10, 5, 7])
+    assert rows.tolist() == [table[0].tolist()] * 3 + [table[1].tolist()] + [table[2].tolist()] * 3
+    assert lens == [8, 9, 10, 5, 5, 6, 7]
+    same, same_lens = decode_rows(table, [0, 1, 2, 3], [4, 5, 6])  # plain decode: unchanged
+    assert same is table and same_lens == [4, 5, 6]

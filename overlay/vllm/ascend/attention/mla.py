@@ -37,11 +37,14 @@ class AscendMLAMetadata(MLACommonMetadata):
     # Host copies, built once per step (decodes come first, as upstream orders them).
     query_start_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # One row per decode query token (decode_rows): block table rows and KV lengths.
+    decode_block_rows: torch.Tensor | None = None
+    decode_row_lens: list[int] = field(default_factory=list)
 
 
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
     # Speculative verification (1 + k query tokens per request) takes the decode path:
-    # forward_mqa gives every query token a row of its own (decode_rows).
+    # every query token becomes a decode row of its own (decode_rows, once per step).
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
@@ -53,6 +56,10 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         m = common_attn_metadata
         metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         metadata.seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu().tolist()
+        if metadata.decode is not None:
+            n = metadata.num_decodes
+            metadata.decode_block_rows, metadata.decode_row_lens = decode_rows(
+                metadata.decode.block_table, metadata.query_start_cpu[: n + 1], metadata.seq_lens_cpu[:n])
         return metadata
 
 
@@ -139,11 +146,8 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         q_nope, q_pe = q if isinstance(q, tuple) else q.split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        num_decodes = attn_metadata.num_decodes
-        block_table, seq_lens = decode_rows(attn_metadata.decode.block_table,
-                                            attn_metadata.query_start_cpu[: num_decodes + 1],
-                                            attn_metadata.seq_lens_cpu[:num_decodes])
-        out = kernels.mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens, self.scale)
+        out = kernels.mla_decode(q_nope, q_pe, latent, rope, attn_metadata.decode_block_rows,
+                                 attn_metadata.decode_row_lens, self.scale)
         return out, None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,

@@ -35,7 +35,8 @@ def validate_speculative_config(vllm_config) -> None:
         raise ValueError("speculative rejection_sample_method 'block' runs only in upstream's V2 model "
                          "runner, which the Ascend platform does not use: use 'standard'")
     if spec.parallel_drafting:
-        raise ValueError("speculative parallel_drafting is not supported on Ascend: drop it")
+        raise ValueError("speculative parallel_drafting is not supported on Ascend (its input copy is an "
+                         "upstream Triton kernel with no Ascend implementation): drop parallel_drafting")
     if spec.method in TESTED_METHODS and vllm_config.model_config.quantization is not None:
         quantization = vllm_config.model_config.quantization
         raise ValueError(f"speculative decoding with a quantized model ({quantization}) "
