@@ -39,7 +39,10 @@ def _tokens(batch: list[dict]) -> list[list[int]]:
 
 
 RUNS = {
-    "k1": {"engine": {**ENGINE, "speculative_config": mtp(1)}},
+    # Also returns the drafter's parameters (a function sent to the worker needs the
+    # insecure-serialization switch, for this test engine only).
+    "k1": {"engine": {**ENGINE, "speculative_config": mtp(1)}, "drafter_parameters": True,
+           "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}},
     "k2": {"engine": {**ENGINE, "speculative_config": mtp(2)}},
     # 12 blocks of 16 tokens for 8 requests of up to ~80 tokens: the scheduler must preempt.
     "k2_preempted": {"engine": {**ENGINE, "speculative_config": mtp(2), "block_size": 16,
@@ -88,6 +91,45 @@ def test_greedy_mtp_equals_plain_decoding(single_rank, run):
     assert counters["vllm:spec_decode_num_draft_tokens"] > 0  # speculation really ran
     rate, per_step = _acceptance(counters)
     print(f"MTP {run}: acceptance rate {rate:.3f}, accepted tokens per verification step {per_step:.3f}")
+
+
+def test_mtp_layer_weights_load_from_the_checkpoint(single_rank):
+    """The drafter's MTP layer holds the checkpoint's layer ``num_hidden_layers`` tensors
+    (its decoder block under ``mtp_block``; experts fused as upstream's FusedMoE stores
+    them), compared by float64 sums."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model, runs, _ = single_rank
+    got = runs["k1"]["drafter_parameters"]
+    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    saved = {}
+    for path in model.glob("*.safetensors"):
+        saved.update(load_file(str(path)))
+    layer = f"model.layers.{n}."
+
+    def total(*names):
+        return sum(float(saved[name].double().sum()) for name in names)
+
+    experts = sorted({k.split(".")[5] for k in saved if k.startswith(layer + "mlp.experts.")}, key=int)
+    assert experts, "the checkpoint has no MTP experts"
+    expected = {layer + name: total(layer + name) for name in (
+        "eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+    for name in ("self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                 "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight",
+                 "mlp.gate.e_score_correction_bias",
+                 "mlp.shared_experts.down_proj.weight", "input_layernorm.weight"):
+        expected[layer + "mtp_block." + name] = total(layer + name)
+    expected[layer + "mtp_block.mlp.shared_experts.gate_up_proj.weight"] = total(
+        layer + "mlp.shared_experts.gate_proj.weight", layer + "mlp.shared_experts.up_proj.weight")
+    expected[layer + "mtp_block.mlp.experts.routed_experts.w13_weight"] = total(
+        *(f"{layer}mlp.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up")))
+    expected[layer + "mtp_block.mlp.experts.routed_experts.w2_weight"] = total(
+        *(f"{layer}mlp.experts.{e}.down_proj.weight" for e in experts))
+    for name, value in expected.items():
+        assert name in got, (name, sorted(got))
+        assert abs(got[name][0] - value) <= 1e-6 * max(1.0, abs(value)), (name, got[name][0], value)
 
 
 def test_greedy_mtp_under_preemption(single_rank):

@@ -4,7 +4,8 @@
 
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
 "chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
-"env": {...}}, or
+"drafter_parameters": true (also return the drafter's parameter sums; the engine's
+processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "env": {...}}, or
 {"runs": [spec, ...]} to run several engines one after another in this process (each
 with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
@@ -47,6 +48,7 @@ def _run(spec: dict) -> dict:
             [out] = llm.chat(conversation, params, use_tqdm=False)
             chats.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text})
         counters = _counters(llm)
+        drafter = llm.collective_rpc(_drafter_parameters)[0] if spec.get("drafter_parameters") else None
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -57,7 +59,14 @@ def _run(spec: dict) -> dict:
             else:
                 os.environ[k] = v
     return {"batches": results, "chats": chats, "startup_s": startup, "generate_s": generate,
-            "counters": counters}
+            "counters": counters, "drafter_parameters": drafter}
+
+
+def _drafter_parameters(worker) -> dict:
+    """Runs in the worker: the speculative drafter's parameters (name -> float64 sum and
+    element count), to compare with the checkpoint it was loaded from."""
+    model = worker.model_runner.drafter.model
+    return {name: [float(p.detach().double().sum()), p.numel()] for name, p in model.named_parameters()}
 
 
 def _counters(llm) -> dict:

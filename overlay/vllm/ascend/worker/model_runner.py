@@ -59,9 +59,10 @@ class NPUModelRunner(GPUModelRunner):
 
     # -- seeded sampling on the host ------------------------------------------------------
     # A request whose prefill is still partial samples a token that is thrown away, and
-    # upstream then steps its seeded generator back by rewinding the Philox offset (CUDA,
-    # and the NPU's generator). CPU generators have no offset, so in host emulation the
-    # generator's state is saved before sampling and put back instead.
+    # upstream then steps its seeded generator back by rewinding its Philox offset (a CUDA
+    # generator's; that torch_npu's generator answers the same is unverified). CPU
+    # generators have no offset, so in host emulation the generator's state is saved
+    # before sampling and put back instead.
     def _sample(self, *args, **kwargs):
         self._discarded_generator_states = {}
         if self.device.type == "cpu":
