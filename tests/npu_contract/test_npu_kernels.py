@@ -191,3 +191,79 @@ def test_npu_kernels_binds_the_facade_once_from_the_kernel_choice(choice, emulat
     assert (on, bound) == (str(expect_npu), str(expect_npu))
     assert int(calls) == (2 if expect_npu else 0)  # K and V planes
     assert float(written) == 8.0  # either way the token reached block 1, offset 2
+
+
+def test_spec_decode_npu_kernels_make_no_torch_npu_call_and_equal_reference():
+    """torch_npu has no rejection-sampling or drafter op, so the speculative-decoding
+    kernels' NPU forms are torch ops on the device: through the double they must call no
+    torch_npu op at all, and write exactly what the reference forms write."""
+    from torch_npu import _contract
+
+    from vllm.ascend.kernels import spec_decode as sd
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, counts = 9, [2, 0, 3]
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+    n, batch = int(cu[-1]), len(counts)
+    draft = torch.tensor([4, 1, 8, -1, 2], dtype=torch.int32)
+    target = torch.rand(n, vocab, generator=gen).softmax(-1)
+    draft_probs = torch.rand(n, vocab, generator=gen).softmax(-1)
+    argmax = target.argmax(-1)
+    argmax[0] = 4  # request 0 keeps its first draft
+    bonus = torch.tensor([[5], [6], [7]])
+    uniform = torch.rand(n, generator=gen, dtype=torch.float64)
+    inv_q = 1 / torch.empty(batch, vocab).exponential_(generator=gen)
+    recovered = torch.tensor([3, 3, 0, 1, 2], dtype=torch.int32)
+    greedy = torch.tensor([True, False, False])
+    table = torch.arange(20, dtype=torch.int32).view(4, 5)[:3]
+    sampled = torch.tensor([[3, -1, -1], [2, 9, -1], [1, 4, 6]], dtype=torch.int32)
+
+    def rows():
+        return torch.full((batch, 4), -1, dtype=torch.int32)
+
+    # name -> (NPU form, reference form, fresh arguments, indices of the arguments written)
+    cases = {
+        "rejection_greedy_sample": (
+            sd.npu_rejection_greedy_sample, sd.reference_rejection_greedy_sample,
+            lambda: [rows(), cu, draft, argmax, bonus, greedy, 3, None, None, False], [0]),
+        "rejection_random_sample": (
+            sd.npu_rejection_random_sample, sd.reference_rejection_random_sample,
+            lambda: [rows(), cu, draft, draft_probs, target, bonus, recovered, uniform, greedy, 3, vocab,
+                     None, False, False], [0]),
+        "sample_recovered_tokens": (
+            sd.npu_sample_recovered_tokens, sd.reference_sample_recovered_tokens,
+            lambda: [torch.zeros(n, dtype=torch.int32), cu, draft, None, target, inv_q, vocab, 8192, True,
+                     False], [0]),
+        "expand": (
+            sd.npu_expand, sd.reference_expand,
+            lambda: [torch.zeros(n), torch.tensor([0.0, 0.7, 0.0]), cu, 0, 1, 128], [0]),
+        "eagle_step_slot_mapping_metadata": (
+            sd.npu_eagle_step_slot_mapping_metadata, sd.reference_eagle_step_slot_mapping_metadata,
+            lambda: [torch.tensor([3, 15, 40]), table, table.stride(0),
+                     torch.tensor([4, 16, 41], dtype=torch.int32), torch.zeros(3, dtype=torch.int64),
+                     torch.zeros(5, dtype=torch.int64), 4, 41, 5, -1, 3],
+            [3, 4, 5]),
+        "eagle_prepare_inputs_padded": (
+            sd.npu_eagle_prepare_inputs_padded, sd.reference_eagle_prepare_inputs_padded,
+            lambda: [cu, torch.tensor([2, 0, 1], dtype=torch.int32),
+                     torch.tensor([0, 3, 4, 8], dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+                     torch.zeros(3, dtype=torch.int32), 3], [3, 4]),
+        "eagle_prepare_next_token_padded": (
+            sd.npu_eagle_prepare_next_token_padded, sd.reference_eagle_prepare_next_token_padded,
+            lambda: [sampled, torch.tensor([False, True, False]),
+                     torch.tensor([11, 12, 13], dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+                     torch.zeros(3, dtype=torch.int32), vocab, 3, 3,
+                     sampled.stride(0), 4], [3, 4]),
+    }
+    for name, (npu, reference, make, written) in cases.items():
+        before = sum(_contract.calls.values())
+        got, want = make(), make()
+        npu(*got)
+        assert sum(_contract.calls.values()) == before, f"npu_{name} called torch_npu"
+        reference(*want)
+        for i in written:
+            assert torch.equal(got[i], want[i]), (name, i, got[i], want[i])
+    # The cases are not vacuous: acceptance, rejection and bonus all happened.
+    out = rows()
+    sd.npu_rejection_greedy_sample(out, cu, draft, argmax, bonus, None, 3, None, None, False)
+    assert out[0, 0] == 4 and out[1].tolist() == [6, -1, -1, -1]
