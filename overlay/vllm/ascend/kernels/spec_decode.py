@@ -61,9 +61,12 @@ def _request_of_token(cu: torch.Tensor, num_tokens: int):
 
 
 # -- drafter steps (vllm/v1/spec_decode/utils.py) ---------------------------------------
-def _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, block_size, max_model_len,
-                       n_blocks_per_req, batch_size):
-    """New position, slot and sequence length of each request for the next draft token."""
+def _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped_positions_ptr,
+                       out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size):
+    """Next draft token of each request: its position (0 past ``max_model_len``), slot
+    (PAD_ID there) and sequence length; slots past the batch are the launcher's padding.
+    One formula for both modes: no data-dependent shape and nothing read back."""
+    batch_size = int(batch_size)
     position = positions_ptr[:batch_size].to(torch.int64) + 1
     beyond = position >= max_model_len
     position = torch.where(beyond, 0, position)
@@ -71,35 +74,26 @@ def _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, block_size,
     rows = torch.arange(batch_size, device=position.device)
     slot = block_table_ptr[rows, block].to(torch.int64) * block_size + position % block_size
     seq_len = torch.where(beyond, 1, seq_lens_ptr[:batch_size] + 1).clamp(max=max_model_len)
-    return position, slot, beyond, seq_len
+    out_clamped_positions_ptr[:batch_size].copy_(position)
+    seq_lens_ptr[:batch_size].copy_(seq_len)
+    out_slot_mapping_ptr[:batch_size].copy_(torch.where(beyond, PAD_ID, slot))
+    out_slot_mapping_ptr[batch_size:].fill_(PAD_ID)
 
 
 def reference_eagle_step_slot_mapping_metadata(
     positions_ptr, block_table_ptr, block_table_stride, seq_lens_ptr, out_clamped_positions_ptr,
     out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size,
 ):
-    batch_size = int(batch_size)
-    position, slot, beyond, seq_len = _step_slot_mapping(
-        positions_ptr, block_table_ptr, seq_lens_ptr, block_size, max_model_len, n_blocks_per_req, batch_size)
-    slot[beyond] = PAD_ID
-    out_clamped_positions_ptr[:batch_size] = position
-    seq_lens_ptr[:batch_size] = seq_len
-    # The launcher's grid covers the padded batch; rows past batch_size are padding slots.
-    out_slot_mapping_ptr[:batch_size] = slot
-    out_slot_mapping_ptr[batch_size:] = PAD_ID
+    _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped_positions_ptr,
+                       out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size)
 
 
 def npu_eagle_step_slot_mapping_metadata(
     positions_ptr, block_table_ptr, block_table_stride, seq_lens_ptr, out_clamped_positions_ptr,
     out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size,
 ):
-    batch_size = int(batch_size)
-    position, slot, beyond, seq_len = _step_slot_mapping(
-        positions_ptr, block_table_ptr, seq_lens_ptr, block_size, max_model_len, n_blocks_per_req, batch_size)
-    out_clamped_positions_ptr[:batch_size].copy_(position)
-    seq_lens_ptr[:batch_size].copy_(seq_len)
-    out_slot_mapping_ptr[:batch_size].copy_(torch.where(beyond, PAD_ID, slot))
-    out_slot_mapping_ptr[batch_size:].fill_(PAD_ID)
+    _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped_positions_ptr,
+                       out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size)
 
 
 def _prepare_inputs_padded(cu_num_draft_tokens_ptr, valid_sampled_tokens_count_ptr, query_start_loc_gpu_ptr,
