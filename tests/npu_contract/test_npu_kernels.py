@@ -267,3 +267,45 @@ def test_spec_decode_npu_kernels_make_no_torch_npu_call_and_equal_reference():
     out = rows()
     sd.npu_rejection_greedy_sample(out, cu, draft, argmax, bonus, None, 3, None, None, False)
     assert out[0, 0] == 4 and out[1].tolist() == [6, -1, -1, -1]
+
+
+# -- context parallelism: decode with the log-sum-exp, the cross-rank correction --------------
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), group=st.sampled_from([1, 4, 8]), head_size=st.sampled_from([16, 64]),
+       block_size=st.sampled_from([16, 128]))
+def test_context_parallel_decode_and_combine_equal_reference(data, group, head_size, block_size):
+    """The NPU forms a context-parallel decode runs: paged decode (GQA) and MLA decode with
+    the softmax log-sum-exp (rows with no keys on this rank included), and the correction
+    npu_attention_update that merges ranks' partials."""
+    from torch_npu import _contract
+
+    from vllm.ascend.kernels import context_parallel
+
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    before = dict(_contract.calls)
+    seq_lens = [data.draw(st.integers(0, 2 * block_size)) for _ in range(3)] + [1]
+    table = torch.arange(1, 9, dtype=torch.int32).view(4, 2)
+    k_plane = torch.randn(9, 1, block_size, head_size, dtype=BF16)
+    v_plane = torch.randn(9, 1, block_size, head_size, dtype=BF16)
+    query = torch.randn(4, group, head_size, dtype=BF16)
+    out_npu, lse_npu = attention.npu_paged_decode(query, k_plane, v_plane, table, seq_lens, 0.2)
+    out_ref, lse_ref = attention.reference_paged_decode(query, k_plane, v_plane, table, seq_lens, 0.2)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    torch.testing.assert_close(lse_npu, lse_ref, rtol=1e-2, atol=1e-2)
+
+    latent = torch.randn(9, block_size, 1, 512, dtype=BF16)
+    rope = torch.randn(9, block_size, 1, 64, dtype=BF16)
+    q_nope, q_pe = torch.randn(4, 8, 512, dtype=BF16), torch.randn(4, 8, 64, dtype=BF16)
+    mla_npu = mla.npu_mla_decode(q_nope, q_pe, latent, rope, table, seq_lens, 0.04, return_lse=True)
+    mla_ref = mla.reference_mla_decode(q_nope, q_pe, latent, rope, table, seq_lens, 0.04, return_lse=True)
+    torch.testing.assert_close(mla_npu[0].float(), mla_ref[0].float(), **TOL)
+    torch.testing.assert_close(mla_npu[1], mla_ref[1], rtol=1e-2, atol=1e-2)
+
+    cp = data.draw(st.integers(2, 4))
+    outs = torch.randn(cp, 4, group, head_size, dtype=BF16)
+    lses = torch.randn(cp, 4, group)
+    lses[0, 0] = float("-inf")  # a rank holding none of a row's keys
+    torch.testing.assert_close(context_parallel.npu_combine_partials(outs, lses).float(),
+                               context_parallel.reference_combine_partials(outs, lses).float(), **TOL)
+    for op in ("npu::npu_fused_infer_attention_score", "npu::npu_attention_update"):
+        assert _contract.calls[op] > before.get(op, 0), op

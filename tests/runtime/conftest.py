@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("llama", "qwen2", "deepseek_v3")
 # The DeepSeek variant whose MLA sizes (latent 512, rope 64) torch_npu's MLA kernel takes.
 MLA512 = "deepseek_v3_mla512"
+# A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
+QWEN2_KV1 = "qwen2_kv1"
 
 # Mixed lengths (2..~60 tokens) so batches mix short and long prefill.
 PROMPTS = [
@@ -81,6 +83,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     out = {}
     variants = {arch: [] for arch in ARCHS}
     variants[MLA512] = ["--arch", "deepseek_v3", "--kv-lora-rank", "512"]
+    variants[QWEN2_KV1] = ["--arch", "qwen2", "--kv-heads", "1"]
     for name, args in variants.items():
         script = str(ROOT / "examples" / "make_tiny_model.py")
         subprocess.run([sys.executable, script, *(args or ["--arch", name]), "--out", str(base / name)],

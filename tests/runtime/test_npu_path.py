@@ -6,6 +6,8 @@ kernels take): the reference kernels at TP=1, the NPU kernels at TP=1 and at TP=
 (for the MoE model with expert parallelism and the MC2 strategy: torch_npu's MoE
 dispatch/combine ops, and DeepSeek MTP speculative decoding with two draft tokens, whose
 verification steps run the MLA decode kernel on several query tokens per request).
+Qwen2 and the MLA model run a fourth engine with context parallelism (PCP=2; TP=2 with
+DCP=2): decode with the log-sum-exp and the cross-rank correction npu_attention_update.
 The NPU runs must produce the reference's greedy tokens for every
 prompt (prefill, chunked prefill with 128-token steps, prefix-cache hits over 128-token
 blocks, decode). Two implementations may legitimately pick different tokens only where the
@@ -45,6 +47,10 @@ EXPECTED_TP2_OPS = {
     "npu::npu_moe_distribute_dispatch_v2": (MLA512,),
     "npu::npu_moe_distribute_combine_v2": (MLA512,),
 }
+# The context-parallel run per architecture, and the op only it calls.
+CONTEXT_PARALLEL = {"qwen2": {"prefill_context_parallel_size": 2},
+                    MLA512: {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}}
+EXPECTED_CP_OPS = {"npu::npu_attention_update": ("qwen2", MLA512)}
 
 
 class NearTieDivergence(UserWarning):
@@ -82,6 +88,8 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     runs = {"reference": {"VLLM_ASCEND_KERNELS": "reference"},
             "npu_tp1": {"VLLM_ASCEND_KERNELS": "npu"},
             "npu_tp2": {"VLLM_ASCEND_KERNELS": "npu"}}
+    if arch in CONTEXT_PARALLEL:
+        runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu"}
     specs = []
     for name, env in runs.items():
         (tmp_path / name).mkdir()
@@ -92,6 +100,8 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
                 engine.update(enable_expert_parallel=True, additional_config={"moe_comm_method": "mc2"},
                               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
                               disable_log_stats=False)
+        if name == "npu_cp":
+            engine.update(CONTEXT_PARALLEL[arch], distributed_executor_backend="mp")
         specs.append({"model": str(tiny_models[arch]), "engine": engine, "batches": batches,
                       "max_tokens": MAX_TOKENS, "logprobs": 2,
                       "env": {**env, "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name)}})
@@ -112,7 +122,8 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
 
     prompts = LONG_PROMPTS + LONG_PREFIX_PROMPTS
     divergences = []
-    for name in ("npu_tp1", "npu_tp2"):
+    npu_runs = [name for name in runs if name != "reference"]
+    for name in npu_runs:
         got = [r for batch in outputs[name]["batches"] for r in batch]
         divergences += _compare(f"{arch} {name}", [r for batch in ref for r in batch], got, prompts)
     for line in divergences:
@@ -122,9 +133,9 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         assert outputs["npu_tp2"]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
 
     assert not _call_counts(tmp_path / "reference"), "the reference run must not call torch_npu"
-    for name in ("npu_tp1", "npu_tp2"):
+    for name in npu_runs:
         counts = _call_counts(tmp_path / name)
-        expected = {**EXPECTED_OPS, **(EXPECTED_TP2_OPS if name == "npu_tp2" else {})}
+        expected = {**EXPECTED_OPS, **{"npu_tp2": EXPECTED_TP2_OPS, "npu_cp": EXPECTED_CP_OPS}.get(name, {})}
         for op, archs in expected.items():
             if arch in archs:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"

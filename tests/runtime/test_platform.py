@@ -136,3 +136,81 @@ def test_speculative_config_checks(change, refused):
     else:
         with pytest.raises(ValueError, match=refused.replace("(", r"\(").replace(")", r"\)")):
             validate_speculative_config(config)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tensor-parallel-size", "2", "--decode-context-parallel-size", "4"),
+     "error: decode_context_parallel_size 4 must divide tensor_parallel_size 2"),
+    (("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"),  # upstream's own rule
+     "error: Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater"),
+    (("--tensor-parallel-size", "4", "--decode-context-parallel-size", "4"),
+     "error: `--decode-context-parallel-size` (4) exceeds the maximum supported value (2)"),
+    (("--prefill-context-parallel-size", "2", "--block-size", "8", "--cp-kv-cache-interleave-size", "3"),
+     "error: cp_kv_cache_interleave_size 3 must divide the block size 8"),
+])
+def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(args, message, tiny_models):
+    # Qwen2 has 2 KV heads: DCP 2 at TP 2 (or DCP 4 at TP 4) would leave a head's tokens
+    # on fewer ranks than DCP.
+    result = _vllm("serve", str(tiny_models["qwen2"]), "--dtype", "float32", "--port", "1", *args,
+                   emulate="1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), last
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({}, None),
+    ({"speculative_config": object()}, "speculative decoding with context parallelism"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
+    ({"kv_transfer_config": object()}, "KV connector"),
+    ({"sliding_window": 128}, "full attention only"),
+    ({"enable_expert_parallel": True}, "expert parallelism with prefill context parallelism"),
+    ({"enable_expert_parallel": True, "pcp": 1}, None),  # DCP with EP: tested equal to TP=1
+    ({"pcp": 1, "dcp": 1, "speculative_config": object()}, None),  # no context parallelism: no CP rule
+])
+def test_context_parallel_config_checks(change, refused):
+    from vllm.ascend.context_parallel.config import validate_context_parallel
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=2, prefill_context_parallel_size=change.get("pcp", 2),
+            decode_context_parallel_size=change.get("dcp", 2), data_parallel_size=1,
+            cp_kv_cache_interleave_size=1, pipeline_parallel_size=change.get("pipeline_parallel_size", 1),
+            enable_expert_parallel=change.get("enable_expert_parallel", False)),
+        cache_config=SimpleNamespace(block_size=128),
+        model_config=SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 1, is_hybrid=False,
+                                     is_moe=True, get_sliding_window=lambda: change.get("sliding_window")),
+        speculative_config=change.get("speculative_config"),
+        kv_transfer_config=change.get("kv_transfer_config"))
+    if refused is None:
+        validate_context_parallel(config)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            validate_context_parallel(config)
+
+
+def test_upstream_parallel_config_accepts_the_production_context_parallel_layouts():
+    """Through upstream's ParallelConfig (patch 0007 hands the TP/PCP/DCP rule to the
+    platform): the layouts users run are accepted, where upstream's own rule would refuse
+    e.g. PCP 2 with DCP 4 at TP 8; a DCP that does not divide TP is one clear error."""
+    result = _python("""
+        from vllm.config import ParallelConfig
+        from vllm.ascend.platform.detect import AscendConfigError
+
+        for tp, pcp, dcp, dp in [(8, 2, 8, 1), (8, 1, 4, 2), (8, 2, 4, 1), (4, 1, 2, 4), (8, 2, 1, 1),
+                                 (4, 1, 2, 1), (16, 1, 2, 1), (8, 1, 2, 2)]:
+            config = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                                    decode_context_parallel_size=dcp, data_parallel_size=dp,
+                                    distributed_executor_backend="mp")
+            print("ACCEPTED", tp, pcp, dcp, config.world_size)
+        try:
+            ParallelConfig(tensor_parallel_size=8, prefill_context_parallel_size=2,
+                           decode_context_parallel_size=3, distributed_executor_backend="mp")
+        except AscendConfigError as exc:
+            print("REFUSED", exc)
+    """, {"VLLM_ASCEND_EMULATE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ACCEPTED") == 8
+    assert "ACCEPTED 8 2 4 16" in result.stdout  # PCP x TP ranks per DP rank
+    assert "REFUSED decode_context_parallel_size 3 must divide tensor_parallel_size 8" in result.stdout

@@ -5,7 +5,10 @@
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
 "chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
-processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "env": {...}}, or
+processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "kv_dump": {"prompt": str,
+"dir": DIR} (before the batches, prefill that prompt alone and have every worker save its
+first attention layer's KV planes of the request's blocks to DIR/rank<N>.pt; needs
+VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1), "env": {...}}, or
 {"runs": [spec, ...]} to run several engines one after another in this process (each
 with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
@@ -37,6 +40,7 @@ def _run(spec: dict) -> dict:
         params = SamplingParams(**{"max_tokens": spec.get("max_tokens", 16), "temperature": 0.0,
                                    "ignore_eos": True, "logprobs": spec.get("logprobs"),
                                    **spec.get("sampling", {})})
+        kv_dump = _kv_dump(llm, **spec["kv_dump"]) if "kv_dump" in spec else None
         results = []
         t0 = time.perf_counter()
         for batch in spec["batches"]:
@@ -59,7 +63,48 @@ def _run(spec: dict) -> dict:
             else:
                 os.environ[k] = v
     return {"batches": results, "chats": chats, "startup_s": startup, "generate_s": generate,
-            "counters": counters, "drafter_parameters": drafter}
+            "counters": counters, "drafter_parameters": drafter, "kv_dump": kv_dump}
+
+
+def _kv_dump(llm, prompt: str, dir: str) -> dict:
+    """Prefill ``prompt`` alone by stepping the in-process engine core until its prompt is
+    computed (before any decode step writes more KV), then dump every worker's cache."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    engine.add_request("kv-dump", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    scheduler = engine.engine_core.engine_core.scheduler
+    while True:
+        engine.step()
+        [request] = scheduler.requests.values()
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            break
+    block_ids = list(scheduler.kv_cache_manager.get_block_ids(request.request_id)[0])
+    llm.collective_rpc(_save_kv, args=(block_ids, dir))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"prompt_len": request.num_prompt_tokens, "block_ids": block_ids}
+
+
+def _save_kv(worker, block_ids: list[int], directory: str) -> None:
+    """Runs in the worker: the first attention layer's cache planes at ``block_ids``, head-major
+    ``[blocks, heads, block_size, D]`` (MLA: latent | rope; GQA: K | V)."""
+    import torch
+
+    from vllm.ascend.attention.kv_layout import gqa_planes, mla_planes
+    from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
+
+    context = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    name = next(n for n in sorted(context) if ".layers.0." in n and hasattr(context[n], "kv_cache"))
+    layer = context[name]
+    impl, cache = layer.impl, layer.kv_cache
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    if hasattr(impl, "kv_lora_rank"):
+        planes = [p[ids].transpose(1, 2) for p in mla_planes(cache, impl.kv_lora_rank)]
+    else:
+        planes = [p[ids] for p in gqa_planes(cache, impl.head_size, cache.shape[-1] - impl.head_size)]
+    torch.save({"tp_rank": get_tp_group().rank_in_group, "pcp_rank": get_pcp_group().rank_in_group,
+                "planes": torch.cat(planes, dim=-1).clone()}, f"{directory}/rank{worker.rank}.pt")
 
 
 def _drafter_parameters(worker) -> dict:

@@ -3,7 +3,10 @@
 Supports mixed prefill/decode batches, chunked prefill and prefix caching (the
 kernel contract treats them alike). Decoder self-attention only. The cache is read
 as K and V planes (``kv_layout.py``); host lists of the per-request query starts
-and sequence lengths are built once per step in the metadata builder.
+and sequence lengths are built once per step in the metadata builder. Under context
+parallelism decode requests come first in the batch; decode rows combine the ranks'
+partial results and prefill runs attend over histories gathered from the group
+(``context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import ClassVar
 
 import torch
 
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -21,10 +26,14 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention.kv_layout import gqa_planes
+from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import attention as kernels
+from vllm.ascend.kernels import mla as dense_kernels
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -63,25 +72,37 @@ class AscendAttentionMetadata(AttentionMetadata):
     query_start_loc: list[int]  # [num_reqs + 1], host
     seq_lens: list[int]  # [num_reqs], host
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    cp_step: CPStep | None = None  # context parallelism: this step's plan
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        # Upstream declares __init__ abstract; the base class keeps everything needed.
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
+        if self.cp_rank is not None:
+            self.reorder_batch_threshold = 1  # decode requests first: their rows combine across ranks
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AscendAttentionMetadata:
         m = common_attn_metadata
-        return AscendAttentionMetadata(
+        metadata = AscendAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
             seq_lens=m.seq_lens[: m.num_reqs].cpu().tolist(),
             block_table=m.block_table_tensor[: m.num_reqs],
         )
+        if self.cp_rank is not None:
+            num_decodes = split_decodes_and_prefills(m, decode_threshold=1)[0]
+            metadata.cp_step = build_step(metadata.query_start_loc, metadata.seq_lens, num_decodes,
+                                          self.cp_rank)
+        return metadata
 
 
 class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
+    # Decode returns the log-sum-exp and combines context-parallel ranks itself.
+    can_return_lse_for_decode: bool = True
+    supports_pcp: bool = True
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
                  logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
@@ -103,6 +124,8 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
+        self.need_to_return_lse_for_decode = self.cp_rank is not None
 
     def _planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gqa_planes(kv_cache, self.head_size, kv_cache.shape[-1] - self.head_size)
@@ -111,6 +134,11 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if kv_cache.numel() == 0:  # no cache bound yet (profiling without one)
             return
         k_plane, v_plane = self._planes(kv_cache)
+        if self.cp_rank is not None and self.cp_rank.pcp > 1:
+            step = get_forward_context().attn_metadata[layer.layer_name].cp_step
+            if step.split:  # every PCP rank's rows, in the order of the runner's PCP slot mapping
+                rows = step.local_rows
+                key, value = cp.pcp_gather_rows(key[:rows]), cp.pcp_gather_rows(value[:rows])
         kernels.write_kv_cache(key, value, k_plane, v_plane, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -119,10 +147,31 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         if attn_metadata is None:  # profiling run without a KV cache
             return output.fill_(0)
-        n = attn_metadata.num_actual_tokens
         k_plane, v_plane = self._planes(kv_cache)
+        if attn_metadata.cp_step is not None:
+            return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
+        n = attn_metadata.num_actual_tokens
         kernels.paged_attention(
             query[:n], k_plane, v_plane, attn_metadata.block_table,
             attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale, output[:n],
         )
+        return output
+
+    def _context_parallel(self, query, k_plane, v_plane, attn_metadata, output) -> torch.Tensor:
+        step = attn_metadata.cp_step
+        out = output.view(output.shape[0], self.num_heads, -1)
+        out[: step.local_rows].zero_()  # padding rows (PCP) stay zero
+        ndec = step.num_decode_tokens
+        if ndec:
+            q = cp.gather_dcp_heads(query[:ndec], step.rank)
+            partial, lse = kernels.paged_decode(q, k_plane, v_plane, attn_metadata.block_table[:ndec],
+                                                step.decode_lens, self.scale)
+            out[:ndec] = cp.combine_decode(partial, lse, step.rank, self.num_heads)
+        if step.prefill_requests:
+            history = cp.gather_history([k_plane, v_plane], attn_metadata.block_table, step)
+            if step.segments:
+                kv, q_lens, kv_lens = cp.segment_inputs(step, history)
+                k, v = kv.split([self.head_size, kv.shape[-1] - self.head_size], dim=-1)
+                rows = step.tensor("segment_rows", query.device)
+                out[rows] = dense_kernels.prefill_attention(query[rows], k, v, q_lens, kv_lens, self.scale)
         return output

@@ -5,7 +5,10 @@ this backend supplies the device-facing pieces: the latent-cache write, the abso
 decode, and prefill. The cache is read as latent and rope planes (``kv_layout.py``).
 Prefill reads each request's whole latent history from the cache (its new tokens
 were just written), expands it with ``kv_b_proj`` and attends, so chunked prefill
-and prefix-cache hits need no separate context path.
+and prefix-cache hits need no separate context path. Under context parallelism the
+history is gathered from the group's caches and decode combines the ranks' partial
+results (``context_parallel.py``); upstream's layer-level DCP machinery stays off
+(``dcp_world_size`` 1 on the impl, the builder opts out of its DCP workspace).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention.kv_layout import mla_planes
+from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.kernels.mla import head_major
@@ -39,27 +44,39 @@ class AscendMLAMetadata(MLACommonMetadata):
     seq_lens_cpu: list[int] = field(default_factory=list)
     # One row per decode query token (decode_rows): block table rows and KV lengths.
     decode_block_rows: torch.Tensor | None = None
-    decode_row_lens: list[int] = field(default_factory=list)
+    decode_row_lens: list[int] = field(default_factory=list)  # under CP: the tokens this rank holds
+    cp_step: CPStep | None = None
+    cp_block_table: torch.Tensor | None = None  # every request's row (CP history gathers)
 
 
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
     # Speculative verification (1 + k query tokens per request) takes the decode path:
     # every query token becomes a decode row of its own (decode_rows, once per step).
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    # Context parallelism is this backend's own (context_parallel.py), not the shared
+    # builder's DCP workspace (a hook added by this distribution's patch).
+    manages_context_parallel: ClassVar[bool] = True
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
         kwargs["metadata_cls"] = AscendMLAMetadata
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
+        self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> AscendMLAMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
         metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         metadata.seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu().tolist()
+        if self.cp_rank is not None:
+            metadata.cp_step = build_step(metadata.query_start_cpu, metadata.seq_lens_cpu,
+                                          metadata.num_decodes, self.cp_rank)
+            metadata.cp_block_table = m.block_table_tensor[: m.num_reqs]
         if metadata.decode is not None:
             n = metadata.num_decodes
             metadata.decode_block_rows, metadata.decode_row_lens = decode_rows(
                 metadata.decode.block_table, metadata.query_start_cpu[: n + 1], metadata.seq_lens_cpu[:n])
+            if metadata.cp_step is not None:
+                metadata.decode_row_lens = metadata.cp_step.decode_lens
         return metadata
 
 
@@ -104,7 +121,9 @@ class AscendMLABackend(MLACommonBackend):
 
 
 class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
-    can_return_lse_for_decode: bool = False
+    # Decode returns the log-sum-exp and combines context-parallel ranks itself.
+    can_return_lse_for_decode: bool = True
+    supports_pcp: bool = True
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
@@ -125,16 +144,22 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "qk_head_dim", "v_head_dim", "kv_b_proj"):
             setattr(self, key, mla_args[key])
-        if npu_kernels():
+        from vllm.config import get_current_vllm_config
+
+        self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
+        if npu_kernels():  # a DCP decode runs the DCP group's heads together
             kernels.check_npu_dims(self.kv_lora_rank, self.qk_rope_head_dim)
-            kernels.npu_padded_heads(num_heads)
+            kernels.npu_padded_heads(num_heads * (self.cp_rank.dcp if self.cp_rank else 1))
         self.indexer = mla_args.get("indexer")
         self.q_pad_num_heads = mla_args.get("q_pad_num_heads")
         self.supports_quant_query_input = False
         self._use_flashinfer_concat_mla_k = False
         self._pad_v = False
+        # Upstream's MLA layer runs its own DCP path when the impl reports DCP > 1; this
+        # impl does context parallelism itself, so the layer sees 1.
         self.dcp_world_size = 1
         self.cp_kv_cache_interleave_size = 1
+        self.need_to_return_lse_for_decode = self.cp_rank is not None
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
                            k_scale) -> None:
@@ -146,29 +171,58 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         q_nope, q_pe = q if isinstance(q, tuple) else q.split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
-        out = kernels.mla_decode(q_nope, q_pe, latent, rope, attn_metadata.decode_block_rows,
-                                 attn_metadata.decode_row_lens, self.scale)
-        return out, None
+        rows, lens = attn_metadata.decode_block_rows, attn_metadata.decode_row_lens
+        step = attn_metadata.cp_step
+        if step is None:
+            return kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale), None
+        heads = q_nope.shape[1]
+        q_group = cp.gather_dcp_heads(torch.cat([q_nope, q_pe], dim=-1), step.rank)
+        q_nope, q_pe = q_group.split([self.kv_lora_rank, q_pe.shape[-1]], dim=-1)
+        out, lse = kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale, return_lse=True)
+        return cp.combine_decode(out, lse, step.rank, heads), None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
                     output, output_scale=None) -> None:
         if output_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
+        latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
+        out = output.view(-1, self.num_heads, self.v_head_dim)
+        if attn_metadata.cp_step is not None:
+            return self._context_parallel_prefill(q, latent, rope, attn_metadata, out)
         prefill = attn_metadata.prefill
         first = attn_metadata.num_decodes
         starts = attn_metadata.query_start_cpu[first:]
         q_lens = [b - a for a, b in zip(starts, starts[1:])]
         kv_lens = attn_metadata.seq_lens_cpu[first:]
-        latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         rows = [(gather_tokens(head_major(latent), prefill.block_table[r], n)[:, 0],
                  gather_tokens(head_major(rope), prefill.block_table[r], n)[:, 0])
                 for r, n in enumerate(kv_lens) if q_lens[r]]
         kv_lens = [n for r, n in enumerate(kv_lens) if q_lens[r]]
         q_lens = [n for n in q_lens if n]
-        c = torch.cat([c for c, _ in rows]).to(q.dtype)
-        pe = torch.cat([pe for _, pe in rows]).to(q.dtype)
+        k, v = self._expand(torch.cat([c for c, _ in rows]).to(q.dtype),
+                            torch.cat([pe for _, pe in rows]).to(q.dtype))
+        out[: sum(q_lens)] = kernels.prefill_attention(q[: sum(q_lens)], k, v, q_lens, kv_lens, self.scale)
+
+    def _expand(self, c, pe):
+        """Latent ``c`` and rotary ``pe`` rows -> per-head keys and values (``kv_b_proj``)."""
         kv = self.kv_b_proj(c)[0].view(c.shape[0], self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
-        out = output.view(-1, self.num_heads, self.v_head_dim)
-        out[: sum(q_lens)] = kernels.prefill_attention(q[: sum(q_lens)], k, v, q_lens, kv_lens, self.scale)
+        return torch.cat([k_nope, pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1), v
+
+    def _context_parallel_prefill(self, q, latent, rope, attn_metadata, out) -> None:
+        """This rank's prefill query runs over histories gathered from the CP group; ``q``
+        and ``out`` are the local rows after the decode rows."""
+        step = attn_metadata.cp_step
+        out.zero_()  # padding rows (PCP) stay zero
+        if not step.prefill_requests:
+            return
+        planes = [head_major(latent), head_major(rope)]
+        history = cp.gather_history(planes, attn_metadata.cp_block_table, step)
+        if not step.segments:
+            return
+        k, v = self._expand(history[:, 0, : self.kv_lora_rank].to(q.dtype),
+                            history[:, 0, self.kv_lora_rank:].to(q.dtype))
+        kv, q_lens, kv_lens = cp.segment_inputs(step, torch.cat([k, v], dim=-1))
+        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+        rows = step.tensor("segment_rows", q.device) - step.num_decode_tokens
+        out[rows] = kernels.prefill_attention(q[rows], k, v, q_lens, kv_lens, self.scale)

@@ -4,6 +4,11 @@ MC2: torch_npu's MoE dispatch/combine ops need an EP communication domain that c
 no other operator ("the EP comm domain used by dispatch/combine may carry no other
 operator", torch_npu npu_moe_distribute_dispatch_v2 docs), so the MC2 strategy gets its
 own group with exactly the EP group's ranks.
+
+Context parallel: one sequence's KV cache is spread over the PCP x DCP ranks that share
+a TP rank's heads (``vllm.ascend.context_parallel.placement``); attention gathers and
+combines over exactly those ranks, ordered by context-parallel rank
+``pcp_rank x DCP + dcp_rank``.
 """
 
 from __future__ import annotations
@@ -39,3 +44,33 @@ def get_mc2_group() -> GroupCoordinator:
         raise RuntimeError("the MC2 group is not initialised: MC2 needs expert parallelism "
                            "(--enable-expert-parallel with an EP size above 1)")
     return _MC2
+
+
+_CP: GroupCoordinator | None = None
+
+
+def context_parallel_rank_lists(world_size: int, tp: int, pcp: int, dcp: int) -> list[list[int]]:
+    """Every context-parallel group, each in context-parallel rank order. Upstream's rank
+    order is (ExternalDP x DP x PP) x PCP x TP, so each block of PCP x TP consecutive
+    ranks is one replica of the model."""
+    block = pcp * tp
+    return [[base + p * tp + first + d for p in range(pcp) for d in range(dcp)]
+            for base in range(0, world_size, block) for first in range(0, tp, dcp)]
+
+
+def init_context_parallel_group(parallel_config, backend: str) -> None:
+    """Create the context-parallel groups (collective over the world, once per worker)."""
+    global _CP
+    pcp, dcp = parallel_config.prefill_context_parallel_size, parallel_config.decode_context_parallel_size
+    if _CP is not None or pcp * dcp == 1:
+        return
+    world = get_world_group()
+    lists = context_parallel_rank_lists(world.world_size, parallel_config.tensor_parallel_size, pcp, dcp)
+    _CP = init_model_parallel_group(lists, world.local_rank, backend, group_name="ascend_cp")
+
+
+def get_context_parallel_group() -> GroupCoordinator:
+    if _CP is None:
+        raise RuntimeError("the context-parallel group is not initialised: it exists when "
+                           "--prefill-context-parallel-size x --decode-context-parallel-size > 1")
+    return _CP

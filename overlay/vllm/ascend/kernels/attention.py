@@ -73,6 +73,26 @@ def reference_paged_attention(query, k_plane, v_plane, block_table, query_start_
     return out
 
 
+def reference_paged_decode(query, k_plane, v_plane, block_table, seq_lens: list[int], scale):
+    """One query per request over its first ``seq_lens[b]`` cached tokens, with the softmax
+    log-sum-exp: ``query [B, H, D]`` -> (``out [B, H, Dv]``, ``lse [B, H]`` float32). A
+    request with no cached tokens here gets ``out`` 0 and ``lse`` -inf (a context-parallel
+    rank that holds none of its tokens)."""
+    batch, heads = query.shape[:2]
+    group = heads // k_plane.shape[1]
+    out = query.new_zeros(batch, heads, v_plane.shape[-1])
+    lse = torch.full((batch, heads), float("-inf"), dtype=torch.float32, device=query.device)
+    for b, seq_len in enumerate(seq_lens):
+        if seq_len == 0:
+            continue
+        k = gather_tokens(k_plane, block_table[b], seq_len).repeat_interleave(group, dim=1).float()
+        v = gather_tokens(v_plane, block_table[b], seq_len).repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("hd,nhd->hn", query[b].float(), k) * scale
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v).to(out.dtype)
+    return out, lse
+
+
 # -- NPU (torch_npu; passes the contract double in CI, not verified on an NPU) --------
 def causal_mask(device: torch.device) -> torch.Tensor:
     """torch_npu's optimised rightDownCausal mask (1 above the diagonal), built once per device."""
@@ -123,7 +143,31 @@ def npu_paged_attention(query, k_plane, v_plane, block_table, query_start_loc: l
     return out
 
 
+def empty_rows_to_identity(out, lse, seq_lens: list[int]):
+    """Rows with no keys: out 0, lse -inf, whatever the kernel left there (the combine
+    then gives them no weight)."""
+    empty = torch.tensor([n == 0 for n in seq_lens], device=lse.device)
+    shape = (-1,) + (1,) * (lse.dim() - 1)
+    lse = torch.where(empty.view(shape), torch.full_like(lse, float("-inf")), lse)
+    out = torch.where(empty.view((-1,) + (1,) * (out.dim() - 1)), torch.zeros_like(out), out)
+    return out, lse
+
+
+def npu_paged_decode(query, k_plane, v_plane, block_table, seq_lens: list[int], scale):
+    """``npu_fused_infer_attention_score`` in TND with one query row per request, page
+    attention over the ``(blocknum, KV_N, blocksize, D)`` planes, ``softmax_lse_flag``."""
+    batch, heads = query.shape[:2]
+    out, lse = torch_npu().npu_fused_infer_attention_score(
+        query.contiguous(), k_plane, v_plane, num_heads=heads, num_key_value_heads=k_plane.shape[1],
+        scale=scale, input_layout="TND", block_table=block_table, block_size=k_plane.shape[2],
+        actual_seq_lengths=list(range(1, batch + 1)), actual_seq_lengths_kv=seq_lens,
+        softmax_lse_flag=True,
+    )
+    return empty_rows_to_identity(out, lse[..., 0], seq_lens)
+
+
 write_kv_cache = pick(reference_write_kv_cache, npu_write_kv_cache)
+paged_decode = pick(reference_paged_decode, npu_paged_decode)
 paged_attention = pick(reference_paged_attention, npu_paged_attention)
 
 

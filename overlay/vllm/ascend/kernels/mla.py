@@ -7,11 +7,13 @@ its rotary key ``k_pe``.
 * ``write_latent_cache``: store ``c`` and ``k_pe`` at the tokens' slots.
 * ``mla_decode``: absorbed decode. ``q_nope [B, H, L]`` is already multiplied by
   ``W_UK``; scores are ``q_nope . c + q_pe . k_pe``, output ``[B, H, L]`` is
-  ``softmax . c`` (the caller applies ``W_UV``). ``seq_lens`` is a host list.
+  ``softmax . c`` (the caller applies ``W_UV``). ``seq_lens`` is a host list. With
+  ``return_lse`` it also gives the log-sum-exp (context parallelism combines ranks by it).
 * ``prefill_attention``: ordinary causal attention of the prefill queries over each
   request's expanded keys/values (``q [T, H, Dqk]``, ``k [S, H, Dqk]``, ``v [S, H, Dv]``,
   requests concatenated; query ``i`` of a request sees its first ``kv_len - q_len + i + 1``
-  keys), which covers chunked prefill and prefix-cache hits.
+  keys), which covers chunked prefill and prefix-cache hits. ``k``/``v`` may have fewer
+  heads than ``q`` (grouped-query attention: the GQA backend's context-parallel prefill).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from vllm.ascend.kernels import pick, torch_npu
-from vllm.ascend.kernels.attention import causal_attention, causal_mask, npu_slots, valid_slots
+from vllm.ascend.kernels.attention import (causal_attention, causal_mask, empty_rows_to_identity, npu_slots,
+                                           valid_slots)
 
 # torch_npu's FIA in its MLA form (query_rope/key_rope): latent 512, rope 64, and
 # 32, 64 or 128 query heads (fewer heads are padded).
@@ -47,17 +50,27 @@ def _gather(plane, block_row, seq_len):
     return gather_tokens(head_major(plane), block_row, seq_len)[:, 0]  # [seq, D]
 
 
-def reference_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale) -> torch.Tensor:
-    out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+def reference_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale,
+                         return_lse: bool = False):
+    """With ``return_lse`` also the softmax log-sum-exp ``[B, H]`` (float32; -inf and a zero
+    output for a row with no keys on this rank)."""
+    out = q_nope.new_zeros(q_nope.shape)
+    lse = torch.full(q_nope.shape[:2], float("-inf"), dtype=torch.float32, device=q_nope.device)
     for b, seq_len in enumerate(seq_lens):
+        if seq_len == 0:
+            continue
         c = _gather(latent, block_table[b], seq_len).float()
         pe = _gather(rope, block_table[b], seq_len).float()
         scores = (q_nope[b].float() @ c.t() + q_pe[b].float() @ pe.t()) * scale  # [H, seq]
+        lse[b] = torch.logsumexp(scores, dim=-1)
         out[b] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
-    return out
+    return (out, lse) if return_lse else out
 
 
 def reference_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each KV head serves a group of query heads
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     q_start = kv_start = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
@@ -91,9 +104,11 @@ def npu_padded_heads(num_heads: int) -> int:
                      f"got {num_heads}; raise the tensor-parallel size")
 
 
-def npu_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale) -> torch.Tensor:
+def npu_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale,
+                   return_lse: bool = False):
     """``npu_fused_infer_attention_score`` in its MLA form: BNSD query ``c``-space parts
-    (heads padded to 32/64/128), ``query_rope``/``key_rope`` the rotary parts, value = ``c``."""
+    (heads padded to 32/64/128), ``query_rope``/``key_rope`` the rotary parts, value = ``c``;
+    ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``."""
     batch, heads, rank = q_nope.shape
     padded = npu_padded_heads(heads)
     query = q_nope.new_zeros(batch, padded, 1, rank)
@@ -101,12 +116,15 @@ def npu_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int],
     query_rope = q_pe.new_zeros(batch, padded, 1, q_pe.shape[-1])
     query_rope[:, :heads, 0] = q_pe
     latent_bnsd = head_major(latent)
-    out, _ = torch_npu().npu_fused_infer_attention_score(
+    out, lse = torch_npu().npu_fused_infer_attention_score(
         query, latent_bnsd, latent_bnsd, query_rope=query_rope, key_rope=head_major(rope),
         num_heads=padded, num_key_value_heads=1, input_layout="BNSD", scale=scale,
         block_table=block_table, block_size=latent.shape[1], actual_seq_lengths_kv=seq_lens,
+        softmax_lse_flag=return_lse,
     )
-    return out[:, :heads, 0]
+    if not return_lse:
+        return out[:, :heads, 0]
+    return empty_rows_to_identity(out[:, :heads, 0], lse[:, :heads, 0, 0], seq_lens)
 
 
 def npu_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale) -> torch.Tensor:

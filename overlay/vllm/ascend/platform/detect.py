@@ -66,8 +66,14 @@ def no_npu_message() -> str:
 
 @contextmanager
 def exit_on_startup_error():
-    """Turn :class:`AscendStartupError` into one ``error:`` line and exit status 1 (CLI hook)."""
+    """Turn :class:`AscendStartupError`, and an engine argument upstream's config
+    validation rejects, into one ``error:`` line and exit status 1 (CLI hook)."""
+    from pydantic import ValidationError
+
     try:
         yield
     except AscendStartupError as exc:
         raise SystemExit(f"error: {exc}") from None
+    except ValidationError as exc:  # pydantic's report spans many lines and a traceback
+        reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise SystemExit(f"error: {reasons}") from None

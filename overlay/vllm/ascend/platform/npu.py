@@ -89,6 +89,9 @@ class NPUPlatform(Platform):
     supported_quantization: list[str] = []
 
     emulated: bool = False
+    # Context parallelism shards a sequence's KV over PCP x DCP ranks
+    # (vllm/ascend/context_parallel/placement.py; the hook is this distribution's patch).
+    kv_cache_sharded_over_pcp: bool = True
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -204,6 +207,17 @@ class NPUPlatform(Platform):
 
     # -- configuration ----------------------------------------------------------
     @classmethod
+    def check_context_parallel_sizes(cls, tp: int, pcp: int, dcp: int) -> None:
+        # The model-dependent rules (KV heads, interleave) are checked with the model in
+        # check_and_update_config.
+        from vllm.ascend.context_parallel.placement import CPLayout, LayoutError
+
+        try:
+            CPLayout(tp=tp, pcp=pcp, dcp=dcp).check()
+        except LayoutError as exc:  # not a ValueError here: pydantic would report it on many lines
+            raise AscendConfigError(str(exc)) from None
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode
         from vllm.config.compilation import CUDAGraphMode
@@ -256,9 +270,12 @@ class NPUPlatform(Platform):
             from vllm.ascend.moe.step import validate_config
             from vllm.ascend.spec_decode.config import validate_speculative_config
 
+            from vllm.ascend.context_parallel.config import validate_context_parallel
+
             try:
                 validate_config(vllm_config)
                 validate_speculative_config(vllm_config)
+                validate_context_parallel(vllm_config)
             except ValueError as exc:
                 raise AscendConfigError(str(exc)) from None
 

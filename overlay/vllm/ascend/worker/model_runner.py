@@ -1,7 +1,9 @@
 """The Ascend model runner: upstream's GPU model runner with device calls routed to
 vllm.ascend.device. Upstream's Triton kernels that have no torch fallback (slot mapping,
 the speculative-decoding steps and rejection sampler) are replaced by vllm.ascend.kernels
-(registered by the platform)."""
+(registered by the platform). Prefill context parallel (PCP) runs here: each PCP rank
+runs its share of the step's tokens (``vllm.ascend.context_parallel.step``) and the
+ranks' hidden states are gathered back into the step's order after the model."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -49,6 +52,7 @@ class NPUModelRunner(GPUModelRunner):
         with _device_streams_and_events():
             super().__init__(vllm_config, device)
         self.device_layer = ascend_device.current()
+        self._use_context_parallel_slots()
 
     def _sync_device(self) -> None:
         self.device_layer.synchronize()
@@ -56,6 +60,51 @@ class NPUModelRunner(GPUModelRunner):
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
         with _device_streams_and_events():
             super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only)
+
+    # -- context parallelism ------------------------------------------------------------
+    def _use_context_parallel_slots(self) -> None:
+        """The slot mapping places tokens over the whole PCP x DCP group (upstream's V1
+        block table counts DCP only: its PCP keeps full replicas)."""
+        pc = self.parallel_config
+        if pc.prefill_context_parallel_size == 1:
+            return
+        from vllm.ascend.attention.context_parallel import rank_layout
+
+        rank = rank_layout(pc)
+        for table in self.input_batch.block_table.block_tables:
+            table.dcp_world_size, table.dcp_rank = rank.cp, rank.cp_rank
+
+    def may_reinitialize_input_batch(self, kv_cache_config) -> None:
+        super().may_reinitialize_input_batch(kv_cache_config)
+        self._use_context_parallel_slots()
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        step = _pcp_split_step()
+        if step is None:
+            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                          **model_kwargs)
+        from vllm.distributed.parallel_state import get_pcp_group
+
+        local, order, restore = (step.tensor(n, self.device)
+                                 for n in ("local_index", "gather_order", "restore"))
+        ctx = get_forward_context()
+        permuted: dict[int, torch.Tensor] = {}
+        for name, slots in ctx.slot_mapping.items():
+            if id(slots) not in permuted:  # layers of one KV-cache group share one tensor
+                ordered = slots[order.clamp(min=0)]
+                permuted[id(slots)] = torch.where(order >= 0, ordered, torch.full_like(ordered, -1))
+            ctx.slot_mapping[name] = permuted[id(slots)]
+        hidden = super()._model_forward(
+            None if input_ids is None else input_ids[local],
+            None if positions is None else positions[..., local],
+            intermediate_tensors,
+            None if inputs_embeds is None else inputs_embeds[local], **model_kwargs)
+        gathered = get_pcp_group().all_gather(hidden.contiguous(), dim=0)
+        num_rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        rows = torch.zeros(num_rows, dtype=torch.int64, device=restore.device)  # padding rows: any row
+        rows[: restore.shape[0]] = restore
+        return gathered[rows]
 
     # -- seeded sampling on the host ------------------------------------------------------
     # A request whose prefill is still partial samples a token that is thrown away, and
@@ -150,3 +199,17 @@ class NPUModelRunner(GPUModelRunner):
             split = torch.tensor(self._profile_split(num_tokens), dtype=torch.int32)
             kwargs.setdefault("profile_seq_lens", split)
         return super()._dummy_run(num_tokens, *args, **kwargs)
+
+
+def _pcp_split_step():
+    """The step plan of this forward when PCP splits its tokens (None otherwise: no
+    context parallelism, PCP off, or a dummy forward without attention metadata)."""
+    metadata = get_forward_context().attn_metadata
+    if not isinstance(metadata, dict):
+        return None
+    for m in metadata.values():
+        step = getattr(m, "cp_step", None)
+        if step is not None and step.split:
+            return step
+    return None
+

@@ -59,6 +59,9 @@ class NPUWorker(Worker):
             self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
             current_platform.dist_backend,
         )
+        from vllm.ascend.distributed.groups import init_context_parallel_group
+
+        init_context_parallel_group(self.parallel_config, current_platform.dist_backend)
         if self.model_config.is_moe:
             from vllm.ascend.distributed.groups import init_mc2_group
             from vllm.ascend.moe.step import worker_layout

@@ -144,8 +144,8 @@ def _tnd_cumulative(op, lengths, total, rule) -> list[int]:
 
 def npu_fused_infer_attention_score(**a):
     _refuse_unmodelled(FIA, a, _FIA_UNMODELLED)
-    if a["softmax_lse_flag"] and a["input_layout"] != "TND":
-        raise unmodelled(FIA, "softmax_lse_flag outside TND")
+    if a["softmax_lse_flag"] and a["input_layout"] != "TND" and a["query_rope"] is None:
+        raise unmodelled(FIA, "softmax_lse_flag outside TND and the MLA form")
     query, key, value = a["query"], a["key"], a["value"]
     num_heads, layout, sparse_mode = a["num_heads"], a["input_layout"], a["sparse_mode"]
     kv_heads = a["num_key_value_heads"] or num_heads
@@ -261,13 +261,42 @@ def _fia_mla_paged(a, query, key, value, q_rope, k_rope, num_heads, layout, spar
     q = query if not bnsd else query.transpose(1, 2)  # [B, S, N, D]
     qr = q_rope if not bnsd else q_rope.transpose(1, 2)
     out = torch.empty(q.shape, dtype=torch.float32)
+    lse = torch.empty(batch, n, s_len, 1, dtype=torch.float32)  # [B, N, S, 1] outside TND
     for b in range(batch):
         latent = _paged_rows(key, block_table[b], kv_lens[b], block_size, 1)
         rope = _paged_rows(k_rope, block_table[b], kv_lens[b], block_size, 1)
         limit = None if s_len == 1 else kv_lens[b] - s_len
-        out[b], _ = _attend(q[b], latent, latent, scale, limit, q_rope=qr[b], k_rope=rope)
+        out[b], row_lse = _attend(q[b], latent, latent, scale, limit, q_rope=qr[b], k_rope=rope)
+        lse[b, :, :, 0] = row_lse.transpose(0, 1)
     out = out.to(query.dtype)
-    return (out.transpose(1, 2).contiguous() if bnsd else out), torch.zeros(1, dtype=torch.float32)
+    out = out.transpose(1, 2).contiguous() if bnsd else out
+    return out, (lse if a["softmax_lse_flag"] else torch.zeros(1, dtype=torch.float32))
+
+
+# -- npu_attention_update ------------------------------------------------------------------------
+ATTENTION_UPDATE = "npu_attention_update"
+
+
+def npu_attention_update(lse, local_out, update_type):
+    """Merge per-rank partial attention outputs by their log-sum-exp (the documented formula)."""
+    op = ATTENTION_UPDATE
+    require(len(lse) == len(local_out), op, "AU.same_length", f"{len(lse)} lse vs {len(local_out)} local_out")
+    require(1 <= len(lse) <= 16, op, "AU.sp", f"SP={len(lse)}")
+    require(update_type in (0, 1), op, "AU.update_type", f"update_type={update_type}")
+    rows = lse[0].shape[0] if lse[0].dim() == 1 else -1
+    require(all(t.dim() == 1 and t.shape[0] == rows and t.dtype == torch.float32 for t in lse), op, "AU.lse",
+            f"lse shapes {[tuple(t.shape) for t in lse]} dtypes {[t.dtype for t in lse]}")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    require(all(t.dim() == 2 and t.shape[0] == rows and t.shape == local_out[0].shape and t.dtype in dtypes
+                for t in local_out), op, "AU.local_out",
+            f"local_out shapes {[tuple(t.shape) for t in local_out]} for {rows} lse rows")
+    head_dim = local_out[0].shape[1]
+    require(8 <= head_dim <= 512 and head_dim % 8 == 0, op, "AU.head_dim", f"head_dim={head_dim}")
+    stacked = torch.stack([t.float() for t in lse])  # [SP, N]
+    lse_max = stacked.max(dim=0).values
+    lse_m = lse_max + torch.log(torch.exp(stacked - lse_max).sum(dim=0))
+    out = sum(o.float() * torch.exp(l - lse_m).unsqueeze(1) for o, l in zip(local_out, stacked))
+    return out.to(local_out[0].dtype), lse_m
 
 
 # -- _npu_reshape_and_cache (ATB) --------------------------------------------------------------
@@ -507,6 +536,7 @@ KERNELS = {
         "npu_swiglu": npu_swiglu,
         MC2_DISPATCH: npu_moe_distribute_dispatch_v2,
         MC2_COMBINE: npu_moe_distribute_combine_v2,
+        ATTENTION_UPDATE: npu_attention_update,
     },
     "atb": {
         "_npu_reshape_and_cache": _npu_reshape_and_cache,

@@ -22,6 +22,8 @@ MC2_DISPATCH_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-np
                     "(commit 517f2e7d)")
 MC2_COMBINE_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_combine_v2.md "
                    "(commit 517f2e7d)")
+ATTENTION_UPDATE_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md "
+                        "(commit 517f2e7d)")
 OP_PLUGIN_ATB_COMMON = "Ascend/op-plugin op_plugin/utils/custom_functions/atb/AtbCommon.cpp"
 
 
@@ -130,6 +132,17 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("MC2.expert_scales", MC2_COMBINE_DOC, "表示每个token的topK个专家的权重，要求为2维张量，shape为\\(BS, K\\)，"
                                                "其中共享专家不需要乘权重系数，直接相加即可。数据类型支持`float32`",
          in_wheel=False),
+    # -- npu_attention_update ------------------------------------------------------------------------
+    Rule("AU.lse", ATTENTION_UPDATE_DOC, "每个Tensor的shape为$(batch \\times seqLen \\times headNum)$。"
+                                         "数据类型支持`float32`", in_wheel=False),
+    Rule("AU.local_out", ATTENTION_UPDATE_DOC, "每个Tensor的shape为$(batch \\times seqLen \\times headNum, "
+                                               "head\\_dim)$。数据类型支持`float32`、`float16`、`bfloat16`",
+         in_wheel=False),
+    Rule("AU.sp", ATTENTION_UPDATE_DOC, "序列并行的并行度SP取值范围[1, 16]。", in_wheel=False),
+    Rule("AU.head_dim", ATTENTION_UPDATE_DOC, "head_dim取值范围[8, 512]且是8的倍数。", in_wheel=False),
+    Rule("AU.same_length", ATTENTION_UPDATE_DOC, "`lse`和`local_out`的tensorList长度必须一致。", in_wheel=False),
+    Rule("AU.update_type", ATTENTION_UPDATE_DOC, "取值为`0`时，仅输出合并后的out；取值为`1`时，"
+                                                 "同时输出合并后的out和lse_out。", in_wheel=False),
     # -- npu_swiglu ---------------------------------------------------------------------------------
     Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
     Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),

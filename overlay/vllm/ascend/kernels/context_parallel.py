@@ -1,0 +1,36 @@
+"""Cross-rank correction of context-parallel attention (upstream: Triton CorrectAttnCPOutKernel).
+
+Each rank of a context-parallel group attends over the KV tokens it holds and returns a
+partial output with its softmax log-sum-exp. The exact attention over all tokens is
+
+    lse = log(sum_c exp(lse_c)),   out = sum_c exp(lse_c - lse) * out_c
+
+``combine_partials(outs [CP, T, H, D], lses [CP, T, H] float32) -> [T, H, D]``. A rank
+with no tokens for a row contributes ``lse_c = -inf`` (weight 0); every real query sees
+at least its own token, so some rank has a finite ``lse``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.ascend.kernels import pick, torch_npu
+
+
+def reference_combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    lse = torch.logsumexp(lses, dim=0)  # [T, H]
+    weights = torch.exp(lses - lse.unsqueeze(0)).nan_to_num_(0.0)  # [CP, T, H]
+    return (outs.float() * weights.unsqueeze(-1)).sum(dim=0).to(outs.dtype)
+
+
+def npu_combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """``npu_attention_update``: per rank, lse as ``(B x S x N)`` and the output as
+    ``(B x S x N, D)`` (update_type 0: the merged output only)."""
+    cp, tokens, heads, dim = outs.shape
+    merged, _ = torch_npu().npu_attention_update(
+        [lses[c].reshape(-1).float() for c in range(cp)],
+        [outs[c].reshape(-1, dim) for c in range(cp)], 0)
+    return merged.view(tokens, heads, dim)
+
+
+combine_partials = pick(reference_combine_partials, npu_combine_partials)
