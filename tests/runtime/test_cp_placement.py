@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from vllm.ascend.context_parallel.placement import (CPLayout, LayoutError, block_and_offset, local_count,
                                                     local_positions, owner, place)
 from vllm.ascend.context_parallel.step import RankLayout, build_step, zigzag_runs
-from vllm.ascend.distributed.groups import context_parallel_rank_lists
 from vllm.ascend.kernels import attention as gqa_kernels
 from vllm.ascend.kernels import mla as mla_kernels
 from vllm.ascend.kernels.context_parallel import reference_combine_partials
@@ -128,6 +127,10 @@ def test_the_rule_on_tensors_equals_the_rule_on_ints():
 
 
 def test_context_parallel_groups_are_dcp_groups_across_pcp():
+    # imported here: vllm.distributed resolves the current platform on import, and this
+    # module is collected before the modules that opt the test process into host emulation
+    from vllm.ascend.distributed.groups import context_parallel_rank_lists
+
     # world of 2 replicas (DP or PP) x PCP 2 x TP 4, DCP 2: rank = replica*8 + pcp*4 + tp
     lists = context_parallel_rank_lists(16, tp=4, pcp=2, dcp=2)
     assert lists == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
