@@ -39,7 +39,7 @@ def default_expectations() -> Path:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
     return ROOT / "patches" / config["patch-set"] / "upstream-expectations.toml"
 ACCEPTS = {"pass": {"passed"}, "fail": {"failed", "error"}, "skip": {"skipped"}}
-NEEDS_REF = {"upstream-bug", "not-offered"}
+NEEDS_REF = {"upstream-bug", "not-offered", "ascend-semantics"}
 # Variables of this project's own test session that must not leak into upstream's run.
 DROP_ENV = ("PYTHONPATH", "TORCH_NPU_DOUBLE_WHEEL", "TORCH_NPU_DOUBLE_DEVICES", "VLLM_ASCEND_KERNELS")
 

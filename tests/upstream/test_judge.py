@@ -54,7 +54,8 @@ def test_an_expectation_that_matches_nothing_in_a_run_module_is_stale():
 
 def test_the_committed_expectations_are_well_formed():
     reasons, selections, expectations = load_expectations(default_expectations())
-    assert set(reasons) == {"cuda", "real-model", "oot-rejected", "upstream-bug", "not-offered"}
+    assert set(reasons) == {"cuda", "real-model", "oot-rejected", "upstream-bug", "not-offered",
+                            "ascend-semantics"}
     assert {"fast", "full"} <= set(selections)
     assert all(e.reason in reasons for e in expectations)
 
