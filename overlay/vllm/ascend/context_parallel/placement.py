@@ -115,13 +115,16 @@ def owner(position, cp: int, interleave: int):
     return (position // interleave) % cp
 
 
+def local_slot(position, cp: int, interleave: int):
+    """Index of ``position`` among the positions its owner stores (storage order)."""
+    return (position // (cp * interleave)) * interleave + position % interleave
+
+
 def block_and_offset(position, block_size: int, cp: int, interleave: int):
-    """(index into the request's block table, offset inside the owner's local block)."""
-    virtual = block_size * cp
-    block = position // virtual
-    inner = position - block * virtual
-    offset = (inner // (cp * interleave)) * interleave + inner % interleave
-    return block, offset
+    """(index into the request's block table, offset inside the owner's local block);
+    the interleave divides the block size, so a rank's blocks fill one after another."""
+    slot = local_slot(position, cp, interleave)
+    return slot // block_size, slot % block_size
 
 
 def local_count(seq_len: int, cp_rank: int, cp: int, interleave: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.ascend.context_parallel.placement import local_count
+from vllm.ascend.context_parallel.placement import local_count, local_slot, owner
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,7 @@ def _history_take(lens: list[int], pads: list[int], cp: int, interleave: int) ->
     takes, offset = [], 0
     for seq_len, pad in zip(lens, pads):
         t = torch.arange(seq_len, dtype=torch.int64)
-        owner = (t // interleave) % cp
-        index_on_owner = (t // (cp * interleave)) * interleave + t % interleave
-        takes.append(owner * total_pad + offset + index_on_owner)
+        takes.append(owner(t, cp, interleave) * total_pad + offset + local_slot(t, cp, interleave))
         offset += pad
     return torch.cat(takes) if takes else torch.zeros(0, dtype=torch.int64)
 
