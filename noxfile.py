@@ -123,10 +123,11 @@ def bench(session: nox.Session) -> None:
     """Benchmarks: `build` (raw upstream build vs. distribution build), `serve`
     (host-emulation start-up time and tokens/s of the tiny models), `moe` (the MoE
     communication strategies on gloo: bytes, latency, the selector's choice), `mtp`
-    (DeepSeek MTP: acceptance, accepted tokens per step, tokens/s with and without) or
-    `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1)."""
-    if not session.posargs or session.posargs[0] not in ("build", "serve", "moe", "mtp", "cp"):
-        session.error("name a benchmark: nox -s bench -- build | serve | moe | mtp | cp")
+    (DeepSeek MTP: acceptance, accepted tokens per step, tokens/s with and without),
+    `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1) or `plan`
+    (the P/D transfer plan: planning time, bytes needed vs. moved)."""
+    if not session.posargs or session.posargs[0] not in ("build", "serve", "moe", "mtp", "cp", "plan"):
+        session.error("name a benchmark: nox -s bench -- build | serve | moe | mtp | cp | plan")
     session.install("-r", BUILD_REQUIREMENTS)
     if session.posargs[0] == "build":
         _builder(session, "bench", *session.posargs)

@@ -1,0 +1,279 @@
+"""P/D KV transfer plan (pure, no I/O): which prefill rank each decode rank reads.
+
+Both instances store a request's KV by ``vllm.ascend.context_parallel.placement``; the
+plan is worked out from the two placements, so it follows what the runners store.
+
+For every decode rank, every token it holds and every KV head it holds, the plan names
+one prefill rank that holds the same (token, head), and where: source block and slot,
+destination block and slot. Tokens that travel between the same pair of blocks for the
+same head range form one *read*; a read's tokens come as *runs* of slots contiguous on
+both sides (first position, source slot, destination slot, length), which is what a
+transport copies.
+
+Replicas: where the prefill side holds a head on several ranks (MLA on every TP rank of
+a DCP group, GQA heads when TP > KV heads), the decode ranks that want the same tokens
+and heads are spread over those replicas in rank order (``replica_offset`` rotates the
+choice, e.g. per request). Every prefill rank of the request's DP replica holds blocks
+of it: ranks no read touches are ``unread``, and the first decode rank sends them the
+done message so they free their blocks.
+
+Run ``python -m vllm.ascend.kv_transfer.plan --help`` to inspect a plan (docs/pd_plan.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, block_and_offset, owner
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read: tokens of one prefill block (one head range) into one decode block."""
+
+    read_id: int
+    decode_rank: int  # global rank of the decode instance (dp_rank x ranks_per_replica + rank)
+    prefill_rank: int  # global rank of the prefill instance
+    src_block: int  # prefill block id
+    dst_block: int  # decode block id
+    heads: tuple[int, int]  # global KV heads [h0, h1); MLA: (0, 1)
+    positions: np.ndarray  # token positions, ascending
+    src_offsets: np.ndarray  # each token's slot in the source block
+    dst_offsets: np.ndarray  # each token's slot in the destination block
+
+
+@dataclass(frozen=True)
+class DoneMessage:
+    """Sent by a decode rank to a prefill rank once its reads there are over (or failed)."""
+
+    decode_rank: int
+    prefill_rank: int
+    read_ids: tuple[int, ...]  # empty: the prefill rank is unread and may free at once
+
+
+@dataclass
+class Plan:
+    """The reads as columns, one row per read (row index = read id); a read's tokens are
+    rows ``token_start .. token_start + token_count`` of the token columns."""
+
+    prefill: CPLayout
+    decode: CPLayout
+    num_tokens: int
+    prefill_dp_rank: int
+    decode_dp_rank: int
+    replica_offset: int
+    decode_rank: np.ndarray
+    prefill_rank: np.ndarray
+    src_block: np.ndarray
+    dst_block: np.ndarray
+    head0: np.ndarray
+    head1: np.ndarray
+    token_start: np.ndarray
+    token_count: np.ndarray
+    positions: np.ndarray
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+    reads_served: dict[int, int]  # prefill rank -> reads it serves (it frees after the last)
+    unread: list[int]  # prefill ranks of the request's replica that no read touches
+
+    def __len__(self) -> int:
+        return int(self.decode_rank.shape[0])
+
+    @property
+    def prefill_ranks(self) -> range:
+        """Global ranks of the prefill replica that holds the request."""
+        base = self.prefill_dp_rank * self.prefill.ranks_per_replica
+        return range(base, base + self.prefill.ranks_per_replica)
+
+    @property
+    def decode_ranks(self) -> range:
+        base = self.decode_dp_rank * self.decode.ranks_per_replica
+        return range(base, base + self.decode.ranks_per_replica)
+
+    def read(self, i: int) -> Read:
+        s, n = int(self.token_start[i]), int(self.token_count[i])
+        return Read(i, int(self.decode_rank[i]), int(self.prefill_rank[i]), int(self.src_block[i]),
+                    int(self.dst_block[i]), (int(self.head0[i]), int(self.head1[i])),
+                    self.positions[s:s + n], self.src_offsets[s:s + n], self.dst_offsets[s:s + n])
+
+    def reads(self):
+        return (self.read(i) for i in range(len(self)))
+
+    def read_ids_of(self, decode_rank: int) -> np.ndarray:
+        """The reads one decode rank makes (read ids are grouped by decode rank)."""
+        return np.flatnonzero(self.decode_rank == decode_rank)
+
+    def runs(self, i: int) -> np.ndarray:
+        """Read ``i``'s tokens as runs that are contiguous on both sides: rows (first token's
+        position, src slot, dst slot, length)."""
+        s, n = int(self.token_start[i]), int(self.token_count[i])
+        pos, src, dst = self.positions[s:s + n], self.src_offsets[s:s + n], self.dst_offsets[s:s + n]
+        cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        first = np.r_[0, cut]
+        lengths = np.diff(np.r_[first, n])
+        return np.stack([pos[first], src[first], dst[first], lengths], axis=1)
+
+    def run_count(self) -> int:
+        """Contiguous runs over all reads (a run is one copy per head and KV plane)."""
+        src, dst = self.src_offsets, self.dst_offsets
+        per_token = np.r_[1, (np.diff(src) != 1) | (np.diff(dst) != 1)]
+        # a run also ends where a token group ends; groups are shared by several reads
+        per_token[self.token_start] = 1
+        starts = np.r_[0, np.cumsum(per_token)]
+        return int((starts[self.token_start + self.token_count] - starts[self.token_start]).sum())
+
+    def done_messages(self) -> list[DoneMessage]:
+        """Every done message of the request: each decode rank to each prefill rank it read
+        from, with those read ids; the first decode rank to every unread prefill rank."""
+        order = np.lexsort((np.arange(len(self)), self.prefill_rank, self.decode_rank))
+        pairs = np.stack([self.decode_rank[order], self.prefill_rank[order]])
+        changed = np.any(pairs[:, 1:] != pairs[:, :-1], axis=0)
+        starts = np.flatnonzero(np.r_[True, changed]) if len(self) else []
+        ends = list(starts[1:]) + [len(self)]
+        messages = [DoneMessage(int(pairs[0, s]), int(pairs[1, s]), tuple(order[s:e].tolist()))
+                    for s, e in zip(starts, ends)]
+        first = self.decode_ranks.start
+        messages += [DoneMessage(first, rank, ()) for rank in self.unread]
+        return messages
+
+    # -- what the transfer costs -------------------------------------------------------
+    def head_slots_needed(self) -> int:
+        """(token, head) entries the decode ranks must receive, summed over decode ranks."""
+        return int((self.token_count * (self.head1 - self.head0)).sum())
+
+    def head_slots_whole_blocks(self) -> int:
+        """(slot, head) entries moved if each decode rank copies every source block it reads
+        from whole, once (and picks its tokens out locally)."""
+        if not len(self):
+            return 0
+        blocks = np.unique(np.stack([self.decode_rank, self.prefill_rank, self.src_block, self.head0,
+                                     self.head1]), axis=1)
+        return int((self.prefill.block_size * (blocks[4] - blocks[3])).sum())
+
+def _check_pair(prefill: CPLayout, decode: CPLayout) -> None:
+    for side, layout in (("prefill", prefill), ("decode", decode)):
+        try:
+            layout.check()
+        except LayoutError as e:
+            raise LayoutError(f"{side} layout: {e}") from None
+    if prefill.kv_heads != decode.kv_heads:
+        def name(kv):
+            return "MLA" if kv is None else f"{kv} KV heads"
+        raise LayoutError(f"prefill and decode must serve the same model: prefill has "
+                          f"{name(prefill.kv_heads)}, decode {name(decode.kv_heads)}")
+
+
+def _head_pieces(prefill: CPLayout, decode: CPLayout, tp_rank: int) -> list[tuple[int, int]]:
+    """A decode TP rank's KV heads, cut where prefill TP ranks' head ranges end."""
+    heads = decode.heads(tp_rank)
+    if prefill.kv_heads is None:
+        return [(heads.start, heads.stop)]
+    step = max(1, prefill.kv_heads // prefill.tp)
+    cuts = sorted({heads.start, heads.stop} | {h for h in heads if h % step == 0})
+    return list(zip(cuts, cuts[1:]))
+
+
+@lru_cache(maxsize=256)
+def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: bytes):
+    """Per (decode rank, head piece) of one replica: the rank, its CP rank, the heads, and
+    for every prefill CP rank the prefill TP rank to read from. ``needs[d, p]``: decode CP
+    rank ``d`` takes tokens from prefill CP rank ``p`` (only those count as readers)."""
+    need = np.frombuffer(needs, dtype=bool).reshape(decode.cp, prefill.cp)
+    rows, readers = [], {}
+    for d_pcp in range(decode.pcp):
+        for d_tp in range(decode.tp):
+            cp_rank = decode.cp_rank(d_pcp, d_tp)
+            for h0, h1 in _head_pieces(prefill, decode, d_tp):
+                src_tp = []
+                for p_cp in range(prefill.cp):
+                    dcp_rank = p_cp % prefill.dcp
+                    holders = [t for t in range(dcp_rank, prefill.tp, prefill.dcp) if h0 in prefill.heads(t)]
+                    # the j-th decode reader of these tokens and heads takes the j-th replica
+                    j = readers.get((p_cp, h0), 0)
+                    if need[cp_rank, p_cp]:
+                        readers[(p_cp, h0)] = j + 1
+                    src_tp.append(holders[(j + replica_offset) % len(holders)])
+                rows.append((decode.rank(d_pcp, d_tp), cp_rank, h0, h1, src_tp))
+    rank = np.array([r[0] for r in rows], dtype=np.int64)
+    cp = np.array([r[1] for r in rows], dtype=np.int64)
+    h0 = np.array([r[2] for r in rows], dtype=np.int64)
+    h1 = np.array([r[3] for r in rows], dtype=np.int64)
+    src_tp = np.array([r[4] for r in rows], dtype=np.int64).reshape(len(rows), prefill.cp)
+    return rank, cp, h0, h1, src_tp
+
+
+def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_block_ids, decode_block_ids,
+               prefill_dp_rank: int = 0, decode_dp_rank: int = 0, replica_offset: int = 0) -> Plan:
+    """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
+    sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
+    Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
+    _check_pair(prefill, decode)
+    if num_tokens < 0:
+        raise LayoutError(f"num_tokens must be non-negative, got {num_tokens}")
+    for side, dp_rank, layout in (("prefill", prefill_dp_rank, prefill), ("decode", decode_dp_rank, decode)):
+        if not 0 <= dp_rank < layout.dp:
+            raise LayoutError(f"{side} dp_rank {dp_rank} is outside data_parallel_size {layout.dp}")
+    need_p = -(-num_tokens // prefill.virtual_block_size)
+    need_d = -(-num_tokens // decode.virtual_block_size)
+    if len(prefill_block_ids) < need_p or len(decode_block_ids) < need_d:
+        raise LayoutError(
+            f"{num_tokens} tokens need {need_p} prefill blocks ({prefill.virtual_block_size} tokens each) "
+            f"and {need_d} decode blocks ({decode.virtual_block_size} tokens each), got "
+            f"{len(prefill_block_ids)} and {len(decode_block_ids)}")
+    src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
+    dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
+    p_base = prefill_dp_rank * prefill.ranks_per_replica
+    d_base = decode_dp_rank * decode.ranks_per_replica
+
+    t = np.arange(num_tokens, dtype=np.int64)
+    c_p = owner(t, prefill.cp, prefill.interleave)
+    src_blk, src_off = block_and_offset(t, prefill.block_size, prefill.cp, prefill.interleave)
+    c_d = owner(t, decode.cp, decode.interleave)
+    dst_blk, dst_off = block_and_offset(t, decode.block_size, decode.cp, decode.interleave)
+    # Token groups: one key per (decode CP rank, prefill CP rank, source block, destination
+    # block); a stable sort keeps positions ascending inside a group.
+    key = ((c_d * prefill.cp + c_p) * max(need_p, 1) + src_blk) * max(need_d, 1) + dst_blk
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if num_tokens else np.zeros(0, np.int64)
+    counts = np.diff(np.r_[starts, num_tokens])
+    g = key[starts]
+    g_dst, g = g % max(need_d, 1), g // max(need_d, 1)
+    g_src, g = g % max(need_p, 1), g // max(need_p, 1)
+    g_cp, g_cd = g % prefill.cp, g // prefill.cp
+
+    # Every (decode rank, head piece) takes the groups of its CP rank (contiguous: the key
+    # sorts by decode CP rank first).
+    need = np.zeros((decode.cp, prefill.cp), dtype=bool)
+    need[g_cd, g_cp] = True
+    t_rank, t_cp, t_h0, t_h1, t_src_tp = _targets(prefill, decode, replica_offset, need.tobytes())
+    lo = np.searchsorted(g_cd, t_cp, side="left")
+    hi = np.searchsorted(g_cd, t_cp, side="right")
+    n = hi - lo
+    target = np.repeat(np.arange(t_rank.size), n)
+    group = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n - lo, n)
+    p_cp = g_cp[group]
+    src_tp = t_src_tp[target, p_cp]
+    prefill_rank = p_base + (p_cp // prefill.dcp) * prefill.tp + src_tp
+
+    ranks, served = np.unique(prefill_rank, return_counts=True)
+    reads_served = dict(zip(ranks.tolist(), served.tolist()))
+    replica = range(p_base, p_base + prefill.ranks_per_replica)
+    return Plan(prefill, decode, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset,
+                decode_rank=d_base + t_rank[target], prefill_rank=prefill_rank,
+                src_block=src_ids[g_src[group]], dst_block=dst_ids[g_dst[group]],
+                head0=t_h0[target], head1=t_h1[target],
+                token_start=starts[group], token_count=counts[group],
+                positions=t[order], src_offsets=src_off[order], dst_offsets=dst_off[order],
+                reads_served=reads_served, unread=[r for r in replica if r not in reads_served])
+
+
+if __name__ == "__main__":
+    import sys
+
+    from vllm.ascend.kv_transfer.inspector import main
+
+    sys.exit(main())
