@@ -147,10 +147,16 @@ def vllm_server(model: Path, args: list[str], log: Path, timeout: float = 300):
             time.sleep(1)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        # SIGTERM to `vllm serve` alone, as a service manager stops it: its process manager
+        # then stops the API servers and engine cores in order. Signalling the whole group
+        # at once races them (with DP, an API server logs EngineDeadError as its engine
+        # core exits first), so the group only gets SIGKILL for what is left afterwards.
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
