@@ -3,7 +3,7 @@
     nox -s bench -- plan [--tokens 4096,131072] [--repeats 50] [--block-size 128]
 
 Planning time is the median of ``--repeats`` calls of ``build_plan`` for one request
-(pure host work, the same on any machine class; measured here on the CI machine).
+(pure host work on one CPU core; it scales with the CPU the connector runs on).
 Bytes: ``needed`` is what the decode ranks must hold, summed over ranks; ``whole-block``
 is what moves if each decode rank copies every source block it reads from whole, once,
 and picks its tokens out locally. The ratio is the over-read. ``runs`` counts the

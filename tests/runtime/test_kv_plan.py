@@ -187,6 +187,9 @@ def test_unsupported_combinations_fail_with_one_line(prefill, decode, tokens, bl
     with pytest.raises(LayoutError) as caught:
         build_plan(prefill, decode, tokens, list(range(blocks[0])), list(range(blocks[1])))
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_dp_rank_outside_the_layout_is_refused():
     with pytest.raises(LayoutError, match="dp_rank 2 is outside data_parallel_size 2"):
         build_plan(_mla(dp=2), _mla(), 0, [], [], prefill_dp_rank=2)
 
@@ -277,7 +280,7 @@ def test_wire_messages_carry_the_plan():
             assert (spec.prefill_rank, spec.src_block, spec.dst_block, spec.head0, spec.head1) == (
                 plan.prefill_rank[spec.read_id], plan.src_block[spec.read_id], plan.dst_block[spec.read_id],
                 plan.head0[spec.read_id], plan.head1[spec.read_id])
-            assert np.array_equal(wire.runs_array(spec), plan.runs(spec.read_id))
+            assert np.array_equal(np.asarray(spec.runs).reshape(-1, 4), plan.runs(spec.read_id))
     failed = frozenset({int(plan.read_ids_of(8)[0])})
     done = [wire.decode_message(wire.encode_message(m)) for m in wire.done_messages(plan, "req-1", failed)]
     assert sorted(i for m in done for i in m.read_ids) == list(range(len(plan)))

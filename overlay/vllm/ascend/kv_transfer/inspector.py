@@ -11,11 +11,13 @@ take real ids from. Documented in docs/pd_plan.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections import Counter
 
 from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, local_count
-from vllm.ascend.kv_transfer.plan import Plan, build_plan
+from vllm.ascend.kv_transfer.plan import Plan, build_plan, check_pair
 
 LAYOUT_KEYS = ("tp", "pcp", "dcp", "dp", "interleave")
 
@@ -65,17 +67,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     kv_heads = None if args.mla else args.kv_heads
     prefill = CPLayout(**args.prefill, block_size=args.block_size, kv_heads=kv_heads)
     decode = CPLayout(**args.decode, block_size=args.decode_block_size or args.block_size, kv_heads=kv_heads)
-    # layouts are checked before block tables are sized from them
-    build_plan(prefill, decode, 0, [], [], args.prefill_dp_rank, args.decode_dp_rank)
+    check_pair(prefill, decode)  # before block tables are sized from the layouts
     blocks_p = range(-(-args.tokens // prefill.virtual_block_size))
     blocks_d = range(-(-args.tokens // decode.virtual_block_size))
     return build_plan(prefill, decode, args.tokens, blocks_p, blocks_d, args.prefill_dp_rank,
                       args.decode_dp_rank, args.replica_offset)
-
-
-def _layout_dict(layout: CPLayout) -> dict:
-    return {"tp": layout.tp, "pcp": layout.pcp, "dcp": layout.dcp, "dp": layout.dp,
-            "interleave": layout.interleave, "block_size": layout.block_size, "kv_heads": layout.kv_heads}
 
 
 def _rank_coords(layout: CPLayout, rank: int) -> tuple[int, int, int]:
@@ -94,9 +90,7 @@ def plan_to_dict(plan: Plan) -> dict:
     for rank in plan.decode_ranks:
         pcp_rank, tp_rank, cp_rank = _rank_coords(plan.decode, rank)
         ids = plan.read_ids_of(rank)
-        sources: dict[int, int] = {}
-        for p in plan.prefill_rank[ids].tolist():
-            sources[p] = sources.get(p, 0) + 1
+        sources = Counter(plan.prefill_rank[ids].tolist())
         decode_ranks.append({
             "rank": rank, "pcp_rank": pcp_rank, "tp_rank": tp_rank, "cp_rank": cp_rank,
             "heads": _heads(plan.decode, tp_rank),
@@ -118,7 +112,7 @@ def plan_to_dict(plan: Plan) -> dict:
     needed, whole = plan.head_slots_needed(), plan.head_slots_whole_blocks()
     return {
         "version": 1,
-        "prefill": _layout_dict(plan.prefill), "decode": _layout_dict(plan.decode),
+        "prefill": dataclasses.asdict(plan.prefill), "decode": dataclasses.asdict(plan.decode),
         "num_tokens": plan.num_tokens,
         "prefill_dp_rank": plan.prefill_dp_rank, "decode_dp_rank": plan.decode_dp_rank,
         "replica_offset": plan.replica_offset,

@@ -23,7 +23,7 @@ Run ``python -m vllm.ascend.kv_transfer.plan --help`` to inspect a plan (docs/pd
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -76,8 +76,6 @@ class Plan:
     positions: np.ndarray
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
-    reads_served: dict[int, int]  # prefill rank -> reads it serves (it frees after the last)
-    unread: list[int]  # prefill ranks of the request's replica that no read touches
 
     def __len__(self) -> int:
         return int(self.decode_rank.shape[0])
@@ -92,6 +90,17 @@ class Plan:
     def decode_ranks(self) -> range:
         base = self.decode_dp_rank * self.decode.ranks_per_replica
         return range(base, base + self.decode.ranks_per_replica)
+
+    @cached_property
+    def reads_served(self) -> dict[int, int]:
+        """Prefill rank -> reads it serves (it frees the request's blocks after the last)."""
+        ranks, served = np.unique(self.prefill_rank, return_counts=True)
+        return dict(zip(ranks.tolist(), served.tolist()))
+
+    @cached_property
+    def unread(self) -> list[int]:
+        """Prefill ranks of the request's replica that no read touches."""
+        return [r for r in self.prefill_ranks if r not in self.reads_served]
 
     def read(self, i: int) -> Read:
         s, n = int(self.token_start[i]), int(self.token_count[i])
@@ -111,17 +120,15 @@ class Plan:
         position, src slot, dst slot, length)."""
         s, n = int(self.token_start[i]), int(self.token_count[i])
         pos, src, dst = self.positions[s:s + n], self.src_offsets[s:s + n], self.dst_offsets[s:s + n]
-        cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-        first = np.r_[0, cut]
+        first = np.flatnonzero(_run_starts(src, dst))
         lengths = np.diff(np.r_[first, n])
         return np.stack([pos[first], src[first], dst[first], lengths], axis=1)
 
     def run_count(self) -> int:
         """Contiguous runs over all reads (a run is one copy per head and KV plane)."""
-        src, dst = self.src_offsets, self.dst_offsets
-        per_token = np.r_[1, (np.diff(src) != 1) | (np.diff(dst) != 1)]
+        per_token = _run_starts(self.src_offsets, self.dst_offsets)
         # a run also ends where a token group ends; groups are shared by several reads
-        per_token[self.token_start] = 1
+        per_token[self.token_start] = True
         starts = np.r_[0, np.cumsum(per_token)]
         return int((starts[self.token_start + self.token_count] - starts[self.token_start]).sum())
 
@@ -153,7 +160,16 @@ class Plan:
                                      self.head1]), axis=1)
         return int((self.prefill.block_size * (blocks[4] - blocks[3])).sum())
 
-def _check_pair(prefill: CPLayout, decode: CPLayout) -> None:
+def _run_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Per token: does a run of slots contiguous on both sides start here?"""
+    if src.size == 0:
+        return np.zeros(0, dtype=bool)
+    return np.r_[True, (np.diff(src) != 1) | (np.diff(dst) != 1)]
+
+
+def check_pair(prefill: CPLayout, decode: CPLayout) -> None:
+    """LayoutError (one line, naming the side) unless both layouts can be built and serve
+    the same model."""
     for side, layout in (("prefill", prefill), ("decode", decode)):
         try:
             layout.check()
@@ -210,7 +226,7 @@ def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_blo
     """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
     sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
     Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
-    _check_pair(prefill, decode)
+    check_pair(prefill, decode)
     if num_tokens < 0:
         raise LayoutError(f"num_tokens must be non-negative, got {num_tokens}")
     for side, dp_rank, layout in (("prefill", prefill_dp_rank, prefill), ("decode", decode_dp_rank, decode)):
@@ -235,14 +251,15 @@ def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_blo
     dst_blk, dst_off = block_and_offset(t, decode.block_size, decode.cp, decode.interleave)
     # Token groups: one key per (decode CP rank, prefill CP rank, source block, destination
     # block); a stable sort keeps positions ascending inside a group.
-    key = ((c_d * prefill.cp + c_p) * max(need_p, 1) + src_blk) * max(need_d, 1) + dst_blk
+    span_p, span_d = max(need_p, 1), max(need_d, 1)
+    key = ((c_d * prefill.cp + c_p) * span_p + src_blk) * span_d + dst_blk
     order = np.argsort(key, kind="stable")
     key = key[order]
     starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if num_tokens else np.zeros(0, np.int64)
     counts = np.diff(np.r_[starts, num_tokens])
     g = key[starts]
-    g_dst, g = g % max(need_d, 1), g // max(need_d, 1)
-    g_src, g = g % max(need_p, 1), g // max(need_p, 1)
+    g_dst, g = g % span_d, g // span_d
+    g_src, g = g % span_p, g // span_p
     g_cp, g_cd = g % prefill.cp, g // prefill.cp
 
     # Every (decode rank, head piece) takes the groups of its CP rank (contiguous: the key
@@ -259,16 +276,12 @@ def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_blo
     src_tp = t_src_tp[target, p_cp]
     prefill_rank = p_base + (p_cp // prefill.dcp) * prefill.tp + src_tp
 
-    ranks, served = np.unique(prefill_rank, return_counts=True)
-    reads_served = dict(zip(ranks.tolist(), served.tolist()))
-    replica = range(p_base, p_base + prefill.ranks_per_replica)
     return Plan(prefill, decode, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset,
                 decode_rank=d_base + t_rank[target], prefill_rank=prefill_rank,
                 src_block=src_ids[g_src[group]], dst_block=dst_ids[g_dst[group]],
                 head0=t_h0[target], head1=t_h1[target],
                 token_start=starts[group], token_count=counts[group],
-                positions=t[order], src_offsets=src_off[order], dst_offsets=dst_off[order],
-                reads_served=reads_served, unread=[r for r in replica if r not in reads_served])
+                positions=t[order], src_offsets=src_off[order], dst_offsets=dst_off[order])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Annotated, Union
 
 import msgspec
-import numpy as np
 from msgspec import Meta, Struct
 
 from vllm.ascend.context_parallel.placement import CPLayout
@@ -155,7 +154,3 @@ def done_messages(plan, request_id: str, failed: frozenset[int] = frozenset()) -
     """The plan's done messages; a message whose reads include a failed one has ``ok`` False."""
     return [DoneReading(WIRE_VERSION, request_id, m.decode_rank, m.prefill_rank, list(m.read_ids),
                         ok=not failed.intersection(m.read_ids)) for m in plan.done_messages()]
-
-
-def runs_array(spec: ReadSpec) -> np.ndarray:
-    return np.asarray(spec.runs, dtype=np.int64).reshape(-1, 4)
