@@ -32,7 +32,8 @@ def _install_built_wheel(session: nox.Session) -> Path:
     dist = ROOT / ".work" / "nox-dist"
     _builder(session, "build", "--dist-dir", str(dist))
     [wheel] = sorted(dist.glob("*.whl"))
-    session.install(str(wheel))
+    # with the Mooncake engine for CPU hosts: the P/D tests and benchmark move KV over it
+    session.install(f"{wheel}[mooncake-host]")
     session.install("--force-reinstall", "--no-deps", str(wheel))  # same version, new bytes
     return wheel
 
@@ -125,16 +126,20 @@ def bench(session: nox.Session) -> None:
     (host-emulation start-up time and tokens/s of the tiny models), `moe` (the MoE
     communication strategies on gloo: bytes, latency, the selector's choice), `mtp`
     (DeepSeek MTP: acceptance, accepted tokens per step, tokens/s with and without),
-    `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1) or `plan`
-    (the P/D transfer plan: planning time, bytes needed vs. moved)."""
-    if not session.posargs or session.posargs[0] not in ("build", "serve", "moe", "mtp", "cp", "plan"):
-        session.error("name a benchmark: nox -s bench -- build | serve | moe | mtp | cp | plan")
+    `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1), `plan`
+    (the P/D transfer plan: planning time, bytes needed vs. moved) or `kv-transfer` (P/D
+    pulls: raw Mooncake vs. the connector, control overhead, 1P1D vs. colocated serving) or
+    `dp` (DP step sync on gloo: collectives and time per MTP step, packed vs. upstream)."""
+    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "dp")
+    if not session.posargs or session.posargs[0] not in names:
+        session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
     session.install("-r", BUILD_REQUIREMENTS)
     if session.posargs[0] == "build":
         _builder(session, "bench", *session.posargs)
         return
     _install_built_wheel(session)
-    session.run("python", str(ROOT / "benchmarks" / f"{session.posargs[0]}.py"), *session.posargs[1:],
+    script = session.posargs[0].replace("-", "_")
+    session.run("python", str(ROOT / "benchmarks" / f"{script}.py"), *session.posargs[1:],
                 env={"VLLM_ASCEND_EMULATE": "1"})
 
 

@@ -122,42 +122,93 @@ def vllm_cli() -> str:
     return str(exe) if exe.exists() else shutil.which("vllm")
 
 
-@contextlib.contextmanager
-def vllm_server(model: Path, args: list[str], log: Path, timeout: float = 300):
-    """``vllm serve`` in host emulation on 127.0.0.1; yields its base URL once healthy
-    and stops the whole process group afterwards."""
-    port = free_port()
-    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
-    cmd = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+_HANDED_OUT: set[int] = set()
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports on 127.0.0.1, below the kernel's
+    ephemeral range (P/D control planes use ``kv_port + rank`` and bind them only after
+    the model has loaded: a port from the ephemeral range may be taken by then by any
+    outgoing connection or by a library asking the kernel for a free port)."""
+    import random
+
     try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    low = min(low, 32768)
+    for _ in range(200):
+        first = random.randrange(20000, low - count)
+        if _HANDED_OUT.intersection(range(first, first + count)):
+            continue  # given to an instance of this session that may not have bound it yet
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            _HANDED_OUT.update(range(first, first + count))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports between 20000 and {low}")
+
+
+class VllmServer:
+    """``vllm serve`` in host emulation on 127.0.0.1, started at once; ``wait`` until healthy."""
+
+    def __init__(self, model: Path, args: list[str], log: Path, env: dict | None = None):
+        self.port, self.log = free_port(), log
+        cmd = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=dict(os.environ, VLLM_ASCEND_EMULATE="1", **(env or {})),
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, deadline: float) -> None:
         while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if self.proc.poll() is not None:
+                pytest.fail(f"vllm serve ({self.log.name}) exited with {self.proc.returncode}:\n"
+                            f"{self.log.read_text()[-4000:]}")
             try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {timeout}s:\n{log.read_text()[-4000:]}")
+                pytest.fail(f"vllm serve ({self.log.name}) not healthy in time:\n{self.log.read_text()[-4000:]}")
             time.sleep(1)
-        yield base
-    finally:
+
+    def stop(self) -> None:
         # SIGTERM to `vllm serve` alone, as a service manager stops it: its process manager
         # then stops the API servers and engine cores in order. Signalling the whole group
         # at once races them (with DP, an API server logs EngineDeadError as its engine
         # core exits first), so the group only gets SIGKILL for what is left afterwards.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the instance at once (a crashed host)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, args: list[str], log: Path, timeout: float = 300, env: dict | None = None):
+    """``vllm serve`` in host emulation on 127.0.0.1; yields its base URL once healthy
+    and stops the whole process group afterwards."""
+    server = VllmServer(model, args, log, env)
+    try:
+        server.wait(time.monotonic() + timeout)
+        yield server.url
+    finally:
+        server.stop()
 
 
 def clean_shutdown(output: str) -> None:

@@ -1,6 +1,7 @@
 """MoE serving end to end in host emulation: the tiny DeepSeek-V3 (MLA + MoE) with
 tensor parallelism + expert parallelism and with data parallelism (with and without
 expert parallelism), each MoE strategy in turn, against Hugging Face transformers.
+The DP instances run under the collective recorder (``dp_collectives.py``).
 
 Every engine writes which strategies its MoE layers ran ("Ascend MoE: first step with
 the <name> strategy"), so each test also proves the strategy it forced really ran.
@@ -14,6 +15,7 @@ import re
 import httpx
 import pytest
 
+from . import dp_collectives
 from .conftest import LONG_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec, vllm_server
 
 MAX_TOKENS = 12
@@ -70,7 +72,8 @@ def test_data_parallel_moe_serves_and_matches_transformers(name, tiny_models, tm
     args = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--data-parallel-size", "2",
             *extra]
     expected = dict(zip(prompts, hf_greedy(model, prompts, MAX_TOKENS)))
-    with vllm_server(model, args, log, timeout=420) as base:
+    recorded = tmp_path / "collectives"
+    with vllm_server(model, args, log, timeout=420, env=dp_collectives.recorder_env(recorded)) as base:
         # One request alone: the other DP rank has nothing to do and runs dummy steps.
         first = prompts[1]
         assert _complete(base, model, first) == expected[first]
@@ -78,6 +81,11 @@ def test_data_parallel_moe_serves_and_matches_transformers(name, tiny_models, tm
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             got = dict(zip(prompts, pool.map(lambda p: _complete(base, model, p), prompts)))
         assert got == expected
+        # while the instance is up (a stop may cut the ranks' last step short): one DP metadata
+        # collective per step, the same collectives on both DP ranks (docs/data_parallel.md)
+        dp_collectives.settle(recorded)
+        steps = dp_collectives.check(recorded, 2)
+        assert len(steps) == 4, steps  # every worker of DP 2 x TP 2 recorded
     text = log.read_text()
     assert must_run <= _strategies_used(text), (must_run, _strategies_used(text))
     if "--enable-expert-parallel" in extra and "--tensor-parallel-size" in extra:

@@ -2,7 +2,8 @@
 with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equal plain
 greedy decoding token for token (Hugging Face transformers, which test_oracle holds
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
-caching, under preemption, with TP = 2 + expert parallelism and with DP = 2.
+caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
+test_dp_serving.py).
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -15,12 +16,9 @@ DP cases start their own ranks.
 
 from __future__ import annotations
 
-import concurrent.futures
-
-import httpx
 import pytest
 
-from .conftest import PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec, vllm_server
+from .conftest import PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec
 
 MAX_TOKENS = 16
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "disable_log_stats": False,
@@ -200,28 +198,3 @@ def test_mtp_tp2_expert_parallel(tiny_models):
     assert "first step with the mc2 strategy" in output
     assert _tokens(result["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert result["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
-
-
-def test_mtp_data_parallel_2(tiny_models, tmp_path):
-    """DP = 2 with expert parallelism over the two ranks and k = 2: the idle rank's dummy
-    steps (drafter included) keep the ranks' MoE collectives in step."""
-    model = tiny_models["deepseek_v3"]
-    args = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--data-parallel-size", "2",
-            "--enable-expert-parallel", "--speculative-config",
-            '{"method": "deepseek_mtp", "num_speculative_tokens": 2}']
-    log = tmp_path / "serve.log"
-    with vllm_server(model, args, log, timeout=600) as base:
-        def complete(prompt: str) -> list[int]:
-            body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
-            response = httpx.post(f"{base}/v1/completions", json=body, timeout=600)
-            response.raise_for_status()
-            return response.json()["choices"][0]["token_ids"]
-
-        single = complete(PROMPTS[1])  # one request: the other rank idles through dummy steps
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            together = list(pool.map(complete, PROMPTS))
-    assert single == hf_greedy(model, PROMPTS[1:2], MAX_TOKENS)[0]
-    assert together == hf_greedy(model, PROMPTS, MAX_TOKENS)
-    text = log.read_text()
-    assert "Traceback" not in text, text[-4000:]

@@ -33,9 +33,10 @@ def validate_context_parallel(vllm_config) -> None:
     if pc.pipeline_parallel_size > 1:
         raise ValueError("context parallelism with pipeline parallelism is not supported on Ascend: "
                          "set --pipeline-parallel-size 1")
-    if vllm_config.kv_transfer_config is not None:
-        raise ValueError("context parallelism with a KV connector is not supported on Ascend yet: "
-                         "drop --kv-transfer-config or set PCP and DCP to 1")
+    kv = vllm_config.kv_transfer_config
+    if kv is not None and kv.kv_connector != "AscendP2PConnector":
+        raise ValueError(f"context parallelism with the KV connector {kv.kv_connector} is not supported on "
+                         "Ascend: use AscendP2PConnector, or set PCP and DCP to 1")
     model = vllm_config.model_config
     if pc.prefill_context_parallel_size > 1 and pc.enable_expert_parallel and model.is_moe:
         # PCP ranks run different tokens; the Ascend MoE strategies exchange tokens over DP

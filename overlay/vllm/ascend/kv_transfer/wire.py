@@ -7,8 +7,15 @@ Three messages, in the plan's vocabulary (``vllm.ascend.kv_transfer.plan``):
 * ``ReadThese``: one decode rank's reads of one request (the plan's rows for that rank),
   for the process that plans to hand to the process that reads.
 * ``DoneReading`` (decode rank -> prefill rank): the reads with these ids are over
-  (``ok`` false: they failed; the blocks are freed all the same). An empty ``read_ids``
-  is the first decode rank telling an unread prefill rank to free.
+  (``ok`` false: they failed; the blocks are freed all the same). ``reads_total`` is how
+  many reads the plan gives that prefill rank for the request, so it frees once it has
+  heard of all of them; 0 (with no read ids) tells an unread rank, or every rank of an
+  aborted request, to free at once.
+
+The connector's handshake and lease messages: ``Hello`` -> ``RankInfo`` (a prefill rank's
+layout, transport address and KV regions), ``Renew`` (decode still wants these
+requests: extend their leases) and ``Reply`` (the answer to anything else; to a
+``DoneReading`` whose request's lease had already run out it says ``lease_expired``).
 
 Every message carries ``v`` (``WIRE_VERSION``). ``decode_message`` refuses, with a
 ``WireError`` naming the problem, anything over ``MAX_MESSAGE_BYTES``, not msgpack, of
@@ -31,6 +38,9 @@ MAX_READS = 1 << 16  # reads in one message
 MAX_RUNS = 1 << 16  # contiguous runs in one read
 
 Count = Annotated[int, Meta(ge=0, lt=1 << 31)]
+Address = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit int64
+MAX_LAYERS = 4096
+MAX_RENEW = 1 << 16
 Size = Annotated[int, Meta(ge=1, le=1 << 16)]
 Rank = Annotated[int, Meta(ge=0, lt=1 << 20)]
 Text = Annotated[str, Meta(min_length=1, max_length=256)]
@@ -95,11 +105,56 @@ class DoneReading(Struct, tag="done_reading", forbid_unknown_fields=True):
     decode_rank: Rank
     prefill_rank: Rank
     read_ids: Annotated[list[Count], Meta(max_length=MAX_READS)]
+    reads_total: Count = 0
     ok: bool = True
 
 
-Message = Union[BlocksReady, ReadThese, DoneReading]
-MESSAGE_TYPES = {"blocks_ready": BlocksReady, "read_these": ReadThese, "done_reading": DoneReading}
+class Hello(Struct, tag="hello", forbid_unknown_fields=True):
+    v: int
+    engine_id: Text  # who asks
+
+
+class PlaneSpec(Struct, array_like=True, forbid_unknown_fields=True):
+    heads: Size
+    head_bytes: Annotated[int, Meta(ge=1, lt=1 << 40)]  # one head's slots of one block
+
+
+class LayerRegion(Struct, array_like=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=512)]
+    base: Address
+    num_blocks: Count
+    planes: Annotated[list[PlaneSpec], Meta(max_length=8)]
+
+
+class RankInfo(Struct, tag="rank_info", forbid_unknown_fields=True):
+    v: int
+    engine_id: Text
+    dp_rank: Count
+    rank: Rank  # inside the DP replica: pcp_rank x TP + tp_rank
+    layout: Layout
+    transport: Text
+    address: Text  # where the transport reads from this rank
+    layers: Annotated[list[LayerRegion], Meta(max_length=MAX_LAYERS)]
+
+
+class Renew(Struct, tag="renew", forbid_unknown_fields=True):
+    v: int
+    engine_id: Text
+    request_ids: Annotated[list[Text], Meta(max_length=MAX_RENEW)]
+
+
+class Reply(Struct, tag="reply", forbid_unknown_fields=True):
+    v: int
+    ok: bool
+    error: Annotated[str, Meta(max_length=2048)] = ""
+    # answering DoneReading: the request's lease ran out before these reads were reported,
+    # so its blocks may have been reused while they were read; the reader discards them
+    lease_expired: bool = False
+
+
+Message = Union[BlocksReady, ReadThese, DoneReading, Hello, RankInfo, Renew, Reply]
+MESSAGE_TYPES = {"blocks_ready": BlocksReady, "read_these": ReadThese, "done_reading": DoneReading,
+                 "hello": Hello, "rank_info": RankInfo, "renew": Renew, "reply": Reply}
 
 
 class _Envelope(Struct):
@@ -153,4 +208,5 @@ def read_these(plan, decode_rank: int, request_id: str) -> ReadThese:
 def done_messages(plan, request_id: str, failed: frozenset[int] = frozenset()) -> list[DoneReading]:
     """The plan's done messages; a message whose reads include a failed one has ``ok`` False."""
     return [DoneReading(WIRE_VERSION, request_id, m.decode_rank, m.prefill_rank, list(m.read_ids),
+                        reads_total=plan.reads_served.get(m.prefill_rank, 0),
                         ok=not failed.intersection(m.read_ids)) for m in plan.done_messages()]

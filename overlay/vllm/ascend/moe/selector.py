@@ -2,8 +2,8 @@
 on the same inputs.
 
 The only per-step input is the largest token count across the DP ranks, which every
-rank learns from the DP metadata all-reduce (an idle rank running a one-token dummy
-batch sees the same maximum as the busiest rank), so all EP ranks always choose the
+rank learns from the step's DP metadata all-reduce (``worker/dp_step.py``; an idle rank
+running upstream's dummy batch of 1 + k tokens sees the same maximum as the busiest rank), so all EP ranks always choose the
 same strategy and the same MC2 batch size. The table is in docs/moe.md.
 
 NPU rules follow vllm-ascend (``vllm_ascend/ascend_forward_context.py``,

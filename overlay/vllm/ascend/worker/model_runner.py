@@ -19,13 +19,14 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend.kernels import npu_kernels
+from vllm.ascend.worker import dp_step
 
 logger = init_logger(__name__)
 
 # KV connectors that address the Ascend cache planes (attention/kv_layout.py).
 # Upstream's connectors address blocks through vLLM's unsplit per-layer view and
 # would move the wrong bytes.
-ASCEND_KV_CONNECTORS: frozenset[str] = frozenset()
+ASCEND_KV_CONNECTORS: frozenset[str] = frozenset({"AscendP2PConnector"})
 
 
 @contextmanager
@@ -53,6 +54,44 @@ class NPUModelRunner(GPUModelRunner):
             super().__init__(vllm_config, device)
         self.device_layer = ascend_device.current()
         self._use_context_parallel_slots()
+        # DP: one metadata all-reduce per engine step, reused by the drafter (dp_step.py)
+        self._dp_step = dp_step.install() if self.parallel_config.data_parallel_size > 1 else None
+
+    # -- data parallel: arm one step's agreement --------------------------------------------
+    def _drafter_passes(self, is_graph_capturing: bool = False) -> int:
+        spec = self.speculative_config
+        if spec is None:
+            return 0
+        if spec.uses_extract_hidden_states() or is_graph_capturing or getattr(self.drafter, "parallel_drafting",
+                                                                              False):
+            return 1
+        return self.num_spec_tokens if spec.use_eagle() or spec.uses_draft_model() else 0
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        armed = False
+        if self._dp_step is not None:
+            counts = scheduler_output.num_scheduled_tokens
+            passes = self._drafter_passes()
+            # the drafter's first forward takes the step's tokens, the later ones one per request
+            armed = self._dp_step.arm(dp_step.StepPlan(
+                has_prefill=any(n > 1 + self.num_spec_tokens for n in counts.values()), drafter_passes=passes,
+                drafter_first=scheduler_output.total_num_scheduled_tokens, drafter_rest=len(counts)))
+        try:
+            output = super().execute_model(scheduler_output, *args, **kwargs)
+        except BaseException:
+            if armed:
+                self._dp_step.disarm()
+            raise
+        if armed and output is not None:  # no sample_tokens() follows
+            self._dp_step.disarm()
+        return output
+
+    def sample_tokens(self, *args, **kwargs):
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            if self._dp_step is not None:
+                self._dp_step.disarm()
 
     def _sync_device(self) -> None:
         self.device_layer.synchronize()
@@ -192,6 +231,17 @@ class NPUModelRunner(GPUModelRunner):
         self.cache_config.num_gpu_blocks = config.num_blocks
 
     def _dummy_run(self, num_tokens: int, *args, **kwargs):
+        armed = self._dp_step is not None and self._dp_step.arm(dp_step.StepPlan(
+            has_prefill=bool(kwargs.get("is_profile")),
+            drafter_passes=self._drafter_passes(bool(kwargs.get("is_graph_capturing"))),
+            drafter_first=num_tokens, drafter_rest=num_tokens))
+        try:
+            return self._npu_dummy_run(num_tokens, *args, **kwargs)
+        finally:
+            if armed:
+                self._dp_step.disarm()
+
+    def _npu_dummy_run(self, num_tokens: int, *args, **kwargs):
         if kwargs.get("is_profile") and getattr(self, "_profiling_with_attention", False):
             # Each dummy request attends over its own tokens (a prefill batch), not
             # over the whole batch length upstream uses for graph capture.

@@ -1,0 +1,70 @@
+"""``AscendP2PConnector``: P2P disaggregated prefill where decode pulls the KV cache.
+
+vLLM builds one connector per process and role; this class only hands each call to the
+scheduler side (``scheduler_side.py``, in the engine core) or the worker side
+(``worker_side.py``, in every worker), which share nothing but the metadata vLLM
+passes between them each step.
+"""
+
+from __future__ import annotations
+
+from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, P2PScheduler
+from vllm.ascend.kv_transfer.settings import P2PSettings
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+
+class AscendP2PConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = P2PSettings.from_config(vllm_config)
+        self._scheduler = P2PScheduler(settings) if role == KVConnectorRole.SCHEDULER else None
+        if role == KVConnectorRole.WORKER:
+            from vllm.ascend.kv_transfer.worker_side import P2PWorker
+
+            self._worker = P2PWorker(settings, vllm_config)
+        else:
+            self._worker = None
+
+    # -- scheduler side ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> P2PConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request, block_ids: list[int]):
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_step(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # whole requests are pulled before they are scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None  # decode pulls; prefill only keeps the blocks
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

@@ -1,0 +1,115 @@
+"""The P2P control plane: ZeroMQ request/reply carrying the msgspec messages of ``wire``.
+
+A prefill rank runs one ``ControlServer`` (a ROUTER socket bound to the configured host
+and its port) on a thread. Every request gets exactly one reply; a message that cannot
+be decoded (wrong version, malformed, too large, unknown type) is logged and answered
+with ``Reply(ok=False, error=...)``, and the server keeps serving. ``ControlClient``
+sends one request and waits at most ``timeout`` seconds for the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import zmq
+
+from vllm.ascend.kv_transfer import wire
+
+logger = logging.getLogger(__name__)
+
+
+class ControlTimeout(TimeoutError):
+    """The peer did not answer in time (dead, or not started yet)."""
+
+
+class ControlServer:
+    def __init__(self, host: str, port: int, handle: Callable[[wire.Message], wire.Message], name: str = ""):
+        self._handle = handle
+        self._name = name or f"{host}:{port}"
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        try:
+            self._socket.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as e:
+            self._socket.close()
+            raise RuntimeError(f"KV control plane cannot bind {host}:{port} ({e}): is another instance "
+                               "using this kv_port range? Give each instance its own kv_port.") from None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"kv-control-{port}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._socket.recv_multipart()
+            if len(frames) != 3 or frames[1]:
+                logger.warning("KV control %s: dropped a message with %d frames (expected an envelope)",
+                               self._name, len(frames))
+                continue
+            identity, payload = frames[0], frames[2]
+            try:
+                reply = self._handle(wire.decode_message(payload))
+            except wire.WireError as e:
+                logger.warning("KV control %s: refused a message: %s", self._name, e)
+                reply = wire.Reply(wire.WIRE_VERSION, False, str(e)[:2000])
+            except Exception as e:  # a handler bug must not kill the control plane
+                logger.exception("KV control %s: handling a message failed", self._name)
+                reply = wire.Reply(wire.WIRE_VERSION, False, f"internal error: {e}"[:2000])
+            self._socket.send_multipart([identity, b"", wire.encode_message(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close()
+
+
+class ControlClient:
+    """Request/reply to control servers. Each thread keeps one DEALER socket per address
+    (connecting costs more than the exchange); a socket whose request failed or timed out
+    is closed, so a late reply can never answer the next request."""
+
+    def __init__(self, timeout: float = 5.0):
+        self._context = zmq.Context.instance()
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def _socket(self, address: str):
+        sockets = self._local.__dict__.setdefault("sockets", {})
+        socket = sockets.get(address)
+        if socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+            socket.connect(f"tcp://{address}")
+            sockets[address] = socket
+        return socket
+
+    def _drop(self, address: str) -> None:
+        socket = self._local.__dict__.get("sockets", {}).pop(address, None)
+        if socket is not None:
+            socket.close()
+
+    def request(self, address: str, message: wire.Message, timeout: float | None = None) -> wire.Message:
+        wait = self.timeout if timeout is None else timeout
+        try:
+            socket = self._socket(address)
+            socket.send_multipart([b"", wire.encode_message(message)])
+            if not socket.poll(int(wait * 1000), zmq.POLLIN):
+                raise ControlTimeout(f"no answer from the KV control plane at {address} within {wait:.1f} s")
+            frames = socket.recv_multipart()
+            return wire.decode_message(frames[-1])
+        except BaseException:
+            self._drop(address)
+            raise
+
+    def close(self) -> None:
+        """Close this thread's sockets."""
+        for address in list(self._local.__dict__.get("sockets", {})):
+            self._drop(address)

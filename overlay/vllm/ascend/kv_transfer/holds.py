@@ -1,0 +1,117 @@
+"""Prefill side: when may a finished request's KV blocks be freed (pure, thread-safe).
+
+A request is *held* from the step the scheduler hands it over (``hold``) until either
+every read the plan gives this rank is reported done (``DoneReading.read_ids`` add up to
+``reads_total``; 0 means free now), or its lease runs out without a ``renew``. It is
+reported finished exactly once (``take_finished``). Done messages that arrive before the
+request is held are kept (bounded) and applied when it is; a request that is already
+released ignores late messages, and ``done`` tells the caller when the release was a
+lease expiry (the reads it reports may have read reused blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Hold:
+    deadline: float
+    heard: set = field(default_factory=set)
+    total: int | None = None
+
+
+COUNTED, EARLY, EXPIRED, DROPPED = "counted", "early", "expired", "dropped"
+
+
+class Holds:
+    def __init__(self, lease_seconds: float, max_early: int = 4096, max_expired: int = 65536,
+                 clock=time.monotonic):
+        self.lease = lease_seconds
+        self._clock = clock
+        self._max_early = max_early
+        self._lock = threading.Lock()
+        self._holds: dict[str, _Hold] = {}
+        self._early: dict[str, list] = {}
+        self._early_deadline: dict[str, float] = {}
+        self._released: dict[str, float] = {}  # recently released: late messages are dropped
+        self._expired: OrderedDict[str, None] = OrderedDict()  # released by lease expiry (bounded)
+        self._max_expired = max_expired
+        self._finished: set[str] = set()
+
+    def hold(self, request_id: str, lease: float | None = None) -> None:
+        with self._lock:
+            self._holds[request_id] = _Hold(self._clock() + (self.lease if lease is None else lease))
+            self._early_deadline.pop(request_id, None)
+            for read_ids, total in self._early.pop(request_id, ()):
+                if request_id in self._holds:  # an earlier message may have released it
+                    self._done(request_id, read_ids, total)
+
+    def done(self, request_id: str, read_ids, reads_total: int) -> str:
+        """Record a done message. ``COUNTED`` (held, or already freed by done messages),
+        ``EARLY`` (kept until the hold), ``EXPIRED`` (its lease ran out before: what was
+        read may be stale) or ``DROPPED`` (too many messages for unknown requests)."""
+        with self._lock:
+            if request_id in self._expired:
+                return EXPIRED
+            if request_id in self._holds:
+                self._done(request_id, read_ids, reads_total)
+                return COUNTED
+            if request_id in self._released:
+                return COUNTED
+            if sum(len(v) for v in self._early.values()) >= self._max_early:
+                return DROPPED
+            self._early.setdefault(request_id, []).append((list(read_ids), reads_total))
+            self._early_deadline.setdefault(request_id, self._clock() + self.lease)
+            return EARLY
+
+    def _done(self, request_id: str, read_ids, reads_total: int) -> None:
+        hold = self._holds[request_id]
+        hold.heard.update(read_ids)
+        hold.total = reads_total
+        if len(hold.heard) >= hold.total:
+            self._release(request_id)
+
+    def renew(self, request_ids) -> None:
+        with self._lock:
+            deadline = self._clock() + self.lease
+            for request_id in request_ids:
+                hold = self._holds.get(request_id)
+                if hold is not None:
+                    hold.deadline = max(hold.deadline, deadline)
+
+    def _release(self, request_id: str) -> None:
+        del self._holds[request_id]
+        self._finished.add(request_id)
+        self._released[request_id] = self._clock() + self.lease
+
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks may be freed now (each reported once); expires leases."""
+        now = self._clock()
+        with self._lock:
+            for request_id, hold in list(self._holds.items()):
+                if hold.deadline < now:
+                    logger.warning("request %s: no word from the decode side within the %.0f s lease; freeing "
+                                   "its KV blocks", request_id, self.lease)
+                    self._release(request_id)
+                    self._expired[request_id] = None
+                    if len(self._expired) > self._max_expired:
+                        self._expired.popitem(last=False)
+            for request_id, until in list(self._released.items()):
+                if until < now:
+                    del self._released[request_id]
+            for request_id, until in list(self._early_deadline.items()):
+                if until < now:  # done messages for a request this rank was never given
+                    del self._early_deadline[request_id]
+                    self._early.pop(request_id, None)
+            finished, self._finished = self._finished, set()
+        return finished
+
+    def __len__(self) -> int:
+        return len(self._holds)

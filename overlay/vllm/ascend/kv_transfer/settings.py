@@ -1,0 +1,65 @@
+"""The P2P connector's settings, read once from ``--kv-transfer-config``.
+
+``kv_port`` is the first control port of the instance: rank ``r`` of DP replica ``d``
+serves its control plane on ``kv_port + d x ranks_per_replica + r``.
+``kv_connector_extra_config`` keys (docs/pd_disaggregation.md):
+
+* ``transport``: ``"mooncake"`` (default) or ``"llmdatadist"``;
+* ``host``: the address this instance binds and advertises (default ``127.0.0.1``);
+* ``lease_seconds``: how long a prefill instance keeps a finished request's blocks
+  without hearing from the decode side (default 30; renewed while decode waits);
+* ``control_timeout``: seconds to wait for a control-plane answer (default 5);
+* transport options: ``mooncake_protocol`` (``tcp`` default; ``ascend`` on NPU hosts),
+  ``transfer_timeout`` (seconds, default 30), ``device_name``; for llmdatadist
+  ``device_id`` and ``llmdatadist_port_offset`` (its link port is the rank's control
+  port plus this, default 1000).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.ascend.context_parallel.config import layout_of
+from vllm.ascend.context_parallel.placement import CPLayout
+
+KNOWN_KEYS = {"transport", "host", "lease_seconds", "control_timeout", "mooncake_protocol", "transfer_timeout",
+              "device_name", "device_id", "llmdatadist_port_offset"}
+
+
+@dataclass(frozen=True)
+class P2PSettings:
+    engine_id: str
+    producer: bool
+    consumer: bool
+    transport: str
+    host: str
+    port: int
+    lease_seconds: float
+    control_timeout: float
+    layout: CPLayout
+    dp_rank: int
+    options: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, vllm_config) -> P2PSettings:
+        kv = vllm_config.kv_transfer_config
+        extra = dict(kv.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys for AscendP2PConnector: {unknown}; "
+                             f"known: {sorted(KNOWN_KEYS)}")
+        transport = str(extra.get("transport", "mooncake"))
+        if transport not in ("mooncake", "llmdatadist"):
+            raise ValueError(f"kv_connector_extra_config.transport must be 'mooncake' or 'llmdatadist', "
+                             f"got {transport!r}")
+        lease = float(extra.get("lease_seconds", 30))
+        if lease <= 0:
+            raise ValueError(f"kv_connector_extra_config.lease_seconds must be positive, got {lease}")
+        return cls(engine_id=str(kv.engine_id), producer=kv.is_kv_producer, consumer=kv.is_kv_consumer,
+                   transport=transport, host=str(extra.get("host", "127.0.0.1")), port=int(kv.kv_port),
+                   lease_seconds=lease, control_timeout=float(extra.get("control_timeout", 5.0)),
+                   layout=layout_of(vllm_config), dp_rank=vllm_config.parallel_config.data_parallel_index,
+                   options=extra)
+
+    def control_port(self, dp_rank: int, rank: int) -> int:
+        return self.port + dp_rank * self.layout.ranks_per_replica + rank

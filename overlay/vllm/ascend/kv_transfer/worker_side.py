@@ -1,0 +1,259 @@
+"""Worker side of ``AscendP2PConnector`` (runs in every worker process).
+
+Every rank registers its KV cache with the transport. A prefill rank also serves the
+control plane: it answers ``Hello`` with its layout, transport address and KV regions,
+counts ``DoneReading`` messages against the plan's read total, extends leases on
+``Renew``, and reports a request as finished sending (its blocks may be freed) when all
+its reads are done or its lease has run out.
+
+A decode rank pulls each request it is given on a background thread: learn the prefill
+ranks (cached per prefill replica), build the plan (``plan.py``) and execute its own
+reads, then send each prefill rank it read from the done message, also after a failure;
+the first decode rank also tells the unread prefill ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm.ascend.attention.kv_layout import LayerLayout
+from vllm.ascend.kv_transfer import wire
+from vllm.ascend.kv_transfer.addressing import layer_regions, plane_regions, plane_table, read_ranges
+from vllm.ascend.kv_transfer.control import ControlClient, ControlServer
+from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
+from vllm.ascend.kv_transfer.plan import build_plan
+from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpec
+from vllm.ascend.kv_transfer.settings import P2PSettings
+from vllm.ascend.kv_transfer.transport import open_transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _PeerRank:
+    """One prefill rank, connected: where to read and both sides' plane tables."""
+
+    address: str
+    src: list
+    dst: list
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """One prefill DP replica as a decode rank sees it."""
+
+    layout: object
+    host: str
+    port: int
+    ranks: dict  # rank in replica -> _PeerRank (filled as they are needed)
+
+
+def _layer_layout(tensor, head_size: int, kv_lora_rank: int | None) -> LayerLayout:
+    """How the attention backends split a layer's cache into planes (attention/kv_layout.py)."""
+    size = tensor.element_size()
+    blocks, heads, block_size, content = tensor.shape  # layout LBHNC; MLA: one head
+    if kv_lora_rank is not None:
+        return LayerLayout.mla(blocks, block_size, kv_lora_rank, content - kv_lora_rank, size)
+    return LayerLayout.gqa(blocks, heads, block_size, head_size, content - head_size, size)
+
+
+class P2PWorker:
+    def __init__(self, settings: P2PSettings, vllm_config):
+        from vllm.distributed.parallel_state import get_pcp_group, get_tensor_model_parallel_rank
+
+        self.settings = settings
+        self.layout = settings.layout
+        model = vllm_config.model_config
+        self._head_size = model.get_head_size()
+        self._kv_lora_rank = model.hf_text_config.kv_lora_rank if model.use_mla else None
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.pcp_rank = get_pcp_group().rank_in_group if self.layout.pcp > 1 else 0
+        self.rank = self.layout.rank(self.pcp_rank, self.tp_rank)
+        self.global_rank = settings.dp_rank * self.layout.ranks_per_replica + self.rank
+        self._transport = None
+        self._server = None
+        self._info: wire.RankInfo | None = None  # what Hello answers (fixed once the caches are registered)
+        self._layers: dict[str, tuple[int, LayerLayout]] = {}
+        self._client = ControlClient(settings.control_timeout)
+        self._lock = threading.Lock()
+        self._holds = Holds(settings.lease_seconds)  # prefill
+        # decode
+        # a few pulls at once, so one unreachable prefill instance does not hold up the others
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-p2p-pull")
+        self._peer_lock = threading.Lock()
+        self._peers: dict[tuple, _Peer] = {}
+        self._finished_recving: set[str] = set()
+        self._failed_blocks: set[int] = set()
+
+    # -- set-up -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        for name, tensor in kv_caches.items():
+            self._layers[name] = (tensor.data_ptr(), _layer_layout(tensor, self._head_size, self._kv_lora_rank))
+        options = dict(self.settings.options, role="prefill" if self.settings.producer else "decode")
+        port = self.settings.control_port(self.settings.dp_rank, self.rank)
+        options.setdefault("llmdatadist_port", port + int(options.get("llmdatadist_port_offset", 1000)))
+        device = next(iter(kv_caches.values())).device  # LLM-DataDist: the NPU holding this rank's cache
+        options.setdefault("device_id", device.index if device.index is not None else 0)
+        self._transport = open_transport(self.settings.transport, self.settings.host, options)
+        regions = layer_regions(self._layers)
+        self._transport.register(plane_regions(regions))
+        self._info = wire.RankInfo(wire.WIRE_VERSION, self.settings.engine_id, self.settings.dp_rank, self.rank,
+                                   wire.Layout.of(self.layout), self._transport.name, self._transport.address,
+                                   regions)
+        if self.settings.producer:
+            self._server = ControlServer(self.settings.host, port, self._handle, name=f"prefill rank {self.rank}")
+        logger.info("AscendP2PConnector rank %d: %d KV layers registered with %s at %s", self.global_rank,
+                    len(self._layers), self.settings.transport, self._transport.address)
+
+    # -- prefill: the control plane -----------------------------------------------------
+    def _handle(self, message):
+        ok = wire.Reply(wire.WIRE_VERSION, True)
+        if isinstance(message, wire.Hello):
+            return self._info
+        if isinstance(message, wire.DoneReading):
+            if not message.ok:
+                logger.warning("request %s: decode rank %d reports failed reads %s", message.request_id,
+                               message.decode_rank, message.read_ids)
+            status = self._holds.done(message.request_id, message.read_ids, message.reads_total)
+            if status == EXPIRED:
+                return wire.Reply(wire.WIRE_VERSION, False, "the request's lease ran out before these reads were "
+                                  "reported; its blocks were freed", lease_expired=True)
+            if status == DROPPED:
+                return wire.Reply(wire.WIRE_VERSION, False, "too many done messages for unknown requests")
+            return ok
+        if isinstance(message, wire.Renew):
+            self._holds.renew(message.request_ids)
+            return ok
+        return wire.Reply(wire.WIRE_VERSION, False, f"a prefill rank does not take {type(message).__name__}")
+
+    # -- per step -----------------------------------------------------------------------
+    def start_step(self, meta: P2PConnectorMetadata | None) -> None:
+        if meta is None:
+            return
+        for request_id, lease in meta.sends.items():
+            self._holds.hold(request_id, lease)
+        for spec in meta.recvs:
+            self._pool.submit(self._pull, spec)
+
+    def get_finished(self):
+        sending = self._holds.take_finished()
+        with self._lock:
+            recving, self._finished_recving = self._finished_recving, set()
+        return sending or None, recving or None
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- decode: pulling ----------------------------------------------------------------
+    def _peer(self, remote) -> _Peer:
+        key = (remote.remote_engine_id, remote.remote_dp_rank, remote.remote_host, remote.remote_port)
+        peer = self._peers.get(key)
+        if peer is None:
+            info = self._hello(remote.remote_host, remote.remote_port)
+            peer = _Peer(info.layout.to_layout(), remote.remote_host, remote.remote_port,
+                         {info.rank: self._connect(info)})
+            with self._peer_lock:
+                peer = self._peers.setdefault(key, peer)
+        return peer
+
+    def _connect(self, info: wire.RankInfo) -> _PeerRank:
+        """Once per prefill rank: transport connection and the plane tables of both sides."""
+        with self._peer_lock:
+            self._transport.connect(info.address, plane_regions(info.layers))
+        return _PeerRank(info.address, *plane_table(self._layers, info.layers))
+
+    def _hello(self, host: str, port: int) -> wire.RankInfo:
+        reply = self._client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, self.settings.engine_id))
+        if not isinstance(reply, wire.RankInfo):
+            raise RuntimeError(f"the prefill rank at {host}:{port} answered Hello with {reply}")
+        if reply.transport != self._transport.name:
+            raise RuntimeError(f"the prefill instance uses the {reply.transport} transport, this one "
+                               f"{self._transport.name}: set the same kv_connector_extra_config.transport")
+        return reply
+
+    def _pull(self, spec: RecvSpec) -> None:
+        remote, plan, failed = spec.remote, None, False
+        try:
+            peer = self._peer(remote)
+            plan = build_plan(peer.layout, self.layout, remote.remote_num_tokens, remote.remote_block_ids,
+                              spec.local_block_ids, remote.remote_dp_rank, self.settings.dp_rank,
+                              replica_offset=zlib.crc32(spec.request_id.encode()) % 64)
+            self._execute(plan, peer, spec)
+        except Exception as e:
+            failed = True
+            logger.warning("request %s: pulling its KV from %s:%d failed: %s", spec.request_id,
+                           remote.remote_host, remote.remote_port, e)
+        finally:
+            if self._send_done(spec, plan, failed) and not failed:
+                failed = True
+                logger.warning("request %s: the prefill instance at %s:%d freed its blocks (lease expired) before "
+                               "the reads were reported; discarding what was read", spec.request_id,
+                               remote.remote_host, remote.remote_port)
+            with self._lock:
+                if failed:
+                    first_block = spec.first_token // self.layout.virtual_block_size
+                    self._failed_blocks.update(spec.local_block_ids[first_block:])
+                self._finished_recving.add(spec.request_id)
+
+    def _execute(self, plan, peer: _Peer, spec: RecvSpec) -> None:
+        mine = plan.read_ids_of(self.global_rank)
+        # reads of tokens cached here are skipped (a whole block either is or is not)
+        mine = mine[plan.positions[plan.token_start[mine]] >= spec.first_token]
+        p_base = plan.prefill_ranks.start
+        d_heads = self.layout.heads(self.tp_rank).start
+        for p in np.unique(plan.prefill_rank[mine]).tolist():
+            target = peer.ranks.get(p - p_base)
+            if target is None:
+                target = peer.ranks[p - p_base] = self._connect(self._hello(peer.host, peer.port + p - p_base))
+            p_heads = peer.layout.heads((p - p_base) % peer.layout.tp).start
+            local, remote_addr, lengths = read_ranges(
+                plan, mine[plan.prefill_rank[mine] == p], target.src, target.dst, p_heads, d_heads,
+                (peer.layout.block_size, self.layout.block_size), self._transport.whole_blocks)
+            self._transport.read(target.address, local, remote_addr, lengths)
+
+    def _send_done(self, spec: RecvSpec, plan, failed: bool) -> bool:
+        """Send this rank's done messages; True if a prefill rank answers that the
+        request's lease had already run out (what was read may be stale)."""
+        remote = spec.remote
+        if plan is None:  # no plan (prefill unreachable): every rank asks every prefill rank to free
+            messages = [wire.DoneReading(wire.WIRE_VERSION, remote.remote_request_id, self.global_rank, rank, [],
+                                         reads_total=0, ok=False) for rank in range(remote.remote_ranks)]
+            targets = [remote.remote_port + rank for rank in range(remote.remote_ranks)]
+        else:
+            failed_ids = frozenset(plan.read_ids_of(self.global_rank).tolist()) if failed else frozenset()
+            # the prefill instance knows the request by its own id
+            messages = [m for m in wire.done_messages(plan, remote.remote_request_id, failed_ids)
+                        if m.decode_rank == self.global_rank]
+            targets = [remote.remote_port + m.prefill_rank - plan.prefill_ranks.start for m in messages]
+        expired = False
+        for message, port in zip(messages, targets):
+            address = f"{remote.remote_host}:{port}"
+            # done messages are idempotent: after good reads a busy prefill rank gets a second
+            # chance (unanswered, they would be discarded); after failed ones the lease frees anyway
+            attempts = 2 if message.ok else 1
+            for attempt in range(1, attempts + 1):
+                try:
+                    reply = self._client.request(address, message)
+                    expired |= isinstance(reply, wire.Reply) and reply.lease_expired
+                    break
+                except Exception as e:
+                    logger.warning("request %s: done message to %s failed (attempt %d of %d): %s",
+                                   spec.request_id, address, attempt, attempts, e)
+            else:  # unanswered: the blocks may have been freed under the read
+                expired |= message.ok
+        return expired
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
+        if self._transport is not None:
+            self._transport.close()
