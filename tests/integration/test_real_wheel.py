@@ -80,15 +80,27 @@ FRESH_ENV_DROP = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "TORCH_NPU_DOUB
                   "VLLM_ASCEND_EMULATE", "VLLM_ASCEND_KERNELS")
 
 
+def _pip_install(python: str, requirement: str) -> None:
+    """Install from the package index; a second try if the index fails us (a CI run once
+    lost this install to an index error), then the end of pip's own report."""
+    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", requirement]
+    for attempt in (1, 2):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        report = [line for line in (done.stdout + done.stderr).splitlines() if "is ignored" not in line]
+        print(f"pip install {requirement} failed (attempt {attempt} of 2):", *report[-40:], sep="\n")
+    pytest.fail(f"pip install {requirement} into a fresh venv failed twice:\n" + "\n".join(report[-40:]))
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(wheels, tmp_path_factory) -> tuple[str, dict]:
     """The README's CPU-host install: torch's CPU build, then the wheel (no extras)."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "torch==2.13.0"], check=True)
-    subprocess.run([*pip, str(wheels[0])], check=True)
+    for requirement in ("torch==2.13.0", str(wheels[0])):
+        _pip_install(python, requirement)
     env = {k: v for k, v in os.environ.items() if k not in FRESH_ENV_DROP}
     return python, env
 

@@ -105,3 +105,29 @@ def test_any_order_of_messages_frees_each_request_exactly_once(total, data):
         holds.hold("r")
         freed += len(holds.take_finished())
     assert freed == 1
+
+
+def test_empty_steps_wait_for_news_and_steps_with_work_never_wait():
+    """The worker side's pacing of empty steps (worker_side.IdlePacer). The waits are long
+    (30 s) so that a step that wrongly waited for them fails the generous bounds below."""
+    import threading
+    import time
+
+    from vllm.ascend.kv_transfer.worker_side import IdlePacer
+
+    pacer = IdlePacer(wait=30)
+    start = time.monotonic()
+    pacer.pace(idle=False)
+    assert time.monotonic() - start < 5, "a step with work waited"
+
+    threading.Timer(0.2, pacer.news).start()  # a done message arrives during an empty step
+    start = time.monotonic()
+    pacer.pace(idle=True)
+    assert 0.1 < time.monotonic() - start < 5, "an empty step did not wake on news"
+
+    pacer.news()  # news during a step with work is reported by that step; the next empty one waits again
+    pacer.pace(idle=False)
+    short = IdlePacer(wait=0.3)
+    start = time.monotonic()
+    short.pace(idle=True)
+    assert time.monotonic() - start >= 0.3, "an empty step without news did not wait"

@@ -31,10 +31,9 @@ import zmq
 from tests.runtime.conftest import QWEN2_KV1, VllmServer, free_port, free_ports, hf_greedy
 
 MAX_TOKENS = 12
-# Twice the default: on a loaded 2-core CI machine running six instances, a prefill
-# instance's control plane and Mooncake engine were seen not answering for 10-20 s, so
-# renewals and done messages came late (a pull reported after the lease is refused as
-# stale and fails the request). Production hosts should keep the 30 s default.
+# Twice the defaults: six instances share a 2-core CI machine, and before empty steps were
+# paced (worker_side.IdlePacer) prefill control planes were seen unanswered for 10-60 s
+# there. Production hosts should keep the 30 s / 5 s defaults.
 LEASE = 60
 CONTROL_TIMEOUT = 20
 

@@ -33,7 +33,7 @@ class AscendP2PConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> P2PConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler.request_finished(request, block_ids)

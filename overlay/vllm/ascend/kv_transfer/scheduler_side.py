@@ -55,6 +55,9 @@ class RecvSpec:
 class P2PConnectorMetadata(KVConnectorMetadata):
     sends: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
     recvs: list[RecvSpec] = field(default_factory=list)
+    # the step schedules no tokens: upstream keeps stepping while blocks wait for a
+    # delayed free or a pull, and the workers pace such steps (worker_side.IdlePacer)
+    idle: bool = False
 
 
 def parse_remote(params: dict | None) -> RemotePrefill | None:
@@ -138,8 +141,8 @@ class P2PScheduler:
             return
         self._recvs.append(RecvSpec(request.request_id, remote, first, list(blocks.get_block_ids()[0])))
 
-    def build_connector_meta(self) -> P2PConnectorMetadata:
-        meta = P2PConnectorMetadata(self._sends, self._recvs)
+    def build_connector_meta(self, idle: bool = False) -> P2PConnectorMetadata:
+        meta = P2PConnectorMetadata(self._sends, self._recvs, idle)
         self._sends, self._recvs = {}, []
         return meta
 
