@@ -92,7 +92,7 @@ def make_model(args, tok: Tokenizer):
     if args.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**cfg, num_key_value_heads=args.kv_heads or args.heads // 2))
     config = DeepseekV3Config(
-        **cfg, num_key_value_heads=args.heads, q_lora_rank=None, kv_lora_rank=args.kv_lora_rank,
+        **cfg, num_key_value_heads=args.heads, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
         qk_rope_head_dim=args.qk_rope_head_dim,
         qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=args.experts, num_experts_per_tok=2,
         n_shared_experts=1, moe_intermediate_size=args.intermediate_size // 2, first_k_dense_replace=1,
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--kv-lora-rank", type=int, default=256,
                    help="MLA latent size (deepseek_v3); with --qk-rope-head-dim it must sum to 320, 512 "
                         "or 576 (vLLM's MLA). 512 + rope 64 is the form torch_npu's MLA attention takes")
+    p.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA query compression (deepseek_v3; default none: q_proj instead of q_a_proj/q_b_proj)")
     p.add_argument("--qk-rope-head-dim", type=int, default=64, help="MLA rotary key size (deepseek_v3)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)

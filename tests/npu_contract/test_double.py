@@ -169,7 +169,36 @@ VIOLATIONS = {
         group_list=torch.tensor([2, 6], dtype=torch.int32), split_item=2, group_type=0)),
     "grouped matmul with a permuted weight": ("GMM.weight_transpose", lambda: _gmm(
         weight=torch.randn(8, 2, 4, dtype=BF16).transpose(0, 1))),
+    "per-token grouped matmul with a float32 scale for bfloat16 output": ("GMM.pertoken_dtypes", lambda: _qgmm(
+        scale_dtype=torch.float32)),
+    "per-token grouped matmul with a scale per group row": ("GMM.pertoken_formula", lambda: _qgmm(scale_cols=1)),
+    "quant matmul of float inputs": ("QMM.x1", lambda: torch_npu.npu_quant_matmul(
+        torch.randn(2, 8, dtype=BF16), torch.randn(8, 4, dtype=BF16), torch.ones(4), output_dtype=BF16)),
+    "quant matmul with a scale of the wrong length": ("QMM.scale", lambda: _qmm(scale=torch.ones(3))),
+    "quant matmul with a per-token scale per column": ("QMM.pertoken", lambda: _qmm(
+        pertoken_scale=torch.ones(4))),
+    "quant matmul with a float bias for float16 output without per-token scale": ("QMM.combinations", lambda: _qmm(
+        bias=torch.ones(4, dtype=torch.float16), output_dtype=torch.float16)),
+    "dynamic quant of float32": ("DQ.x", lambda: torch_npu.npu_dynamic_quant(torch.randn(2, 8))),
+    "quantize with zero points unlike the scales": ("QZ.zero_points", lambda: torch_npu.npu_quantize(
+        torch.randn(2, 8), torch.ones(8), torch.zeros(8, dtype=BF16), torch.qint8, -1, False)),
+    "quantize with scales of the wrong length": ("QZ.scales_shape", lambda: torch_npu.npu_quantize(
+        torch.randn(2, 8), torch.ones(3), None, torch.qint8, -1, False)),
 }
+
+
+def _qmm(**kw):
+    args = dict(scale=torch.ones(4), pertoken_scale=None, bias=None, output_dtype=BF16)
+    args.update(kw)
+    return torch_npu.npu_quant_matmul(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8),
+                                      args.pop("scale"), **args)
+
+
+def _qgmm(scale_dtype=BF16, scale_cols=4):
+    return torch_npu.npu_grouped_matmul(
+        [torch.ones(6, 8, dtype=torch.int8)], [torch.ones(2, 8, 4, dtype=torch.int8)],
+        scale=[torch.ones(2, scale_cols, dtype=scale_dtype)], per_token_scale=[torch.ones(6)],
+        group_list=torch.tensor([2, 6]), split_item=2, group_type=0, output_dtype=BF16)
 
 
 @pytest.mark.parametrize("case", VIOLATIONS)
@@ -294,3 +323,25 @@ def test_grouped_matmul_and_swiglu_semantics(group_list_type):
     act = torch_npu.npu_swiglu(y)
     a, b = y.float()[:, :2], y.float()[:, 2:]
     torch.testing.assert_close(act.float(), a * torch.sigmoid(a) * b, rtol=2e-2, atol=2e-2)
+
+
+def test_w8a8_ops_semantics():
+    """Quantize, dynamic quant and quant matmul (static and per-token) against brute force."""
+    x = torch.tensor([[0.5, -1.5, 2.5, 100.0], [0.0, 0.0, 0.0, 0.0]])
+    q = torch_npu.npu_quantize(x, torch.full((4,), 2.0), torch.full((4,), 1.0), torch.qint8, -1, False)
+    # 0.5*2+1=2, -1.5*2+1=-2, 2.5*2+1=6, saturated to 127; zeros -> offset 1
+    assert q.dtype == torch.int8 and q.tolist() == [[2, -2, 6, 127], [1, 1, 1, 1]]
+    y, scale = torch_npu.npu_dynamic_quant(torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]], dtype=BF16))
+    assert scale.dtype == torch.float32 and torch.allclose(scale, torch.tensor([2.0 / 127, 0.0]))
+    assert y.tolist() == [[64, -127, 32], [0, 0, 0]]  # 63.5 and 31.75 round to even / nearest
+    x1 = torch.randint(-128, 128, (3, 5), dtype=torch.int8)
+    x2 = torch.randint(-128, 128, (5, 2), dtype=torch.int8)
+    brute = [[sum(int(x1[i, t]) * int(x2[t, j]) for t in range(5)) for j in range(2)] for i in range(3)]
+    brute = torch.tensor(brute, dtype=torch.float64)
+    scale, bias = torch.tensor([0.5, 0.25]), torch.tensor([10, -10], dtype=torch.int32)
+    out = torch_npu.npu_quant_matmul(x1, x2, scale, bias=bias, output_dtype=BF16)
+    torch.testing.assert_close(out.double(), ((brute + bias.double()) * scale.double()).to(BF16).double())
+    per_token = torch.tensor([1.0, 2.0, 0.5])
+    out = torch_npu.npu_quant_matmul(x1, x2, scale, pertoken_scale=per_token, output_dtype=torch.float16)
+    torch.testing.assert_close(out.double(),
+                               (brute * scale.double() * per_token.double()[:, None]).to(torch.float16).double())

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 torch_npu = pytest.importorskip("torch_npu")
 
 from vllm.ascend.kernels import attention, mla, moe  # noqa: E402
+from vllm.ascend.kernels import quant  # noqa: E402
 
 BF16 = torch.bfloat16
 TOL = dict(rtol=3e-2, atol=3e-2)
@@ -129,6 +130,58 @@ def test_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
     out_npu = moe.npu_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
     out_ref = moe.reference_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 9), k=st.sampled_from([16, 48]), n=st.sampled_from([8, 24]),
+       dtype=st.sampled_from([BF16, torch.float16]), with_bias=st.booleans())
+def test_w8a8_linear_kernels_equal_reference(data, rows, k, n, dtype, with_bias):
+    """Static and dynamic W8A8 through torch_npu's quantize / dynamic-quant / quant-matmul
+    ops: the int8 activations agree with the reference but for ties the reciprocal form
+    may round differently (at most one step), and the outputs agree to the output dtype."""
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    x = (torch.randn(rows, k) * 2).to(dtype)
+    w_q = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    scale, offset = torch.tensor([0.03]), torch.tensor([5.0])
+    xq_npu = quant.npu_quantize_static(x, scale, offset)
+    xq_ref = quant.reference_quantize_static(x, scale, offset)
+    assert xq_npu.dtype == torch.int8 and (xq_npu.int() - xq_ref.int()).abs().max() <= 1
+    deq = torch.rand(n) * 1e-3
+    qbias = torch.randint(-1000, 1000, (n,), dtype=torch.int32) if with_bias else None
+    out = quant.npu_matmul_static(xq_ref, w_q, deq, qbias, dtype)
+    torch.testing.assert_close(out.float(), quant.reference_matmul_static(xq_ref, w_q, deq, qbias, dtype).float(),
+                               **TOL)
+    xq_d, s_d = quant.npu_quantize_dynamic(x)
+    xq_r, s_r = quant.reference_quantize_dynamic(x)
+    assert torch.equal(xq_d, xq_r) and torch.equal(s_d, s_r)
+    w_scale = torch.rand(n) * 1e-2
+    bias = torch.randn(n).to(dtype) if with_bias else None
+    out = quant.npu_matmul_dynamic(xq_d, w_q, w_scale, s_d, bias, dtype)
+    ref = quant.reference_matmul_dynamic(xq_r, w_q, w_scale, s_r, bias, dtype)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), tokens=st.integers(1, 12), experts=st.sampled_from([4, 8]), top_k=st.sampled_from([1, 2]),
+       with_map=st.booleans())
+def test_w8a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    hidden, inter = 16, 8
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    w13 = torch.randint(-128, 128, (experts, 2 * inter, hidden), dtype=torch.int8)
+    w2 = torch.randint(-128, 128, (experts, hidden, inter), dtype=torch.int8)
+    s13, s2 = torch.rand(experts, 2 * inter) * 2e-3, torch.rand(experts, hidden) * 2e-3
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    expert_map = None
+    if with_map:
+        local = experts // 2
+        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
+        w13, w2, s13, s2 = w13[experts - local:], w2[experts - local:], s13[experts - local:], s2[experts - local:]
+    out_npu = moe.npu_moe_experts_w8a8_dynamic(x, w13, w2, s13, s2, weights, ids, expert_map=expert_map)
+    out_ref = moe.reference_moe_experts_w8a8_dynamic(x, w13, w2, s13, s2, weights, ids, expert_map=expert_map)
+    # the NPU form's scales are bfloat16 (documented for bfloat16 output), the reference's float32
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), rtol=6e-2, atol=6e-2)
 
 
 def test_npu_slots_send_padding_to_the_null_block():

@@ -13,7 +13,8 @@ per rank: max error, strategies run, bytes it sent per forward.
 
 Case: {"tp": T, "dp": D, "ep": bool, "strategy": "allgather"|"alltoall"|"mc2",
 "tokens": [per DP rank, ...] (or "tokens_grid"), "experts": E, "top_k": K, "hidden": H,
-"inter": I, "seed": S, "dtype": "float32", "skew": bool, "env": {...}, "bench": {"repeats": n}}
+"inter": I, "seed": S, "dtype": "float32", "skew": bool, "env": {...}, "bench": {"repeats": n},
+"quant": "w8a8_dynamic" (int8 experts with per-channel scales; EP layouts only)}
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def problem(case: dict, num_tokens: int, dp_rank: int, seed_offset: int = 0):
     ids = scores.topk(k, dim=1).indices.to(torch.int32)
     weights = torch.rand(num_tokens, k, generator=g).softmax(dim=1)
     return x, weights, ids, w13, w2
+
+
+def quantize_experts(w):
+    """Per expert and output channel symmetric int8 (msModelSlim's W8A8_DYNAMIC weights)."""
+    import torch
+
+    scale = (w.float().abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    return torch.round(w.float() / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
 
 
 def _rank(rank: int, world: int, port: int, case: dict, queue) -> None:
@@ -112,8 +121,22 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
                              device="cpu", routing_method=RoutingMethodType.Renormalize,
                              moe_parallel_config=moe_pc,
                              in_dtype=getattr(torch, case.get("dtype", "float32")))
-        kernel = mk.FusedMoEKernel(AscendMoEPrepareAndFinalize(moe, cfg),
-                                   AscendExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG))
+        if case.get("quant") == "w8a8_dynamic":  # int8 experts (vllm/ascend/quantization/moe.py)
+            from types import SimpleNamespace
+
+            from vllm.ascend.quantization.moe import AscendW8A8DynamicExperts
+
+            if not moe_pc.use_ep:
+                raise ValueError("quantized cases need EP: per-token scales of a sharded intermediate differ")
+            *_, w13, w2 = problem(case, 0, 0)
+            ids = torch.nonzero(expert_map >= 0).flatten() if expert_map is not None else torch.arange(e)
+            q13, s13 = quantize_experts(w13[ids])
+            q2, s2 = quantize_experts(w2[ids])
+            holder = SimpleNamespace(w13_weight_scale=s13, w2_weight_scale=s2)
+            experts = AscendW8A8DynamicExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG, holder)
+        else:
+            experts = AscendExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
+        kernel = mk.FusedMoEKernel(AscendMoEPrepareAndFinalize(moe, cfg), experts)
         rounds = case.get("tokens_grid") or [case["tokens"]]
         repeats = case.get("bench", {}).get("repeats", 1)
         results = []
@@ -155,6 +178,10 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
 
     inter = case["inter"]
     x, w, ids, w13, w2 = problem(case, tokens[dp_rank], dp_rank)
+    quantized = case.get("quant") == "w8a8_dynamic"
+    if quantized:
+        w13, s13 = quantize_experts(w13)
+        w2, s2 = quantize_experts(w2)
     if moe_pc.use_ep:
         global_ids = torch.nonzero(expert_map >= 0).flatten()
         lw13, lw2 = w13[global_ids], w2[global_ids]
@@ -186,7 +213,12 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
                 if repeats == 1 or repeat > 0:
                     times[comm].append(elapsed)
                 outs[comm], sent[comm] = out, counter.bytes
-    expected = reference_moe_experts(x.float(), w13.float(), w2.float(), w, ids)
+    if quantized:  # all experts in one process, same int8 math
+        from vllm.ascend.kernels.moe import reference_moe_experts_w8a8_dynamic
+
+        expected = reference_moe_experts_w8a8_dynamic(x.float(), w13, w2, s13, s2, w, ids).float()
+    else:
+        expected = reference_moe_experts(x.float(), w13.float(), w2.float(), w, ids)
     return [{"strategy": comm.value, "tokens": tokens, "reduced": reduced[comm],
              "error": float((outs[comm].float() - expected).abs().max()) if tokens[dp_rank] else 0.0,
              "scale": float(expected.abs().max()) if tokens[dp_rank] else 0.0,

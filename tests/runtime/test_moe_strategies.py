@@ -58,6 +58,19 @@ def test_strategies_equal_dense_reference(layout):
                for r in results), results
 
 
+@pytest.mark.parametrize("layout", ["ep4_tp2_dp2", "ep2_dp2"])
+def test_w8a8_dynamic_experts_through_every_strategy(layout):
+    """The quantized MoE layer (int8 experts, per-token activations) through AllGather,
+    AllToAll and MC2 equals all experts computed in one process with the same int8 math:
+    each expert quantizes whole rows, wherever they were sent."""
+    tp, dp, ep, experts, top_k, rounds, skew = LAYOUTS[layout]
+    strategies = ["allgather", "alltoall", "mc2"]
+    case = {"tp": tp, "dp": dp, "ep": ep, "strategies": strategies, "tokens_grid": rounds, "experts": experts,
+            "top_k": top_k, "hidden": 32, "inter": 16, "seed": 4, "skew": skew, "quant": "w8a8_dynamic"}
+    results = run(case)
+    _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))
+
+
 def test_strategies_through_torch_npu_contract(tmp_path):
     """NPU-path mode: MC2 through npu_moe_distribute_dispatch_v2/combine_v2 and the
     experts through npu_grouped_matmul/npu_swiglu, all checked by the contract double."""

@@ -2,7 +2,8 @@
 
 Called in every process that builds models (workers) and by the platform's config
 step: attention backend names into vLLM's backend enum and the MoE method as the
-out-of-tree replacement of upstream's unquantized MoE method.
+out-of-tree replacement of upstream's unquantized MoE method, and the ``ascend``
+quantization config (msModelSlim checkpoints).
 """
 
 from __future__ import annotations
@@ -16,3 +17,4 @@ def register_runtime_components() -> None:
 
     register_attention_backends()
     import vllm.ascend.moe.method  # noqa: F401  (registers through its decorator)
+    import vllm.ascend.quantization.config  # noqa: F401  (likewise: the "ascend" quantization name)

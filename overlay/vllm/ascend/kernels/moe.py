@@ -77,3 +77,76 @@ def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
 
 
 moe_experts = pick(reference_moe_experts, npu_moe_experts)
+
+
+# -- W8A8 dynamic experts (msModelSlim W8A8_DYNAMIC) ------------------------------------
+# w13 [E, 2I, H] and w2 [E, H, I] int8, per-channel scales w13_scale [E, 2I] and
+# w2_scale [E, H] (float32). Each expert's input rows are quantized per token, multiplied
+# in int32, dequantized (weight scale x token scale) into the activation dtype, SwiGLU'd,
+# quantized per token again for the down projection, and dequantized.
+def reference_moe_experts_w8a8_dynamic(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+                                       expert_map=None, apply_router_weight_on_input=False) -> torch.Tensor:
+    from vllm.ascend.kernels.quant import reference_quantize_dynamic
+
+    ids = _local_ids(topk_ids, expert_map)
+    weights = topk_weights.to(torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[-1]
+    for expert in torch.unique(ids).tolist():
+        if expert < 0:
+            continue
+        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
+        h = x[tokens]
+        w = weights[tokens, slots].unsqueeze(1)
+        if apply_router_weight_on_input:
+            h = (h.to(torch.float32) * w).to(x.dtype)
+        h_q, h_scale = reference_quantize_dynamic(h)
+        acc = torch.mm(h_q.to(torch.int32), w13[expert].to(torch.int32).t()).to(torch.float32)
+        gate_up = (acc * w13_scale[expert].to(torch.float32) * h_scale.unsqueeze(1)).to(x.dtype).to(torch.float32)
+        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        a_q, a_scale = reference_quantize_dynamic(act)
+        acc = torch.mm(a_q.to(torch.int32), w2[expert].to(torch.int32).t()).to(torch.float32)
+        y = (acc * w2_scale[expert].to(torch.float32) * a_scale.unsqueeze(1)).to(x.dtype).to(torch.float32)
+        out.index_add_(0, tokens, y if apply_router_weight_on_input else y * w)
+    return out.to(x.dtype)
+
+
+def npu_moe_experts_w8a8_dynamic(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map=None,
+                                 apply_router_weight_on_input=False) -> torch.Tensor:
+    """Tokens sorted by expert, ``npu_dynamic_quant``, two per-token quantized grouped
+    matmuls (``npu_grouped_matmul`` with ``scale`` and ``per_token_scale``; the scale is
+    bfloat16 for bfloat16 output and float32 for float16, as documented) with
+    ``npu_swiglu`` and a second ``npu_dynamic_quant`` between. Passes the contract
+    double; not verified on an NPU."""
+    npu = torch_npu()
+    ids = _local_ids(topk_ids, expert_map).flatten()
+    k = topk_ids.shape[1]
+    valid = ids >= 0
+    num_rows = int(valid.sum())
+    if num_rows == 0:
+        return torch.zeros_like(x)
+    order = torch.argsort(torch.where(valid, ids, w13.shape[0]), stable=True)[:num_rows]
+    tokens = order // k
+    group_list = torch.cumsum(torch.bincount(ids[order], minlength=w13.shape[0]), 0).to(torch.int64)
+    weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
+    h = x[tokens]
+    if apply_router_weight_on_input:
+        h = h * weights
+    scale_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    h_q, h_scale = npu.npu_dynamic_quant(h)
+    gate_up = npu.npu_grouped_matmul([h_q], [w13.transpose(1, 2)], scale=[w13_scale.to(scale_dtype)],
+                                     per_token_scale=[h_scale], group_list=group_list, split_item=2, group_type=0,
+                                     output_dtype=x.dtype)[0]
+    act = npu.npu_swiglu(gate_up)
+    a_q, a_scale = npu.npu_dynamic_quant(act)
+    y = npu.npu_grouped_matmul([a_q], [w2.transpose(1, 2)], scale=[w2_scale.to(scale_dtype)],
+                               per_token_scale=[a_scale], group_list=group_list, split_item=2, group_type=0,
+                               output_dtype=x.dtype)[0]
+    if not apply_router_weight_on_input:
+        y = y * weights
+    out = torch.zeros_like(x)
+    out.index_add_(0, tokens, y)
+    return out
+
+
+moe_experts_w8a8_dynamic = pick(reference_moe_experts_w8a8_dynamic, npu_moe_experts_w8a8_dynamic)

@@ -93,6 +93,27 @@ class NPUPlatform(Platform):
     # (vllm/ascend/context_parallel/placement.py; the hook is this distribution's patch).
     kv_cache_sharded_over_pcp: bool = True
 
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        # before any ModelConfig checks the method name: ``--quantization ascend``
+        import vllm.ascend.quantization.config  # noqa: F401  (registers through its decorator)
+
+    @classmethod
+    def detect_quantization(cls, model: str, revision: str | None) -> str | None:
+        """``ascend`` for an msModelSlim checkpoint (patch 0010 asks when no method is named)."""
+        from vllm.ascend.quantization.description import FILENAME
+        from vllm.transformers_utils.repo_utils import file_or_path_exists
+
+        try:
+            found = file_or_path_exists(model, FILENAME, revision)
+        except Exception:  # a hub lookup that cannot be made: no format of ours to recognise
+            return None
+        if not found:
+            return None
+        import vllm.ascend.quantization.config  # noqa: F401  (registers the name)
+
+        return "ascend"
+
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
         from vllm.ascend.kernels import kernel_dtypes

@@ -37,8 +37,8 @@ def validate_speculative_config(vllm_config) -> None:
     if spec.parallel_drafting:
         raise ValueError("speculative parallel_drafting is not supported on Ascend (its input copy is an "
                          "upstream Triton kernel with no Ascend implementation): drop parallel_drafting")
-    if spec.method in TESTED_METHODS and vllm_config.model_config.quantization is not None:
-        quantization = vllm_config.model_config.quantization
-        raise ValueError(f"speculative decoding with a quantized model ({quantization}) "
-                         "is not supported on Ascend yet: the MTP module of a quantized checkpoint needs "
-                         "the Ascend quantization; serve the float checkpoint or drop --speculative-config")
+    quantization = vllm_config.model_config.quantization
+    if spec.method in TESTED_METHODS and quantization not in (None, "ascend"):
+        # the MTP module follows the checkpoint's description only with the Ascend method
+        raise ValueError(f"speculative decoding with a {quantization}-quantized model is not supported on "
+                         "Ascend: serve an msModelSlim checkpoint (--quantization ascend) or a float one")

@@ -114,6 +114,34 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("GMM.weight_transpose", DOCS, "tensor转置: 指若tensor shape为[M,K]时, 则stride为[1,M],数据排布为[K,M]的场景, "
                                        "即非连续tensor."),
     Rule("GMM.inner_limit", DOCS, "x和weight中每一组tensor的最后一维大小都应小于InnerLimit."),
+    # the wheel's docstrings end lines with CRLF
+    Rule("GMM.pertoken_formula", DOCS, "per-token量化场景 (公式3):\r\ny_{i}=(x_{i}×weight_{i}+bias_{i})×scale_{i}"
+                                       "+pertokenscale_{i}"),
+    Rule("GMM.pertoken_dtypes", DOCS, "per-token量化\r\nx: torch.int8, torch.int8\r\nweight: torch.int8, torch.int8\r\n"
+                                      "bias: torch.int32, torch.int32\r\nscale: torch.bfloat16, torch.float32\r\n"
+                                      "antiquant_scale: 无需赋值, 无需赋值\r\nantiquant_offset: 无需赋值, 无需赋值\r\n"
+                                      "per_token_scale: torch.float32, torch.float32\r\n"
+                                      "output_dtype: torch.bfloat16, torch.float16"),
+    # -- npu_quant_matmul ---------------------------------------------------------------------------
+    Rule("QMM.x1", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持int8和int32. "
+                         "其中int32表示int4类型矩阵乘计算, 每个int32数据存放8个int4数据."),
+    Rule("QMM.scale", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float32、int64、bfloat16. "
+                            "shape需要是1维(t, ), t=1或n, 其中n与x2的n一致."),
+    Rule("QMM.pertoken", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float32. "
+                               "shape需要是1维(m,), 其中m与x1的m一致."),
+    Rule("QMM.bias", DOCS, "bias: Tensor类型, 可选参数, 数据格式支持ND, shape支持1维(n,)、2维(1, n)或3维(batch, 1, n)"),
+    Rule("QMM.combinations", DOCS, "scale:int64/float32, int64/float32, float32/bfloat16, float32, int64/float32, "
+                                   "float32/bfloat16"),
+    Rule("QMM.last_dim", DOCS, "其他情况, x1与x2最后一维的shape大小不能超过65535."),
+    # -- npu_dynamic_quant --------------------------------------------------------------------------
+    Rule("DQ.x", DOCS, "x: Tensor类型, 需要进行量化的源数据张量, 必选输入, 数据类型支持torch.float16、torch.bfloat16, "
+                       "数据格式支持ND, 支持非连续的Tensor. 输入x的维度必须大于1."),
+    Rule("DQ.formula", DOCS, "scale=rowMax(abs(x))/DTYPE_MAX\r\ny=round(x/scale)"),
+    # -- npu_quantize -------------------------------------------------------------------------------
+    Rule("QZ.formula", DOCS, "如果div_mode为False: result=(input*scales)+zero_points"),
+    Rule("QZ.scales_shape", DOCS, "支持1维或多维(1维时, 对应轴的大小需要与input中第axis维相等或等于1;"),
+    Rule("QZ.zero_points", DOCS, "zero_points的shape和dtype需要和scales一致."),
+    Rule("QZ.dtype", DOCS, "div_mode为False时, 类型支持torch.qint8、torch.quint4x2."),
     # -- npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) --------------------------------------------
     Rule("MC2.expert_ids", MC2_DISPATCH_DOC, "shape为\\(BS, K\\)，数据类型支持`int32`，数据格式为$ND$，支持非连续的Tensor。"
                                              "对应[torch\\_npu.npu\\_moe\\_distribute\\_combine\\_v2]"
