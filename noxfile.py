@@ -129,8 +129,9 @@ def bench(session: nox.Session) -> None:
     `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1), `plan`
     (the P/D transfer plan: planning time, bytes needed vs. moved) or `kv-transfer` (P/D
     pulls: raw Mooncake vs. the connector, control overhead, 1P1D vs. colocated serving) or
-    `dp` (DP step sync on gloo: collectives and time per MTP step, packed vs. upstream)."""
-    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "dp")
+    `dp` (DP step sync on gloo: collectives and time per MTP step, packed vs. upstream) or
+    `quant` (W8A8 checkpoints vs. float: linear and expert weight bytes, host tokens/s)."""
+    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "dp", "quant")
     if not session.posargs or session.posargs[0] not in names:
         session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
     session.install("-r", BUILD_REQUIREMENTS)

@@ -22,6 +22,17 @@ from vllm.ascend.quantization.linear import (AscendW8A8DynamicLinearMethod, Asce
 FLOAT32_RELATIVE = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    """The methods here run the reference int8 kernels, whatever this process bound (a
+    process without host emulation binds the NPU forms, which take half types; they are
+    held to the reference forms in tests/npu_contract/test_npu_kernels.py)."""
+    from vllm.ascend.kernels import quant
+
+    for name in ("quantize_static", "quantize_dynamic", "matmul_static", "matmul_dynamic"):
+        monkeypatch.setattr(quant, name, getattr(quant, f"reference_{name}"))
+
+
 def _per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1) / 127
     return torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
