@@ -43,27 +43,33 @@ def reference_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
     return out.to(x.dtype)
 
 
+def _rows_by_expert(x, topk_weights, topk_ids, expert_map, num_local: int, apply_router_weight_on_input: bool):
+    """The (token, expert) rows this rank computes, sorted by expert: row -> token index,
+    the rows' inputs (router weight applied when asked), their router weights, and the
+    cumulative int64 group list; None when every chosen expert lives on another rank."""
+    ids = _local_ids(topk_ids, expert_map).flatten()
+    valid = ids >= 0
+    num_rows = int(valid.sum())
+    if num_rows == 0:
+        return None
+    order = torch.argsort(torch.where(valid, ids, num_local), stable=True)[:num_rows]
+    tokens = order // topk_ids.shape[1]
+    group_list = torch.cumsum(torch.bincount(ids[order], minlength=num_local), 0).to(torch.int64)
+    weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
+    h = x[tokens] * weights if apply_router_weight_on_input else x[tokens]
+    return tokens, h, weights, group_list
+
+
 def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
                     apply_router_weight_on_input=False) -> torch.Tensor:
     """Sort tokens by expert, two grouped matmuls (``npu_grouped_matmul``, one x, one
     3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu`` between,
     scatter back. Passes the contract double; not verified on an NPU."""
     npu = torch_npu()
-    ids = _local_ids(topk_ids, expert_map).flatten()
-    k = topk_ids.shape[1]
-    valid = ids >= 0
-    num_rows = int(valid.sum())
-    if num_rows == 0:  # every chosen expert lives on another rank
+    rows = _rows_by_expert(x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input)
+    if rows is None:  # every chosen expert lives on another rank
         return torch.zeros_like(x)
-    order = torch.argsort(torch.where(valid, ids, w13.shape[0]), stable=True)
-    order = order[:num_rows]
-    tokens = order // k
-    counts = torch.bincount(ids[order], minlength=w13.shape[0])
-    group_list = torch.cumsum(counts, 0).to(torch.int64)
-    h = x[tokens]
-    weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
-    if apply_router_weight_on_input:
-        h = h * weights
+    tokens, h, weights, group_list = rows
     gate_up = npu.npu_grouped_matmul([h], [w13.transpose(1, 2)], group_list=group_list,
                                        split_item=2, group_type=0)[0]
     act = npu.npu_swiglu(gate_up)
@@ -119,19 +125,10 @@ def npu_moe_experts_w8a8_dynamic(x, w13, w2, w13_scale, w2_scale, topk_weights, 
     ``npu_swiglu`` and a second ``npu_dynamic_quant`` between. Passes the contract
     double; not verified on an NPU."""
     npu = torch_npu()
-    ids = _local_ids(topk_ids, expert_map).flatten()
-    k = topk_ids.shape[1]
-    valid = ids >= 0
-    num_rows = int(valid.sum())
-    if num_rows == 0:
+    rows = _rows_by_expert(x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input)
+    if rows is None:  # every chosen expert lives on another rank
         return torch.zeros_like(x)
-    order = torch.argsort(torch.where(valid, ids, w13.shape[0]), stable=True)[:num_rows]
-    tokens = order // k
-    group_list = torch.cumsum(torch.bincount(ids[order], minlength=w13.shape[0]), 0).to(torch.int64)
-    weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
-    h = x[tokens]
-    if apply_router_weight_on_input:
-        h = h * weights
+    tokens, h, weights, group_list = rows
     scale_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     h_q, h_scale = npu.npu_dynamic_quant(h)
     gate_up = npu.npu_grouped_matmul([h_q], [w13.transpose(1, 2)], scale=[w13_scale.to(scale_dtype)],

@@ -18,6 +18,7 @@ import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.ascend.kernels.moe import moe_experts_w8a8_dynamic
 from vllm.ascend.moe.experts import AscendExperts
+from vllm.ascend.moe.method import apply_kernel
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -83,9 +84,4 @@ class AscendW8A8DynamicMoEMethod(FusedMoEMethodBase):
             AscendW8A8DynamicExperts(self.moe, self.moe_quant_config, layer))
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return self.moe_kernel.apply(
-            hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight, topk_weights=topk_weights,
-            topk_ids=topk_ids, activation=layer.activation,
-            apply_router_weight_on_input=layer.apply_router_weight_on_input,
-            global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
-            shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+        return apply_kernel(self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
