@@ -28,6 +28,8 @@ from pathlib import Path
 import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 import torch
 from safetensors.torch import load_file, save_file
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 _CORPUS = """\
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--qk-rope-head-dim", type=int, default=64, help="MLA rotary key size (deepseek_v3)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype the weights are stored in (config.json's torch_dtype)")
     args = p.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> Path:
     if tok.get_vocab_size() > args.vocab_size:
         p.error(f"tokenizer has {tok.get_vocab_size()} tokens, more than --vocab-size {args.vocab_size}")
     torch.manual_seed(args.seed)
-    model = make_model(args, tok).to(torch.float32).eval()
+    model = make_model(args, tok).to(DTYPES[args.dtype]).eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
     if args.arch == "deepseek_v3":
         randomize_routing_bias(model, generator)
@@ -171,13 +175,14 @@ def main(argv: list[str] | None = None) -> Path:
 
     config_path = args.out / "config.json"
     config = json.loads(config_path.read_text())
-    config["torch_dtype"] = config["dtype"] = "float32"
+    config["torch_dtype"] = config["dtype"] = args.dtype
     if args.arch == "deepseek_v3":
         # transformers scores with sigmoid but does not save these keys; vLLM needs them.
         config.update(topk_method="noaux_tc", scoring_func="sigmoid")
         weights_path = args.out / "model.safetensors"
         weights = load_file(weights_path)
-        weights.update(mtp_layer_weights(weights, model.config, generator, args.init_range))
+        mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)
+        weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
         save_file(weights, weights_path, metadata={"format": "pt"})
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
     print(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters -> {args.out}")

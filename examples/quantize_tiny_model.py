@@ -2,7 +2,7 @@
 
     python examples/quantize_tiny_model.py --model /tmp/tiny-qwen2 --out /tmp/tiny-qwen2-w8a8 --scheme w8a8
     python examples/quantize_tiny_model.py --model /tmp/tiny-dsv3 --out /tmp/tiny-dsv3-w8a8d \
-        --scheme w8a8_dynamic [--float-mtp]
+        --scheme w8a8_dynamic [--float-mtp] [--keep-float REGEX ...]
 
 Works on any llama, qwen2 or deepseek_v3 checkpoint in safetensors (made by
 ``make_tiny_model.py`` or not); meant for small models, everything is held in memory.
@@ -17,7 +17,9 @@ Works on any llama, qwen2 or deepseek_v3 checkpoint in safetensors (made by
   run time).
 * Always float: embeddings, norms, the LM heads, the MoE router, MLA's ``kv_b_proj`` (as
   msModelSlim leaves it) and the MTP module's ``eh_proj``; ``--float-mtp`` keeps the
-  whole MTP module float.
+  whole MTP module float; ``--keep-float REGEX`` (repeatable) keeps every linear weight
+  whose name matches float (for example one MoE layer's experts, which vLLM then serves
+  with the unquantized Ascend MoE method).
 
 Output: ``quant_model_weights.safetensors``, ``quant_model_description.json`` (every
 tensor's scheme), and the model's config, tokenizer and generation files.
@@ -74,7 +76,8 @@ def linear_name(name: str) -> str | None:
     return module if module in LINEARS else None
 
 
-def plan_schemes(tensors: dict, config: dict, scheme: str, float_mtp: bool) -> dict[str, str]:
+def plan_schemes(tensors: dict, config: dict, scheme: str, float_mtp: bool,
+                 keep_float: tuple[re.Pattern, ...] = ()) -> dict[str, str]:
     """Scheme per linear weight; everything else is FLOAT."""
     mtp_first = config["num_hidden_layers"] if config["model_type"] == "deepseek_v3" else None
     plan = {}
@@ -82,13 +85,28 @@ def plan_schemes(tensors: dict, config: dict, scheme: str, float_mtp: bool) -> d
         module = linear_name(name)
         if module is None or tensor.dim() != 2 or module in ALWAYS_FLOAT:
             continue
+        if any(pattern.search(name) for pattern in keep_float):
+            continue
         layer = int(LAYER.match(name).group(1))
         in_mtp = mtp_first is not None and layer >= mtp_first
         if in_mtp and float_mtp:
             continue
         dynamic = scheme == "w8a8_dynamic" or ".mlp.experts." in name or in_mtp
         plan[name] = "W8A8_DYNAMIC" if dynamic else "W8A8"
+    check_whole_expert_layers(tensors, plan)
     return plan
+
+
+def check_whole_expert_layers(tensors: dict, plan: dict[str, str]) -> None:
+    """vLLM runs one MoE method per layer: its routed experts are all quantized or all float."""
+    quantized: dict[str, set[bool]] = {}
+    for name in tensors:
+        if ".mlp.experts." in name and linear_name(name):
+            quantized.setdefault(name.split(".mlp.experts.")[0], set()).add(name in plan)
+    mixed = sorted(layer for layer, kinds in quantized.items() if len(kinds) > 1)
+    if mixed:
+        fail(f"--keep-float matches only some routed experts of {mixed[0]}.mlp.experts; "
+             "keep all of a layer's experts float or none (match e.g. 'layers\\.2\\.mlp\\.experts\\.')")
 
 
 def calibrate(model: Path, names: list[str]) -> dict[str, tuple[float, float]]:
@@ -144,7 +162,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory to write (must not exist)")
     parser.add_argument("--scheme", choices=("w8a8", "w8a8_dynamic"), required=True)
     parser.add_argument("--float-mtp", action="store_true", help="keep the DeepSeek MTP module float")
+    parser.add_argument("--keep-float", action="append", default=[], metavar="REGEX",
+                        help="keep linear weights whose name matches float (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        keep_float = tuple(re.compile(pattern) for pattern in args.keep_float)
+    except re.error as error:
+        fail(f"--keep-float {error.pattern!r}: {error}")
     config_path = args.model / "config.json"
     if not config_path.is_file():
         fail(f"{args.model} has no config.json")
@@ -154,7 +178,9 @@ def main(argv=None) -> None:
     if args.out.exists():
         fail(f"{args.out} exists; choose a new directory")
     tensors = load_tensors(args.model)
-    plan = plan_schemes(tensors, config, args.scheme, args.float_mtp)
+    plan = plan_schemes(tensors, config, args.scheme, args.float_mtp, keep_float)
+    if not plan:
+        fail("nothing left to quantize: --keep-float matches every linear layer")
     static = [name for name, scheme in plan.items() if scheme == "W8A8"]
     ranges = calibrate(args.model, static) if static else {}
     float16_model = config.get("torch_dtype", config.get("dtype")) == "float16"

@@ -92,6 +92,22 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def make_model(out: Path, *args: str) -> Path:
+    """A tiny model by examples/make_tiny_model.py (``args``: its options)."""
+    made = subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), *args, "--out", str(out)],
+                          capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-3000:]
+    return out
+
+
+def quantize_model(model: Path, out: Path, scheme: str, *extra: str) -> Path:
+    """An msModelSlim W8A8 checkpoint of ``model`` by examples/quantize_tiny_model.py."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "quantize_tiny_model.py"), "--model", str(model),
+                           "--out", str(out), "--scheme", scheme, *extra], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 def run_spec(spec: dict, timeout: int = 900) -> tuple[dict, str]:
     """Run tests/runtime/vllm_runner.py in a fresh process: (its JSON result, its whole
     output: vLLM logs to stdout, Python warnings and tracebacks go to stderr)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import LONG_PREFIX_PROMPTS, LONG_PROMPTS, MLA512, clean_shutdown, run_spec
+from .conftest import LONG_PREFIX_PROMPTS, LONG_PROMPTS, MLA512, clean_shutdown, quantize_model, run_spec
 
 # Reference top-1 minus top-2 logprob below which a different pick is tolerated: two bf16
 # ulps of a logit in [4, 8) (0.0625 each). TP=2 all-reduces row-parallel partial sums in
@@ -141,3 +141,78 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         for op, archs in expected.items():
             if arch in archs:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
+
+
+# W8A8 (msModelSlim) checkpoints on the NPU path: the ops that must have run.
+EXPECTED_QUANT_OPS = {
+    "npu::npu_dynamic_quant": ("qwen2", MLA512),
+    "npu::npu_quant_matmul": ("qwen2", MLA512),
+    "npu::npu_quantize": (MLA512,),  # static W8A8 activations
+    "npu::npu_grouped_matmul": (MLA512,),  # the int8 experts (per-token scales)
+    "npu::npu_moe_distribute_dispatch_v2": (MLA512,),
+}
+QUANT_SCHEMES = {"qwen2": "w8a8_dynamic", MLA512: "w8a8"}
+# Greedy ties are common in bf16 (logits one ulp apart), so the quantized runs also compare
+# log-probabilities while both sides see the same tokens: a token in both top-2 lists may
+# differ by at most this (eight bf16 ulps of a logit in [4, 8); an activation that lands on
+# the other side of an int8 rounding boundary moves a logit by a few ulps).
+LOGPROB_TOLERANCE = 0.5
+
+
+def _logprob_deviation(reference: list[dict], got: list[dict]) -> float:
+    """Largest |logprob difference| of a token both top-2 lists hold, over the steps up to
+    and including each sequence's first divergence (the same context on both sides)."""
+    worst = 0.0
+    for ref, out in zip(reference, got):
+        for step, (a, b) in enumerate(zip(ref["token_ids"], out["token_ids"])):
+            mine = dict((int(t), lp) for t, lp in out["logprobs"][step][:2])
+            for token, lp in ref["logprobs"][step][:2]:
+                if int(token) in mine:
+                    worst = max(worst, abs(lp - mine[int(token)]))
+            if a != b:
+                break
+    return worst
+
+
+def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tmp_path):
+    """Quantized checkpoints in bf16: Qwen2 dynamic W8A8 (per-token activations, the float
+    q/k/v biases added by npu_quant_matmul) and the MLA model static W8A8 (its experts
+    and the MTP module dynamic), reference kernels at TP=1 against the NPU kernels (Qwen2
+    at TP=1; the MLA model at TP=2 with expert parallelism, MC2 and MTP k=2). One runner
+    process, four engines; the same near-tie rule as above."""
+    batches = [LONG_PROMPTS[:6]]
+    specs, labels = [], []
+    for arch, scheme in QUANT_SCHEMES.items():
+        checkpoint = quantize_model(tiny_models[arch], tmp_path / f"{arch}-{scheme}", scheme)
+        for kernels in ("reference", "npu"):
+            engine = dict(ENGINE)
+            if kernels == "npu" and arch == MLA512:
+                engine.update(tensor_parallel_size=2, distributed_executor_backend="mp", enable_expert_parallel=True,
+                              additional_config={"moe_comm_method": "mc2"},
+                              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
+                              disable_log_stats=False)
+            log = tmp_path / f"{arch}-{kernels}"
+            log.mkdir()
+            specs.append({"model": str(checkpoint), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS,
+                          "logprobs": 2, "env": {"VLLM_ASCEND_KERNELS": kernels, "TORCH_NPU_DOUBLE_CALL_LOG": str(log)}})
+            labels.append((arch, kernels))
+    result, output = run_spec({"runs": specs}, timeout=1200)
+    clean_shutdown(output)
+    assert output.count("quantization=ascend") >= len(specs)
+    outputs = dict(zip(labels, result["runs"]))
+    divergences = []
+    for arch in QUANT_SCHEMES:
+        ref, npu = outputs[(arch, "reference")]["batches"][0], outputs[(arch, "npu")]["batches"][0]
+        assert len({tuple(r["token_ids"]) for r in ref}) == len(ref)  # the oracle discriminates
+        divergences += _compare(f"{arch} {QUANT_SCHEMES[arch]}", ref, npu, LONG_PROMPTS[:6])
+        deviation = _logprob_deviation(ref, npu)
+        print(f"{arch} {QUANT_SCHEMES[arch]}: largest logprob deviation from the reference kernels {deviation:.4f}")
+        assert deviation <= LOGPROB_TOLERANCE, (arch, deviation)
+        assert not _call_counts(tmp_path / f"{arch}-reference"), "the reference run must not call torch_npu"
+        counts = _call_counts(tmp_path / f"{arch}-npu")
+        for op, archs in EXPECTED_QUANT_OPS.items():
+            if arch in archs:
+                assert counts.get(op, 0) > 0, f"{arch}: {op} never ran ({counts})"
+    for line in divergences:
+        warnings.warn(line, NearTieDivergence)
+    assert outputs[(MLA512, "npu")]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
