@@ -143,8 +143,8 @@ def test_w8a8_linear_kernels_equal_reference(data, rows, k, n, dtype, with_bias)
     x = (torch.randn(rows, k) * 2).to(dtype)
     w_q = torch.randint(-128, 128, (k, n), dtype=torch.int8)
     scale, offset = torch.tensor([0.03]), torch.tensor([5.0])
-    xq_npu = quant.npu_quantize_static(x, scale, offset)
-    xq_ref = quant.reference_quantize_static(x, scale, offset)
+    xq_npu = quant.npu_quantize_static(x, *quant.npu_static_params(scale, offset, k))
+    xq_ref = quant.reference_quantize_static(x, *quant.reference_static_params(scale, offset, k))
     assert xq_npu.dtype == torch.int8 and (xq_npu.int() - xq_ref.int()).abs().max() <= 1
     deq = torch.rand(n) * 1e-3
     qbias = torch.randint(-1000, 1000, (n,), dtype=torch.int32) if with_bias else None

@@ -29,7 +29,7 @@ def reference_kernels(monkeypatch):
     held to the reference forms in tests/npu_contract/test_npu_kernels.py)."""
     from vllm.ascend.kernels import quant
 
-    for name in ("quantize_static", "quantize_dynamic", "matmul_static", "matmul_dynamic"):
+    for name in ("static_params", "quantize_static", "quantize_dynamic", "matmul_static", "matmul_dynamic"):
         monkeypatch.setattr(quant, name, getattr(quant, f"reference_{name}"))
 
 

@@ -30,22 +30,33 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- activation quantization ------------------------------------------------------------
+# A static layer's activation parameters are put once, after loading, into the form its
+# ``quantize_static`` takes (``static_params``); the two forms take different ones.
+def reference_static_params(input_scale, input_offset, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-tensor scale and offset as float32 tensors of one element."""
+    return input_scale.to(torch.float32).reshape(1), input_offset.to(torch.float32).reshape(1)
+
+
 def reference_quantize_static(x, input_scale, input_offset) -> torch.Tensor:
     """Per-tensor asymmetric int8 (``input_scale``/``input_offset`` float tensors of one element)."""
     q = torch.round(x.to(torch.float32) / input_scale.to(torch.float32) + input_offset.to(torch.float32))
     return q.clamp(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
-def npu_quantize_static(x, input_scale, input_offset) -> torch.Tensor:
-    """``npu_quantize`` in multiply mode (``x * (1 / scale) + zero_point``, rounded half to
-    even, saturated), the form vllm-ascend runs: scale reciprocal and zero point as float32
-    vectors along the last axis. Multiplying by the reciprocal may round an exact .5 tie
-    differently from the reference's division."""
-    npu = torch_npu()
-    k = x.shape[-1]
+def npu_static_params(input_scale, input_offset, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``npu_quantize`` multiplies: the scale's reciprocal and the zero point as float32
+    vectors along the input's last axis (width ``k``), as vllm-ascend prepares them."""
     reciprocal = (1.0 / input_scale.to(torch.float32)).reshape(1).expand(k).contiguous()
-    offsets = input_offset.to(torch.float32).reshape(1).expand(k).contiguous()
-    return npu.npu_quantize(x.to(torch.float32), reciprocal, offsets, torch.qint8, axis=-1, div_mode=False)
+    return reciprocal, input_offset.to(torch.float32).reshape(1).expand(k).contiguous()
+
+
+def npu_quantize_static(x, scale_reciprocal, offset) -> torch.Tensor:
+    """``npu_quantize`` in multiply mode (``x * (1 / scale) + zero_point``, rounded half to
+    even, saturated) with ``npu_static_params``' vectors. Multiplying by the reciprocal may
+    round an exact .5 tie differently from the reference's division. The activations go
+    in as float32: a reciprocal in bfloat16 would move the quantization grid."""
+    return torch_npu().npu_quantize(x.to(torch.float32), scale_reciprocal, offset, torch.qint8, axis=-1,
+                                     div_mode=False)
 
 
 def reference_quantize_dynamic(x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +111,7 @@ def npu_matmul_dynamic(x_q, w_q, weight_scale, token_scale, bias, out_dtype) -> 
     return out.reshape(*x_q.shape[:-1], w_q.shape[1])
 
 
+static_params = pick(reference_static_params, npu_static_params)
 quantize_static = pick(reference_quantize_static, npu_quantize_static)
 quantize_dynamic = pick(reference_quantize_dynamic, npu_quantize_dynamic)
 matmul_static = pick(reference_matmul_static, npu_matmul_static)

@@ -81,12 +81,13 @@ class AscendW8A8LinearMethod(LinearMethodBase):
                                  "layer is required (quantize the shards with one scale)")
             setattr(layer, param, torch.nn.Parameter(values[:1].clone(), requires_grad=False))
         _transposed_int8(layer)
+        layer.ascend_static_params = qk.static_params(layer.input_scale, layer.input_offset, layer.weight.shape[0])
         # a row-parallel layer's partial sums are all-reduced: only one rank adds the bias
         layer.ascend_adds_quant_bias = not (isinstance(layer, RowParallelLinear) and layer.tp_rank > 0)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # ``bias`` is already in quant_bias
-        x_q = x if x.dtype == torch.int8 else qk.quantize_static(x, layer.input_scale, layer.input_offset)
+        x_q = x if x.dtype == torch.int8 else qk.quantize_static(x, *layer.ascend_static_params)
         quant_bias = layer.quant_bias if layer.ascend_adds_quant_bias else None
         out_dtype = x.dtype if x.dtype != torch.int8 else layer.deq_scale.dtype
         return qk.matmul_static(x_q, layer.weight, layer.deq_scale, quant_bias, out_dtype)
