@@ -36,6 +36,9 @@ def _tokens(batch: list[dict]) -> list[list[int]]:
     return [r["token_ids"] for r in batch]
 
 
+# The single-rank engines keep their engine core in the runner process (no second Python
+# start per engine); the TP=2 test below runs it as its own process.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 RUNS = {
     # Also returns the drafter's parameters (a function sent to the worker needs the
     # insecure-serialization switch, for this test engine only).
@@ -56,11 +59,12 @@ def single_rank(tiny_models):
     runs = []
     for name, run in RUNS.items():
         batches = [PROMPTS] if name == "k2_preempted" else [PROMPTS, *([p] for p in SINGLES), PREFIX_PROMPTS]
-        runs.append({"model": str(model), "batches": batches, "max_tokens": MAX_TOKENS, **run})
+        runs.append({"model": str(model), "batches": batches, "max_tokens": MAX_TOKENS, **run,
+                     "env": {**IN_PROCESS, **run.get("env", {})}})
     # Random sampling with a fixed seed: the same request twice in one batch, then again.
     runs.append({"model": str(model), "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
                  "max_tokens": MAX_TOKENS, "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
-                 "engine": {**ENGINE, "speculative_config": mtp(2)}})
+                 "engine": {**ENGINE, "speculative_config": mtp(2)}, "env": IN_PROCESS})
     result, output = run_spec({"runs": runs}, timeout=1800)
     clean_shutdown(output)
     names = [*RUNS, "random"]

@@ -24,6 +24,7 @@ from .quant_reference import compare, fake_quantized, greedy_with_gaps
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "max_num_seqs": 8}
 MTP2 = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 CHECKPOINTS = {  # name -> (float model, scheme, extra quantizer arguments)
     "qwen2_w8a8": ("qwen2_float16", "w8a8", []),  # int64 deq_scale
     "dsv3_w8a8": ("deepseek_v3_q_lora", "w8a8", []),  # fused_qkv_a_proj: q_a_proj + kv_a_proj_with_mqa
@@ -45,10 +46,11 @@ def served(tiny_models, tmp_path_factory):
               "qwen2_float16": make_model(base / "qwen2_float16", "--arch", "qwen2", "--dtype", "float16")}
     paths = {name: quantize_model(models[arch], base / name, scheme, *extra)
              for name, (arch, scheme, extra) in CHECKPOINTS.items()}
-    runs = [{"model": str(paths[n]), "engine": ENGINE, "batches": [PROMPTS], "max_tokens": MAX_TOKENS}
-            for n in PLAIN]
+    # single-rank engines with their engine core in the runner process (no second Python start)
+    runs = [{"model": str(paths[n]), "engine": ENGINE, "batches": [PROMPTS], "max_tokens": MAX_TOKENS,
+             "env": IN_PROCESS} for n in PLAIN]
     runs += [{"model": str(paths[n]), "engine": {**ENGINE, "speculative_config": MTP2}, "batches": [PROMPTS],
-              "max_tokens": MAX_TOKENS} for n in WITH_MTP]
+              "max_tokens": MAX_TOKENS, "env": IN_PROCESS} for n in WITH_MTP]
     result, output = run_spec({"runs": runs}, timeout=1800)
     clean_shutdown(output)
     tokens = [[r["token_ids"] for r in run["batches"][0]] for run in result["runs"]]
