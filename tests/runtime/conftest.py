@@ -108,10 +108,11 @@ def quantize_model(model: Path, out: Path, scheme: str, *extra: str) -> Path:
     return out
 
 
-def run_spec(spec: dict, timeout: int = 900) -> tuple[dict, str]:
-    """Run tests/runtime/vllm_runner.py in a fresh process: (its JSON result, its whole
+def run_spec(spec: dict, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
+    """Run tests/runtime/vllm_runner.py in a fresh process (``env``: added to its
+    environment; a run's own "env" overrides it for that run): (its JSON result, its whole
     output: vLLM logs to stdout, Python warnings and tracebacks go to stderr)."""
-    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_runner", json.dumps(spec)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -123,7 +124,8 @@ def run_vllm(model: Path, batches: list[list[str]], engine: dict | None = None, 
              timeout: int = 600, chats: list[list[dict]] | None = None) -> dict:
     spec = {"model": str(model), "engine": {"dtype": "float32", "max_model_len": 512, "seed": 0,
                                             **(engine or {})},
-            "batches": batches, "chats": chats or [], "max_tokens": max_tokens}
+            "batches": batches, "chats": chats or [], "max_tokens": max_tokens,
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}  # one engine: its core in the runner process
     return run_spec(spec, timeout)[0]
 
 

@@ -59,6 +59,17 @@ class NearTieDivergence(UserWarning):
     pass
 
 
+# The reference engines keep their engine core in the runner process (no second Python
+# start), which binds the reference kernels and logs its torch_npu calls (there must be
+# none) to one directory; each NPU engine's processes get their own settings and log.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _runner_env(reference_log: Path) -> dict:
+    reference_log.mkdir(exist_ok=True)
+    return {"VLLM_ASCEND_KERNELS": "reference", "TORCH_NPU_DOUBLE_CALL_LOG": str(reference_log)}
+
+
 def _call_counts(directory: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
     for path in directory.glob("*.json"):
@@ -87,7 +98,7 @@ def _compare(label: str, reference: list[dict], got: list[dict], prompts: list[s
 @pytest.mark.parametrize("arch", ["qwen2", MLA512])
 def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     batches = [LONG_PROMPTS, LONG_PREFIX_PROMPTS[:1], LONG_PREFIX_PROMPTS[1:]]
-    runs = {"reference": {"VLLM_ASCEND_KERNELS": "reference"},
+    runs = {"reference": IN_PROCESS,
             "npu_tp1": {"VLLM_ASCEND_KERNELS": "npu"},
             "npu_tp2": {"VLLM_ASCEND_KERNELS": "npu"}}
     if arch in CONTEXT_PARALLEL:
@@ -104,10 +115,11 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
                               disable_log_stats=False)
         if name == "npu_cp":
             engine.update(CONTEXT_PARALLEL[arch], distributed_executor_backend="mp")
+        if name != "reference":
+            env = {**env, "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name)}
         specs.append({"model": str(tiny_models[arch]), "engine": engine, "batches": batches,
-                      "max_tokens": MAX_TOKENS, "logprobs": 2,
-                      "env": {**env, "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name)}})
-    result, output = run_spec({"runs": specs}, timeout=1200)
+                      "max_tokens": MAX_TOKENS, "logprobs": 2, "env": env})
+    result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
     assert "Memory profile with attention" in output  # the NPU memory profile ran the attention kernels
     outputs = dict(zip(runs, result["runs"]))
@@ -185,18 +197,19 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
     for arch, scheme in QUANT_SCHEMES.items():
         checkpoint = quantize_model(tiny_models[arch], tmp_path / f"{arch}-{scheme}", scheme)
         for kernels in ("reference", "npu"):
-            engine = dict(ENGINE)
+            engine, env = dict(ENGINE), dict(IN_PROCESS)
             if kernels == "npu" and arch == MLA512:
                 engine.update(tensor_parallel_size=2, distributed_executor_backend="mp", enable_expert_parallel=True,
                               additional_config={"moe_comm_method": "mc2"},
                               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
                               disable_log_stats=False)
-            log = tmp_path / f"{arch}-{kernels}"
-            log.mkdir()
+            if kernels == "npu":
+                (tmp_path / f"{arch}-npu").mkdir()
+                env = {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / f"{arch}-npu")}
             specs.append({"model": str(checkpoint), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS,
-                          "logprobs": 2, "env": {"VLLM_ASCEND_KERNELS": kernels, "TORCH_NPU_DOUBLE_CALL_LOG": str(log)}})
+                          "logprobs": 2, "env": env})
             labels.append((arch, kernels))
-    result, output = run_spec({"runs": specs}, timeout=1200)
+    result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(specs)
     outputs = dict(zip(labels, result["runs"]))
@@ -208,7 +221,7 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
         deviation = _logprob_deviation(ref, npu)
         print(f"{arch} {QUANT_SCHEMES[arch]}: largest logprob deviation from the reference kernels {deviation:.4f}")
         assert deviation <= LOGPROB_TOLERANCE, (arch, deviation)
-        assert not _call_counts(tmp_path / f"{arch}-reference"), "the reference run must not call torch_npu"
+        assert not _call_counts(tmp_path / "reference"), "the reference runs must not call torch_npu"
         counts = _call_counts(tmp_path / f"{arch}-npu")
         for op, archs in EXPECTED_QUANT_OPS.items():
             if arch in archs:
