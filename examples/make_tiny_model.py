@@ -28,9 +28,9 @@ from pathlib import Path
 import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.

@@ -85,11 +85,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     variants[MLA512] = ["--arch", "deepseek_v3", "--kv-lora-rank", "512"]
     variants[QWEN2_KV1] = ["--arch", "qwen2", "--kv-heads", "1"]
     for name, args in variants.items():
-        script = str(ROOT / "examples" / "make_tiny_model.py")
-        subprocess.run([sys.executable, script, *(args or ["--arch", name]), "--out", str(base / name)],
-                       check=True, capture_output=True)
-        out[name] = base / name
+        out[name] = make_model(base / name, *(args or ["--arch", name]))
     return out
+
+
+# A single-rank engine with its engine core in the runner process (upstream's switch): the
+# same scheduler and model runner without a second Python start. Multi-rank, serving and
+# NPU-kernel engines keep the engine core as its own process.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def make_model(out: Path, *args: str) -> Path:
@@ -125,7 +128,7 @@ def run_vllm(model: Path, batches: list[list[str]], engine: dict | None = None, 
     spec = {"model": str(model), "engine": {"dtype": "float32", "max_model_len": 512, "seed": 0,
                                             **(engine or {})},
             "batches": batches, "chats": chats or [], "max_tokens": max_tokens,
-            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}  # one engine: its core in the runner process
+            "env": IN_PROCESS}
     return run_spec(spec, timeout)[0]
 
 

@@ -20,7 +20,7 @@ import torch
 
 from vllm.ascend.context_parallel.placement import CPLayout, place
 
-from .conftest import PREFIX_PROMPTS, PROMPTS, QWEN2_KV1, clean_shutdown, hf_greedy, run_spec
+from .conftest import IN_PROCESS, PREFIX_PROMPTS, PROMPTS, QWEN2_KV1, clean_shutdown, hf_greedy, run_spec
 
 BLOCK_SIZE, BUDGET = 8, 16
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "block_size": BLOCK_SIZE,
@@ -42,7 +42,7 @@ def _spec(model: Path, name: str, parallel: dict, dump: Path) -> dict:
     dump.mkdir()
     return {"model": str(model), "engine": {**ENGINE, **parallel}, "batches": BATCHES,
             "max_tokens": MAX_TOKENS, "kv_dump": {"prompt": PROBE, "dir": str(dump)},
-            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
+            "env": {**IN_PROCESS, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from . import dp_collectives
-from .conftest import (LONG_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, make_model, quantize_model, run_spec,
+from .conftest import (IN_PROCESS, LONG_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, make_model, quantize_model, run_spec,
                        vllm_server)
 from .quant_reference import compare, fake_quantized, greedy_with_gaps
 
@@ -46,6 +46,7 @@ class Quantized:
         self.float_model = make_model(base / "float", "--arch", "deepseek_v3", "--layers", "3")
         self.path = quantize_model(self.float_model, base / "w8a8", "w8a8",
                                    "--keep-float", r"^model\.layers\.2\.mlp\.experts\.")
+        self._hf = None
         self._reference = {}
 
     def reference(self, prompts: list[str]):
@@ -53,9 +54,9 @@ class Quantized:
 
         key = tuple(prompts)
         if key not in self._reference:
-            hf = fake_quantized(self.float_model, self.path)
-            self._reference[key] = greedy_with_gaps(hf, AutoTokenizer.from_pretrained(self.path), prompts,
-                                                    MAX_TOKENS)
+            if self._hf is None:  # one fake-quantized model for every prompt list
+                self._hf = (fake_quantized(self.float_model, self.path), AutoTokenizer.from_pretrained(self.path))
+            self._reference[key] = greedy_with_gaps(*self._hf, prompts, MAX_TOKENS)
         return self._reference[key]
 
     def check(self, label: str, prompts: list[str], got: list[list[int]]) -> set[int]:
@@ -77,7 +78,7 @@ def quantized(tmp_path_factory) -> Quantized:
 def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quantized):
     strategies = ["allgather", "alltoall", "mc2"]
     runs = [{"model": str(quantized.path), "batches": [PROMPTS], "max_tokens": MAX_TOKENS, "engine": ENGINE,
-             "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}]  # TP=1: engine core in the runner process
+             "env": IN_PROCESS}]
     runs += [{"model": str(quantized.path), "batches": [PROMPTS], "max_tokens": MAX_TOKENS,
               "engine": {**ENGINE, "tensor_parallel_size": 2, "enable_expert_parallel": True,
                          "additional_config": {"moe_comm_method": s}}} for s in strategies]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec
+from .conftest import IN_PROCESS, PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec
 
 MAX_TOKENS = 16
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "disable_log_stats": False,
@@ -36,9 +36,7 @@ def _tokens(batch: list[dict]) -> list[list[int]]:
     return [r["token_ids"] for r in batch]
 
 
-# The single-rank engines keep their engine core in the runner process (no second Python
-# start per engine); the TP=2 test below runs it as its own process.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The single-rank engines run IN_PROCESS; the TP=2 test below keeps the engine core apart.
 RUNS = {
     # Also returns the drafter's parameters (a function sent to the worker needs the
     # insecure-serialization switch, for this test engine only).

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import ARCHS, PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec
+from .conftest import ARCHS, IN_PROCESS, PREFIX_PROMPTS, PROMPTS, clean_shutdown, hf_greedy, run_spec
 
 BASE = {"dtype": "float32", "max_model_len": 512, "seed": 0}
 CHUNK_BUDGET = 16
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ENGINES = {  # name -> (engine settings, batches, environment)
     # Batch 1: mixed lengths in one batch. Batch 2: shared prefix; its first prompt fills
     # the cache, so the same prefix is reused by later requests (checked below).

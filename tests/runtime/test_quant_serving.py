@@ -18,13 +18,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from .conftest import PROMPTS, clean_shutdown, make_model, quantize_model, run_spec
+from .conftest import IN_PROCESS, PROMPTS, clean_shutdown, make_model, quantize_model, run_spec
 from .quant_reference import compare, fake_quantized, greedy_with_gaps
 
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "max_num_seqs": 8}
 MTP2 = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 CHECKPOINTS = {  # name -> (float model, scheme, extra quantizer arguments)
     "qwen2_w8a8": ("qwen2_float16", "w8a8", []),  # int64 deq_scale
     "dsv3_w8a8": ("deepseek_v3_q_lora", "w8a8", []),  # fused_qkv_a_proj: q_a_proj + kv_a_proj_with_mqa
@@ -46,7 +45,6 @@ def served(tiny_models, tmp_path_factory):
               "qwen2_float16": make_model(base / "qwen2_float16", "--arch", "qwen2", "--dtype", "float16")}
     paths = {name: quantize_model(models[arch], base / name, scheme, *extra)
              for name, (arch, scheme, extra) in CHECKPOINTS.items()}
-    # single-rank engines with their engine core in the runner process (no second Python start)
     runs = [{"model": str(paths[n]), "engine": ENGINE, "batches": [PROMPTS], "max_tokens": MAX_TOKENS,
              "env": IN_PROCESS} for n in PLAIN]
     runs += [{"model": str(paths[n]), "engine": {**ENGINE, "speculative_config": MTP2}, "batches": [PROMPTS],
