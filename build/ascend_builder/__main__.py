@@ -20,11 +20,11 @@ def cmd_build(args) -> int:
     from .pipeline import BuildInputs, build_distribution
 
     cfg = load_config(args.root, patch_set=args.patch_set)
-    inputs = BuildInputs(
-        patch_set_dir=cfg.patch_set_dir, overlay_dir=cfg.overlay_dir,
-        build_number=cfg.build_number, dist_dir=Path(args.dist_dir or cfg.dist_dir).resolve(),
-        work_root=cfg.work_root, cache=cache_dir(), builder_root=cfg.root,
-        sdist=_sdist_arg(args.sdist), keep_work=args.keep_work,
+    inputs = BuildInputs.from_config(
+        cfg,
+        dist_dir=Path(args.dist_dir) if args.dist_dir else None,
+        sdist=_sdist_arg(args.sdist),
+        keep_work=args.keep_work,
     )
     build_distribution(inputs)
     return 0
@@ -42,8 +42,13 @@ def cmd_patches(args) -> int:
     problems = lint_patch_set(load_patch_set(cfg.patch_set_dir))
     if not problems and args.action == "check":
         print(f"lint: {cfg.patch_set}: series and headers OK", file=sys.stderr)
-        problems = freshness_problems(cfg.patch_set_dir, cache_dir(), cfg.work_root,
-                                      _sdist_arg(args.sdist), note=lambda m: print("      " + m, file=sys.stderr))
+        problems = freshness_problems(
+            cfg.patch_set_dir,
+            cache_dir(),
+            cfg.work_root,
+            _sdist_arg(args.sdist),
+            note=lambda m: print("      " + m, file=sys.stderr),
+        )
         if not problems:
             print(f"freshness: {cfg.patch_set}: every patch re-exports byte-identically", file=sys.stderr)
     for problem in problems:
@@ -56,7 +61,9 @@ def cmd_tree(args) -> int:
 
     cfg = load_config(args.root, patch_set=args.patch_set)
     dest = Path(args.dest) if args.dest else cfg.root / "work" / cfg.patch_set
-    prepare_worktree(cfg.patch_set_dir, cfg.overlay_dir, dest, cache_dir(), _sdist_arg(args.sdist), args.force)
+    prepare_worktree(
+        cfg.patch_set_dir, cfg.overlay_dir, dest, cache_dir(), _sdist_arg(args.sdist), args.force
+    )
     print(dest)
     return 0
 
@@ -65,13 +72,23 @@ def cmd_rebase(args) -> int:
     from .rebase import rebase_report, write_report
 
     cfg = load_config(args.root, patch_set=args.patch_set)
-    report = rebase_report(cfg.patch_set_dir, cfg.overlay_dir, args.version, cache_dir(), cfg.work_root,
-                           target_sdist=_sdist_arg(args.sdist), pinned_sdist=_sdist_arg(args.pinned_sdist))
+    report = rebase_report(
+        cfg.patch_set_dir,
+        cfg.overlay_dir,
+        args.version,
+        cache_dir(),
+        cfg.work_root,
+        target_sdist=_sdist_arg(args.sdist),
+        pinned_sdist=_sdist_arg(args.pinned_sdist),
+    )
     md, js = write_report(report, Path(args.out or cfg.root / "rebase-report"))
     print(report.markdown())
     print(f"written: {md} and {js}")
     if report.conflicts:
-        print(f"error: {report.conflicts} patch(es) conflict with {report.name} {report.to_version}", file=sys.stderr)
+        print(
+            f"error: {report.conflicts} patch(es) conflict with {report.name} {report.to_version}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -83,8 +100,9 @@ def cmd_upstream_tests(args) -> int:
     cfg = load_config(args.root, patch_set=args.patch_set)
     pin = load_patch_set(cfg.patch_set_dir).pin
     dest_root = Path(args.dest or cfg.work_root / "upstream").resolve()
-    tree = upstream_test_tree(pin, cache_dir(), dest_root, _sdist_arg(args.sdist),
-                              note=lambda m: print(m, file=sys.stderr))
+    tree = upstream_test_tree(
+        pin, cache_dir(), dest_root, _sdist_arg(args.sdist), note=lambda m: print(m, file=sys.stderr)
+    )
     print(tree)
     return 0
 
@@ -93,11 +111,8 @@ def cmd_bench(args) -> int:
     from .bench import bench_build
     from .pipeline import BuildInputs
 
-    cfg = load_config(args.root, patch_set=args.patch_set)
-    inputs = BuildInputs(
-        patch_set_dir=cfg.patch_set_dir, overlay_dir=cfg.overlay_dir, build_number=cfg.build_number,
-        dist_dir=cfg.dist_dir, work_root=cfg.work_root, cache=cache_dir(), builder_root=cfg.root,
-        sdist=_sdist_arg(args.sdist),
+    inputs = BuildInputs.from_config(
+        load_config(args.root, patch_set=args.patch_set), sdist=_sdist_arg(args.sdist)
     )
     bench_build(inputs, rounds=args.rounds)
     return 0
@@ -112,7 +127,12 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build dist/vllm-<version>+ascend.<n>-py3-none-any.whl")
     b.add_argument("--sdist", help="use this local sdist instead of fetching (env VLLM_ASCEND_SDIST)")
     b.add_argument("--dist-dir", help="output directory (default: dist/)")
-    b.add_argument("--keep-work", action="store_true", help="keep the work directory on failure")
+    b.add_argument(
+        "--keep-work",
+        action="store_true",
+        help="keep the work directory .work/build-* (patched tree, wheel-build.log) "
+        "after the build, failed or not, and print its path",
+    )
     b.set_defaults(func=cmd_build)
 
     pa = sub.add_parser("patches", help="lint + freshness check, or export the work tree")
@@ -134,7 +154,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--pinned-sdist", help="local sdist of the pinned version (env VLLM_ASCEND_SDIST)")
     r.set_defaults(func=cmd_rebase)
 
-    u = sub.add_parser("upstream-tests", help="unpack upstream's tests/ from the pinned sdist; print the path")
+    u = sub.add_parser(
+        "upstream-tests", help="unpack upstream's tests/ from the pinned sdist; print the path"
+    )
     u.add_argument("--dest", help="where (default: .work/upstream/)")
     u.add_argument("--sdist", help="local sdist (env VLLM_ASCEND_SDIST)")
     u.set_defaults(func=cmd_upstream_tests)

@@ -80,9 +80,8 @@ def apply_patch(tree: Path, info: PatchInfo, date: int) -> list[Offset]:
     result = git("am", "--no-3way", "--quiet", str(info.path), cwd=tree, date=date, check=False)
     if result.returncode != 0:
         git("am", "--abort", cwd=tree, check=False)
-        raise BuildError(
-            f"git am failed on {info.path.name}: {result.stderr.strip().splitlines()[0] if result.stderr.strip() else 'unknown error'}"
-        )
+        detail = result.stderr.strip().splitlines()[0] if result.stderr.strip() else "unknown error"
+        raise BuildError(f"git am failed on {info.path.name}: {detail}")
     return check.offsets
 
 

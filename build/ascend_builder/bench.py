@@ -40,8 +40,10 @@ def bench_build(inputs: BuildInputs, rounds: int = 3) -> dict[str, float]:
             t0 = time.perf_counter()
             build_distribution(BuildInputs(**{**inputs.__dict__, "dist_dir": round_dir / "dist"}), Silent())
             dist_times.append(time.perf_counter() - t0)
-            print(f"round {i + 1}: raw upstream {raw_times[-1]:.1f}s, distribution {dist_times[-1]:.1f}s, "
-                  f"ratio {dist_times[-1] / raw_times[-1]:.2f}")
+            print(
+                f"round {i + 1}: raw upstream {raw_times[-1]:.1f}s, distribution {dist_times[-1]:.1f}s, "
+                f"ratio {dist_times[-1] / raw_times[-1]:.2f}"
+            )
             shutil.rmtree(round_dir, ignore_errors=True)
     # Disk speed on shared machines swings by 2x between runs; the median of paired
     # rounds is steadier than either extreme.

@@ -49,8 +49,7 @@ def load_config(root: Path = REPO_ROOT, patch_set: str | None = None) -> DistCon
     number = table.get("build-number")
     if not isinstance(default, str) or not isinstance(number, int) or number < 0:
         raise BuildError(
-            f"{path}: [tool.vllm-ascend] needs patch-set (string) and build-number "
-            "(non-negative integer)"
+            f"{path}: [tool.vllm-ascend] needs patch-set (string) and build-number (non-negative integer)"
         )
     chosen = patch_set or default
     if not (root / "patches" / chosen).is_dir():

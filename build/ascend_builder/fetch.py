@@ -34,10 +34,19 @@ def pip_download(name: str, version: str, dest: Path) -> Path:
     """Fetch ``name==version`` as an sdist with pip into ``dest`` and return its path."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="empty", VLLM_SKIP_VERSION_SUFFIX="1")
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
-        "--disable-pip-version-check", "-d", str(dest), f"{name}=={version}",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        name,
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        f"{name}=={version}",
     ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     found = sorted(dest.glob(f"{name}-{version}.tar.gz"))
     if result.returncode != 0 or not found:
         tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])

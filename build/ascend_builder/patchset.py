@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BuildError
-from .patchfile import PatchInfo, lint_patch, parse_patch
+from .patchfile import PatchInfo, lint_patch, parse_patch, patch_file_name
 
 PATCHSET_FILE = "patchset.toml"
 SERIES_FILE = "series"
@@ -127,10 +127,23 @@ def lint_series(patch_set: PatchSet) -> list[str]:
 
 
 def lint_patch_set(patch_set: PatchSet) -> list[str]:
+    """Problems with the series and with every patch's name and header."""
     problems = lint_series(patch_set)
+    by_name: dict[str, str] = {}
     for path in patch_set.patch_paths():
-        if path.is_file():
-            problems.extend(lint_patch(parse_patch(path)))
+        if not path.is_file():
+            continue
+        info = parse_patch(path)
+        problems.extend(lint_patch(info))
+        if not info.subject:
+            continue
+        name = patch_file_name(info.subject)
+        if name in by_name and by_name[name] != path.name:
+            problems.append(
+                f"{by_name[name]} and {path.name} have subjects that both give the file name {name}; "
+                "patch names come from subjects: reword one of the two subjects"
+            )
+        by_name.setdefault(name, path.name)
     return problems
 
 
@@ -141,10 +154,6 @@ def checked_patches(patch_set: PatchSet) -> list[PatchInfo]:
         more = f" (and {len(problems) - 1} more; run `nox -s patches -- check`)" if len(problems) > 1 else ""
         raise BuildError(problems[0] + more)
     return [parse_patch(path) for path in patch_set.patch_paths()]
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: Path) -> str:

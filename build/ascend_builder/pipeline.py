@@ -12,13 +12,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .apply import apply_series
-from .errors import BuildError
-from .fetch import obtain_pinned_sdist
+from .config import DistConfig, cache_dir
 from .gitutil import commit_all
 from .overlay import copy_overlay, overlay_digest, plan_overlay
+from .patched import patched_tree
 from .patchset import checked_patches, load_patch_set
-from .pristine import checkout_pristine, pristine_repo
 from .progress import Progress
 from .stamp import builder_revision, dist_version, provenance, write_provenance
 from .wheel import build_wheel, check_wheel
@@ -35,6 +33,30 @@ class BuildInputs:
     builder_root: Path
     sdist: Path | None = None
     keep_work: bool = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: DistConfig,
+        *,
+        dist_dir: Path | None = None,
+        cache: Path | None = None,
+        sdist: Path | None = None,
+        keep_work: bool = False,
+    ) -> BuildInputs:
+        """The inputs of a build of ``config``'s patch set and overlay; ``dist_dir`` defaults
+        to ``dist/``, ``cache`` to ``cache_dir()``."""
+        return cls(
+            patch_set_dir=config.patch_set_dir,
+            overlay_dir=config.overlay_dir,
+            build_number=config.build_number,
+            dist_dir=(dist_dir or config.dist_dir).resolve(),
+            work_root=config.work_root,
+            cache=cache or cache_dir(),
+            builder_root=config.root,
+            sdist=sdist,
+            keep_work=keep_work,
+        )
 
 
 @dataclass
@@ -56,14 +78,16 @@ def prepare_tree(inputs: BuildInputs, workdir: Path, progress: Progress) -> Prep
         patches = checked_patches(patch_set)
         pin = patch_set.pin
         progress.note(f"{pin.name} {pin.version}, {len(patches)} patches from {patch_set.directory}")
-    with progress.step("fetch: obtain the sdist and verify its sha256"):
-        sdist = obtain_pinned_sdist(pin, inputs.cache, inputs.sdist, progress.note)
-    with progress.step("pristine: upstream tree as a git repository"):
-        repo = pristine_repo(sdist, pin.name, pin.version, pin.sdist_sha256, inputs.cache, progress.note)
-        tree = workdir / "tree"
-        epoch = checkout_pristine(repo, tree)
-    with progress.step(f"apply: git am {len(patches)} patches (no fuzz, no 3-way)"):
-        apply_series(tree, patches, epoch, progress.note)
+    patched = patched_tree(
+        pin,
+        patches,
+        workdir / "tree",
+        inputs.cache,
+        sdist=inputs.sdist,
+        note=progress.note,
+        step=progress.step,
+    )
+    tree, epoch = patched.path, patched.date
     with progress.step("overlay: copy overlay/ into the tree"):
         files = plan_overlay(inputs.overlay_dir, tree, patch_set.replacements, pin.package)
         copy_overlay(inputs.overlay_dir, tree, files)
@@ -72,7 +96,9 @@ def prepare_tree(inputs: BuildInputs, workdir: Path, progress: Progress) -> Prep
         progress.note(f"{len(files)} files, digest {digest[:16]}")
     with progress.step("stamp: version and provenance"):
         version = dist_version(pin, inputs.build_number)
-        data = provenance(pin, inputs.build_number, patches, digest, builder_revision(inputs.builder_root), epoch)
+        data = provenance(
+            pin, inputs.build_number, patches, digest, builder_revision(inputs.builder_root), epoch
+        )
         write_provenance(tree, pin.package, data)
         commit_all(tree, f"stamp {version}", epoch)
         progress.note(f"version {version}")
@@ -88,8 +114,11 @@ def build_distribution(inputs: BuildInputs, progress: Progress | None = None) ->
         prepared = prepare_tree(inputs, workdir, progress)
         with progress.step("wheel: build with VLLM_TARGET_DEVICE=empty"):
             wheel = build_wheel(
-                prepared.path, prepared.version, prepared.source_date_epoch,
-                workdir / "out", workdir / "wheel-build.log",
+                prepared.path,
+                prepared.version,
+                prepared.source_date_epoch,
+                workdir / "out",
+                workdir / "wheel-build.log",
             )
             check_wheel(wheel, prepared.package, prepared.version, prepared.provenance)
             inputs.dist_dir.mkdir(parents=True, exist_ok=True)
@@ -103,10 +132,8 @@ def build_distribution(inputs: BuildInputs, progress: Progress | None = None) ->
             progress.note(f"{final} ({final.stat().st_size / 1e6:.1f} MB)")
         progress.finish(f"built {final.name}")
         return final
-    except BuildError:
+    finally:
         if inputs.keep_work:
             progress.note(f"work directory kept at {workdir}")
-        raise
-    finally:
-        if not inputs.keep_work:
+        else:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -9,7 +9,6 @@ re-hashing ten thousand files).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -35,6 +34,7 @@ def unpack_sdist(sdist: Path, dest: Path, top: str) -> Path:
         ["tar", "--no-same-owner", "--no-same-permissions", "-xzf", str(sdist), "-C", str(dest)],
         capture_output=True,
         text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise BuildError(f"could not unpack {sdist}: {result.stderr.strip()}")
@@ -55,7 +55,8 @@ def init_pristine(source: Path, message: str, date: int) -> str:
 def pristine_repo(sdist: Path, name: str, version: str, sha256: str, cache: Path, note=print) -> Path:
     """A bare repository holding the pristine commit for this sdist (cached by sha256)."""
     target = cache / "pristine" / _CACHE_LAYOUT / f"{sha256}.git"
-    if (target / "HEAD").is_file() and git("rev-parse", "-q", "--verify", "HEAD", cwd=target, check=False).returncode == 0:
+    cached = (target / "HEAD").is_file()
+    if cached and git("rev-parse", "-q", "--verify", "HEAD", cwd=target, check=False).returncode == 0:
         note(f"pristine tree cached at {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -80,16 +81,3 @@ def checkout_pristine(repo: Path, dest: Path) -> int:
     """Clone the cached pristine repository into ``dest``; return the pristine commit date."""
     git("clone", "-q", "--shared", "--branch", "main", str(repo), str(dest), cwd=repo.parent)
     return int(git("log", "-1", "--format=%ct", cwd=dest).stdout.strip())
-
-
-def fresh_pristine_tree(sdist: Path, name: str, version: str, sha256: str, dest: Path) -> int:
-    """Unpack and commit without the cache (rebase trials); return the pristine date."""
-    tmp = dest.parent / f".{dest.name}-unpack"
-    shutil.rmtree(tmp, ignore_errors=True)
-    source = unpack_sdist(sdist, tmp, f"{name}-{version}")
-    os.rename(source, dest)
-    shutil.rmtree(tmp)
-    date = sdist_epoch(sdist)
-    message = PRISTINE_MESSAGE.format(name=name, version=version, filename=sdist.name, sha256=sha256)
-    init_pristine(dest, message, date)
-    return date

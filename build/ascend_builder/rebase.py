@@ -7,19 +7,18 @@ merges, because its job is to tell the maintainer how much work a move is.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .apply import check_patch, describe_failure
 from .errors import BuildError
-from .fetch import obtain_pinned_sdist, obtain_unpinned_sdist
-from .gitutil import commit_all, git
+from .fetch import obtain_unpinned_sdist
+from .gitutil import git
 from .overlay import plan_overlay
+from .patched import Retarget, patched_tree
+from .patchfile import PatchInfo
 from .patchset import checked_patches, load_patch_set, sha256_file
-from .pristine import checkout_pristine, pristine_repo, sdist_epoch, unpack_sdist
 
 STATUSES = ("clean", "offset", "needs-3way", "conflict", "already-upstream")
 
@@ -53,21 +52,30 @@ class RebaseReport:
             "",
             f"Target sdist sha256: `{self.to_sdist_sha256}`",
             "",
-            "| patch | status | detail |",
-            "|---|---|---|",
+            "| # | patch | status | detail |",
+            "|---:|---|---|---|",
         ]
-        lines += [f"| {p.patch} | {p.status} | {p.detail.replace('|', '/')} |" for p in self.patches]
+        lines += [
+            f"| {i} | {p.patch} | {p.status} | {p.detail.replace('|', '/')} |"
+            for i, p in enumerate(self.patches, 1)
+        ]
         summary = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
-        lines += ["", f"Summary: {summary or 'no patches'}", f"Overlay: {self.overlay}", "",
-                  "Next: once the series applies, add `patches/<name>-<version>/` (pin + series), point",
-                  "`patch-set` in pyproject.toml at it, build, and run upstream's own tests against the",
-                  f"new wheel: `nox -s upstream-tests` (upstream's tests come from the {self.to_version} sdist;",
-                  "start its upstream-expectations.toml from the current one). This needs a host where",
-                  f"{self.name} {self.to_version}'s dependencies install.", ""]
+        lines += [
+            "",
+            f"Summary: {summary or 'no patches'}",
+            f"Overlay: {self.overlay}",
+            "",
+            "Next: once the series applies, add `patches/<name>-<version>/` (pin + series), point",
+            "`patch-set` in pyproject.toml at it, build, and run upstream's own tests against the",
+            f"new wheel: `nox -s upstream-tests` (upstream's tests come from the {self.to_version} sdist;",
+            "start its upstream-expectations.toml from the current one). This needs a host where",
+            f"{self.name} {self.to_version}'s dependencies install.",
+            "",
+        ]
         return "\n".join(lines)
 
 
-def try_patch(tree: Path, info, date: int) -> PatchOutcome:
+def try_patch(tree: Path, info: PatchInfo, date: int) -> PatchOutcome:
     name = info.path.name
     forward = check_patch(tree, info.path)
     if forward.ok:
@@ -86,14 +94,29 @@ def try_patch(tree: Path, info, date: int) -> PatchOutcome:
     return PatchOutcome(name, "conflict", f"conflicts in {files}; " + describe_failure(info, forward))
 
 
-def rebase_report(patch_set_dir: Path, overlay: Path, target_version: str, cache: Path,
-                  work_root: Path, note=print, target_sdist: Path | None = None,
-                  pinned_sdist: Path | None = None) -> RebaseReport:
+def try_series(tree: Path, patches: list[PatchInfo], date: int, note=print) -> dict[str, PatchOutcome]:
+    """Try every patch in order, never stopping; a conflicting patch is left out."""
+    outcomes = {}
+    for info in patches:
+        outcome = try_patch(tree, info, date)
+        note(f"{outcome.patch}: {outcome.status}" + (f" ({outcome.detail})" if outcome.detail else ""))
+        outcomes[outcome.patch] = outcome
+    return outcomes
+
+
+def rebase_report(
+    patch_set_dir: Path,
+    overlay: Path,
+    target_version: str,
+    cache: Path,
+    work_root: Path,
+    note=print,
+    target_sdist: Path | None = None,
+    pinned_sdist: Path | None = None,
+) -> RebaseReport:
     patch_set = load_patch_set(patch_set_dir)
     patches = checked_patches(patch_set)
     pin = patch_set.pin
-    old_sdist = obtain_pinned_sdist(pin, cache, pinned_sdist, note)
-    old_repo = pristine_repo(old_sdist, pin.name, pin.version, pin.sdist_sha256, cache, note)
     if target_sdist is not None:
         new_sdist, new_sha = target_sdist, sha256_file(target_sdist)
     else:
@@ -101,21 +124,21 @@ def rebase_report(patch_set_dir: Path, overlay: Path, target_version: str, cache
     report = RebaseReport(pin.name, pin.version, target_version, new_sha)
     work_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rebase-", dir=work_root) as tmp:
-        # The target pristine is committed on top of the old one, so the old blobs
+        # The target release is committed on top of the pinned pristine, so the old blobs
         # that the patches' index lines name are there for 3-way merges.
-        old_tree = Path(tmp) / "old"
-        checkout_pristine(old_repo, old_tree)
-        tree = unpack_sdist(new_sdist, Path(tmp) / "new", f"{pin.name}-{target_version}")
-        os.rename(old_tree / ".git", tree / ".git")
-        shutil.rmtree(old_tree)
-        date = sdist_epoch(new_sdist)
-        commit_all(tree, f"pristine {pin.name} {target_version}", date)
-        for info in patches:
-            outcome = try_patch(tree, info, date)
-            note(f"{outcome.patch}: {outcome.status}" + (f" ({outcome.detail})" if outcome.detail else ""))
-            report.patches.append(outcome)
+        tree = patched_tree(
+            pin,
+            patches,
+            Path(tmp) / "tree",
+            cache,
+            sdist=pinned_sdist,
+            note=note,
+            retarget=Retarget(new_sdist, target_version),
+            apply=try_series,
+        )
+        report.patches.extend(tree.applied.values())
         try:
-            plan_overlay(overlay, tree, patch_set.replacements, pin.package)
+            plan_overlay(overlay, tree.path, patch_set.replacements, pin.package)
         except BuildError as exc:
             report.overlay = f"problem: {exc}"
     return report

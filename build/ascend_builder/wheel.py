@@ -14,8 +14,13 @@ from .overlay import GENERATED
 
 _COMPILED_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".a", ".o")
 # Variables that would make upstream's setup.py download or compile something.
-_CLEARED = ("VLLM_USE_PRECOMPILED", "VLLM_USE_PRECOMPILED_RUST", "VLLM_REQUIRE_RUST_FRONTEND",
-            "VLLM_PRECOMPILED_WHEEL_LOCATION", "SETUPTOOLS_SCM_PRETEND_VERSION")
+_CLEARED = (
+    "VLLM_USE_PRECOMPILED",
+    "VLLM_USE_PRECOMPILED_RUST",
+    "VLLM_REQUIRE_RUST_FRONTEND",
+    "VLLM_PRECOMPILED_WHEEL_LOCATION",
+    "SETUPTOOLS_SCM_PRETEND_VERSION",
+)
 
 
 def build_wheel(tree: Path, version: str, source_date_epoch: int, out_dir: Path, log_path: Path) -> Path:
@@ -32,7 +37,7 @@ def build_wheel(tree: Path, version: str, source_date_epoch: int, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out_dir), "."]
     with open(log_path, "w") as log:
-        result = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+        result = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
     wheels = sorted(out_dir.glob("*.whl"))
     if result.returncode != 0 or len(wheels) != 1:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
@@ -55,7 +60,9 @@ def check_wheel(wheel: Path, package: str, version: str, provenance: dict) -> No
         names = zf.namelist()
         compiled = [n for n in names if n.endswith(_COMPILED_SUFFIXES)]
         if compiled:
-            raise BuildError(f"{wheel.name} contains compiled files ({compiled[0]}, ...); the wheel must be pure Python")
+            raise BuildError(
+                f"{wheel.name} contains compiled files ({compiled[0]}, ...); the wheel must be pure Python"
+            )
         member = f"{package}/{GENERATED}"
         if member not in names:
             raise BuildError(f"{wheel.name} lacks {member}; check the package-data patch")

@@ -6,14 +6,13 @@ import os
 import shutil
 from pathlib import Path
 
-from .apply import apply_series
 from .errors import BuildError
 from .export import export_to_patch_set
-from .fetch import obtain_pinned_sdist
 from .gitutil import git
 from .overlay import overlay_files, plan_overlay
-from .patchset import checked_patches, load_patch_set
-from .pristine import checkout_pristine, pristine_repo
+from .patched import patched_tree
+from .patchfile import parse_patch
+from .patchset import lint_patch_set, lint_series, load_patch_set
 
 PRISTINE_TAG = "pristine"
 
@@ -51,25 +50,33 @@ def link_overlay(overlay: Path, tree: Path) -> list[str]:
     return linked
 
 
-def prepare_worktree(patch_set_dir: Path, overlay: Path, dest: Path, cache: Path,
-                     sdist: Path | None = None, force: bool = False, note=print) -> Path:
-    if dest.exists():
-        if not force:
-            raise BuildError(
-                f"work tree {dest} already exists; export your commits first "
-                "(`nox -s patches -- export`), then re-run with --force to recreate it"
-            )
-        shutil.rmtree(dest)
+def prepare_worktree(
+    patch_set_dir: Path,
+    overlay: Path,
+    dest: Path,
+    cache: Path,
+    sdist: Path | None = None,
+    force: bool = False,
+    note=print,
+) -> Path:
+    """Pristine + one commit per patch in ``dest``, tag ``pristine`` on the upstream commit,
+    the overlay linked in. The series must be consistent; a patch's name or header problems
+    do not stop it (the tree is where they are fixed): they are printed."""
+    if dest.exists() and not force:
+        raise BuildError(
+            f"work tree {dest} already exists; export your commits first "
+            "(`nox -s patches -- export`), then re-run with --force to recreate it"
+        )
     patch_set = load_patch_set(patch_set_dir)
-    patches = checked_patches(patch_set)
-    pin = patch_set.pin
-    sdist_path = obtain_pinned_sdist(pin, cache, sdist, note)
-    repo = pristine_repo(sdist_path, pin.name, pin.version, pin.sdist_sha256, cache, note)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    date = checkout_pristine(repo, dest)
-    git("tag", PRISTINE_TAG, cwd=dest)
-    apply_series(dest, patches, date, note)
-    plan_overlay(overlay, dest, patch_set.replacements, pin.package)
+    series_problems = lint_series(patch_set)
+    if series_problems:
+        raise BuildError(series_problems[0])
+    patches = [parse_patch(path) for path in patch_set.patch_paths()]
+    if dest.exists():
+        shutil.rmtree(dest)
+    tree = patched_tree(patch_set.pin, patches, dest, cache, sdist=sdist, note=note)
+    git("tag", PRISTINE_TAG, tree.base, cwd=dest)
+    plan_overlay(overlay, dest, patch_set.replacements, patch_set.pin.package)
     linked = link_overlay(overlay, dest)
     # Linked overlay paths are not part of any patch: keep them out of commits.
     exclude = dest / ".git" / "info" / "exclude"
@@ -79,6 +86,8 @@ def prepare_worktree(patch_set_dir: Path, overlay: Path, dest: Path, cache: Path
     replaced = [p for p in linked if p in patch_set.replacements]
     if replaced:
         git("update-index", "--skip-worktree", *replaced, cwd=dest)
+    for problem in lint_patch_set(patch_set):
+        note(f"to fix here before exporting: {problem}")
     note(f"work tree ready at {dest}: commit on top of tag '{PRISTINE_TAG}', one commit per patch")
     return dest
 

@@ -14,7 +14,9 @@ def project(tmp_path: Path) -> Project:
     proj = Project(root=tmp_path / "repo")
     proj.sdist = make_sdist(tmp_path / "sdists", "1.0", files)
     patch = make_patch(
-        tmp_path, files, {"fakeup/core.py": core_module({30: "VALUE_30 = 'patched'"})},
+        tmp_path,
+        files,
+        {"fakeup/core.py": core_module({30: "VALUE_30 = 'patched'"})},
         "core: patch value 30",
     )
     proj.write([patch])

@@ -16,6 +16,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ascend_builder.config import load_config
 from ascend_builder.export import export_commits
 from ascend_builder.gitutil import commit_all, git
 from ascend_builder.patchset import sha256_file
@@ -69,9 +70,17 @@ def make_sdist(directory: Path, version: str, files: dict[str, str], mtime: int 
     return path
 
 
-def make_patch(work: Path, base_files: dict[str, str], edits: dict[str, str], subject: str,
-               body: str = "Why: a synthetic change for a builder test.",
-               trailers: str = "Upstream-Status: Pending\nDrop-When: never, it is a test") -> Path:
+def make_patch(
+    work: Path,
+    base_files: dict[str, str],
+    edits: dict[str, str],
+    subject: str,
+    body: str = "Why: a synthetic change for a builder test.",
+    trailers: str = (
+        "Upstream-Status: Pending\nPending-Reason: a test patch, never sent upstream\n"
+        "Drop-When: never, it is a test"
+    ),
+) -> Path:
     """A ``git format-patch`` file changing ``base_files`` by ``edits`` (made by git itself)."""
     repo = work / f"patch-src-{next(_PATCH_COUNTER)}"
     repo.mkdir(parents=True)
@@ -113,8 +122,13 @@ class Project:
     def cache(self) -> Path:
         return self.root / "cache"
 
-    def write(self, patches: list[Path], sha256: str | None = None, series: list[str] | None = None,
-              replacements: str = "") -> None:
+    def write(
+        self,
+        patches: list[Path],
+        sha256: str | None = None,
+        series: list[str] | None = None,
+        replacements: str = "",
+    ) -> None:
         self.patch_set_dir.mkdir(parents=True, exist_ok=True)
         (self.root / "pyproject.toml").write_text(
             f'[tool.vllm-ascend]\npatch-set = "{NAME}-{self.version}"\nbuild-number = {self.build_number}\n'
@@ -133,10 +147,8 @@ class Project:
             (self.root / "overlay" / rel).write_text(text)
 
     def inputs(self, dist_dir: Path | None = None) -> BuildInputs:
-        return BuildInputs(
-            patch_set_dir=self.patch_set_dir, overlay_dir=self.root / "overlay",
-            build_number=self.build_number, dist_dir=dist_dir or self.dist_dir,
-            work_root=self.root / ".work", cache=self.cache, builder_root=self.root, sdist=self.sdist,
+        return BuildInputs.from_config(
+            load_config(self.root), dist_dir=dist_dir, cache=self.cache, sdist=self.sdist
         )
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -149,5 +161,8 @@ class Project:
             env["VLLM_ASCEND_SDIST"] = str(self.sdist)
         return subprocess.run(
             [sys.executable, "-m", "ascend_builder", "--root", str(self.root), *args],
-            capture_output=True, text=True, env=env,
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
         )

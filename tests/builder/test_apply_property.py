@@ -18,8 +18,9 @@ from ascend_builder.patchfile import parse_patch
 
 from .synthetic import core_module, make_patch, upstream_files
 
-edits = st.dictionaries(st.integers(1, 60), st.sampled_from(["X = 1", "Y = 'two'", "# gone", ""]),
-                        min_size=1, max_size=6)
+edits = st.dictionaries(
+    st.integers(1, 60), st.sampled_from(["X = 1", "Y = 'two'", "# gone", ""]), min_size=1, max_size=6
+)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -46,8 +46,12 @@ def test_patch_needing_fuzz_names_patch_and_hunk(tmp_path):
     changed_upstream = upstream_files(core_module({41: "VALUE_41 = 'moved on'"}))
     proj = Project(root=tmp_path / "repo")
     proj.sdist = make_sdist(tmp_path / "sdists", "1.0", changed_upstream)
-    patch = make_patch(tmp_path, base, {"fakeup/core.py": core_module({10: "VALUE_10 = 'a'", 40: "VALUE_40 = 'b'"})},
-                       "core: two hunks")
+    patch = make_patch(
+        tmp_path,
+        base,
+        {"fakeup/core.py": core_module({10: "VALUE_10 = 'a'", 40: "VALUE_40 = 'b'"})},
+        "core: two hunks",
+    )
     proj.write([patch])
     line = assert_refused(proj, patch.name, "hunk #2", "@@ -37,7 +37,7 @@", "fakeup/core.py", "fuzz")
     assert "nox -s tree" in line
@@ -72,16 +76,19 @@ def test_overlay_clobbering_an_undeclared_upstream_file(project: Project):
 
 def test_overlay_replacement_with_stale_upstream_hash(project: Project):
     project.overlay = {"fakeup/__init__.py": "REPLACED = 1\n"}
-    project.write(list(project.patch_set_dir.glob("*.patch")), replacements=(
-        f'\n[[overlay-replace]]\npath = "fakeup/__init__.py"\nupstream-sha256 = "{"a" * 64}"\nreason = "t"\n'
-    ))
+    project.write(
+        list(project.patch_set_dir.glob("*.patch")),
+        replacements=(
+            f'\n[[overlay-replace]]\npath = "fakeup/__init__.py"\nupstream-sha256 = "{"a" * 64}"\nreason = "t"\n'
+        ),
+    )
     assert_refused(project, "fakeup/__init__.py", "upstream changed", "a" * 64)
 
 
 def test_series_entry_naming_a_missing_file(project: Project):
     series = project.patch_set_dir / "series"
-    series.write_text(series.read_text() + "0002-not-there.patch\n")
-    assert_refused(project, "0002-not-there.patch", "missing file")
+    series.write_text(series.read_text() + "not-there.patch\n")
+    assert_refused(project, "not-there.patch", "missing file")
 
 
 @pytest.mark.parametrize(
@@ -97,8 +104,9 @@ def test_patch_with_bad_trailers(tmp_path, trailers, needle):
     base = upstream_files()
     proj = Project(root=tmp_path / "repo")
     proj.sdist = make_sdist(tmp_path / "sdists", "1.0", base)
-    patch = make_patch(tmp_path, base, {"fakeup/core.py": core_module({5: "X = 1"})}, "core: edit",
-                       trailers=trailers)
+    patch = make_patch(
+        tmp_path, base, {"fakeup/core.py": core_module({5: "X = 1"})}, "core: edit", trailers=trailers
+    )
     proj.write([patch])
     assert_refused(proj, patch.name, needle)
 

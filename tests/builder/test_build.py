@@ -23,8 +23,11 @@ def test_build_applies_patches_overlay_and_stamps(project: Project):
         assert zf.read("fakeup/ascend/__init__.py") == b"ADDED = True\n"
         prov = json.loads(zf.read("fakeup/ascend/provenance.json"))
     assert prov["version"] == "1.0+ascend.3"
-    assert prov["upstream"] == {"name": "fakeup", "version": "1.0",
-                                "sdist_sha256": sha256_file(project.sdist)}
+    assert prov["upstream"] == {
+        "name": "fakeup",
+        "version": "1.0",
+        "sdist_sha256": sha256_file(project.sdist),
+    }
     [entry] = prov["patches"]
     assert entry["sha256"] == sha256_file(project.patch_set_dir / entry["name"])
     assert entry["upstream_status"] == "Pending"
@@ -57,8 +60,12 @@ def test_offsets_are_reported(tmp_path):
     shifted = upstream_files(core_module(prefix=["# added upstream"] * 4))
     proj = Project(root=tmp_path / "repo")
     proj.sdist = make_sdist(tmp_path / "sdists", "1.0", shifted)
-    patch = make_patch(tmp_path, upstream_files(),
-                       {"fakeup/core.py": core_module({30: "VALUE_30 = 'patched'"})}, "core: patch 30")
+    patch = make_patch(
+        tmp_path,
+        upstream_files(),
+        {"fakeup/core.py": core_module({30: "VALUE_30 = 'patched'"})},
+        "core: patch 30",
+    )
     proj.write([patch])
     notes: list[str] = []
 
@@ -76,8 +83,15 @@ def test_offsets_are_reported(tmp_path):
 def test_cli_prints_progress_per_step(project: Project):
     result = project.cli("build")
     assert result.returncode == 0, result.stderr
-    for step in ("[1/7] pin", "[2/7] fetch", "[3/7] pristine", "[4/7] apply", "[5/7] overlay",
-                 "[6/7] stamp", "[7/7] wheel"):
+    for step in (
+        "[1/7] pin",
+        "[2/7] fetch",
+        "[3/7] pristine",
+        "[4/7] apply",
+        "[5/7] overlay",
+        "[6/7] stamp",
+        "[7/7] wheel",
+    ):
         assert step in result.stderr
     assert (project.dist_dir / "fakeup-1.0+ascend.3-py3-none-any.whl").is_file()
 
@@ -89,10 +103,29 @@ def test_declared_replacement_is_allowed(tmp_path):
     import hashlib
 
     upstream_sha = hashlib.sha256(files["fakeup/core.py"].encode()).hexdigest()
-    proj.write([], replacements=(
-        f'\n[[overlay-replace]]\npath = "fakeup/core.py"\nupstream-sha256 = "{upstream_sha}"\n'
-        'reason = "test"\n'
-    ))
+    proj.write(
+        [],
+        replacements=(
+            f'\n[[overlay-replace]]\npath = "fakeup/core.py"\nupstream-sha256 = "{upstream_sha}"\n'
+            'reason = "test"\n'
+        ),
+    )
     wheel = build_distribution(proj.inputs(), Silent())
     with zipfile.ZipFile(wheel) as zf:
         assert zf.read("fakeup/core.py") == b"REPLACED = 1\n"
+
+
+def test_keep_work_keeps_the_work_directory_after_a_successful_build(project: Project):
+    from ascend_builder.pipeline import BuildInputs
+
+    inputs = BuildInputs(**{**project.inputs().__dict__, "keep_work": True})
+    build_distribution(inputs, Silent())
+    [kept] = (project.root / ".work").glob("build-*")
+    assert (kept / "tree" / "fakeup" / "core.py").is_file() and (kept / "wheel-build.log").is_file()
+
+
+def test_patched_modules_come_from_the_patches(project: Project):
+    from ascend_builder.upstream_tests import patched_modules
+
+    [patch] = project.patch_set_dir.glob("*.patch")
+    assert patched_modules(project.patch_set_dir) == {"fakeup.core": [patch.name]}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ascend_builder.export import export_commits, freshness_problems
 from ascend_builder.gitutil import commit_all, git
+from ascend_builder.patchfile import NAME_MAX, lint_patch, parse_patch, patch_file_name
 from ascend_builder.patchset import lint_patch_set, load_patch_set
 from ascend_builder.rebase import rebase_report
 from ascend_builder.worktree import export_worktree, prepare_worktree
@@ -18,12 +19,12 @@ def _silent(_message: str) -> None:
 
 
 def test_unlisted_patch_file_is_a_lint_error(project: Project):
-    stray = project.patch_set_dir / "0099-stray.patch"
+    stray = project.patch_set_dir / "stray.patch"
     stray.write_text("x")
     problems = lint_patch_set(load_patch_set(project.patch_set_dir))
-    assert any("0099-stray.patch is not listed" in p for p in problems)
+    assert any("stray.patch is not listed" in p for p in problems)
     result = project.cli("patches", "check")
-    assert result.returncode == 1 and "0099-stray.patch is not listed" in result.stderr
+    assert result.returncode == 1 and "stray.patch is not listed" in result.stderr
 
 
 def test_check_passes_on_a_fresh_patch_set(project: Project):
@@ -39,8 +40,9 @@ def test_check_catches_a_hand_edited_patch(project: Project):
     assert "@@ -27,7 +27,7 @@" in text
     patch.write_text(text.replace("@@ -27,7 +27,7 @@", "@@ -25,7 +25,7 @@"))
     assert lint_patch_set(load_patch_set(project.patch_set_dir)) == []
-    problems = freshness_problems(project.patch_set_dir, project.cache, project.root / ".work",
-                                  project.sdist, _silent)
+    problems = freshness_problems(
+        project.patch_set_dir, project.cache, project.root / ".work", project.sdist, _silent
+    )
     assert len(problems) == 1 and patch.name in problems[0] and "byte-identical" in problems[0]
 
 
@@ -55,8 +57,14 @@ def _tree_with_commit(tmp_path: Path, name: str) -> tuple[Path, str]:
     (repo / "fakeup/core.py").write_text(core_module({7: "VALUE_7 = 'seven'"}))
     (repo / "fakeup/new.py").write_text("NEW = 1\n")
     git("add", "-A", cwd=repo)
-    git("commit", "-q", "-m", "core: a change\n\nBecause.\n\nUpstream-Status: Pending\nDrop-When: x",
-        cwd=repo, date=1_700_000_100)
+    git(
+        "commit",
+        "-q",
+        "-m",
+        "core: a change\n\nBecause.\n\nUpstream-Status: Pending\nDrop-When: x",
+        cwd=repo,
+        date=1_700_000_100,
+    )
     return repo, base
 
 
@@ -79,14 +87,25 @@ def test_export_is_deterministic_whatever_the_user_config(tmp_path, monkeypatch)
     assert text.startswith("From 0000000000000000000000000000000000000000 ")
     assert "Subject: [PATCH] core: a change" in text
     # Sanity: the user config really would have changed plain git output.
-    plain = git("format-patch", "--stdout", f"{base}..HEAD", cwd=repo,
-                env={"GIT_CONFIG_GLOBAL": str(home / ".gitconfig")}).stdout
+    plain = git(
+        "format-patch",
+        "--stdout",
+        f"{base}..HEAD",
+        cwd=repo,
+        env={"GIT_CONFIG_GLOBAL": str(home / ".gitconfig")},
+    ).stdout
     assert plain != text
 
 
 def test_worktree_round_trip(project: Project, tmp_path):
-    tree = prepare_worktree(project.patch_set_dir, project.root / "overlay", tmp_path / "work",
-                            project.cache, project.sdist, note=_silent)
+    tree = prepare_worktree(
+        project.patch_set_dir,
+        project.root / "overlay",
+        tmp_path / "work",
+        project.cache,
+        project.sdist,
+        note=_silent,
+    )
     # One commit per patch on top of the pristine tag.
     log = git("log", "--format=%s", "pristine..HEAD", cwd=tree).stdout.split("\n")
     assert log[0] == "core: patch value 30"
@@ -98,17 +117,28 @@ def test_worktree_round_trip(project: Project, tmp_path):
     assert git("status", "--porcelain", cwd=tree).stdout == ""
     # A maintainer adds a patch as a commit and exports.
     (tree / "fakeup/core.py").write_text(
-        (tree / "fakeup/core.py").read_text().replace("VALUE_50 = 50", "VALUE_50 = 'fifty'"))
-    git("commit", "-q", "-a", "-m",
+        (tree / "fakeup/core.py").read_text().replace("VALUE_50 = 50", "VALUE_50 = 'fifty'")
+    )
+    git(
+        "commit",
+        "-q",
+        "-a",
+        "-m",
         "core: fifty\n\nA reason.\n\nUpstream-Status: Backport v1.1\nDrop-When: rebased onto 1.1",
-        cwd=tree, date=1_700_000_200)
+        cwd=tree,
+        date=1_700_000_200,
+    )
     names = export_worktree(tree, project.patch_set_dir, note=_silent)
-    assert len(names) == 2 and names[1].startswith("0002-core-fifty")
+    assert len(names) == 2 and names[1].startswith("core-fifty")
     ps = load_patch_set(project.patch_set_dir)
     assert ps.series == names
     assert lint_patch_set(ps) == []
-    assert freshness_problems(project.patch_set_dir, project.cache, project.root / ".work",
-                              project.sdist, _silent) == []
+    assert (
+        freshness_problems(
+            project.patch_set_dir, project.cache, project.root / ".work", project.sdist, _silent
+        )
+        == []
+    )
 
 
 def test_worktree_refuses_to_clobber_existing(project: Project, tmp_path):
@@ -119,8 +149,9 @@ def test_worktree_refuses_to_clobber_existing(project: Project, tmp_path):
     dest = tmp_path / "work"
     dest.mkdir()
     with pytest.raises(BuildError, match="already exists"):
-        prepare_worktree(project.patch_set_dir, project.root / "overlay", dest, project.cache,
-                         project.sdist, note=_silent)
+        prepare_worktree(
+            project.patch_set_dir, project.root / "overlay", dest, project.cache, project.sdist, note=_silent
+        )
 
 
 def test_export_refuses_uncommitted_changes(project: Project, tmp_path):
@@ -128,8 +159,14 @@ def test_export_refuses_uncommitted_changes(project: Project, tmp_path):
 
     from ascend_builder.errors import BuildError
 
-    tree = prepare_worktree(project.patch_set_dir, project.root / "overlay", tmp_path / "work",
-                            project.cache, project.sdist, note=_silent)
+    tree = prepare_worktree(
+        project.patch_set_dir,
+        project.root / "overlay",
+        tmp_path / "work",
+        project.cache,
+        project.sdist,
+        note=_silent,
+    )
     (tree / "setup.py").write_text("# dirty\n")
     with pytest.raises(BuildError, match="uncommitted changes"):
         export_worktree(tree, project.patch_set_dir, note=_silent)
@@ -154,13 +191,22 @@ def test_rebase_report_classifies_every_patch(tmp_path):
     # Version 2.0: lines inserted after line 10 shift later hunks; line 37 (context of
     # the 3way patch, two lines from its change) changed; line 45 changed differently;
     # the already-upstream change landed.
-    lines = core_module({37: "VALUE_37 = 'upstream'", 45: "VALUE_45 = 'theirs'",
-                         55: "VALUE_55 = 'upstreamed'"}).splitlines()
+    lines = core_module(
+        {37: "VALUE_37 = 'upstream'", 45: "VALUE_45 = 'theirs'", 55: "VALUE_55 = 'upstreamed'"}
+    ).splitlines()
     lines[10:10] = ["# new upstream line"] * 3
     new_sdist = make_sdist(tmp_path / "new", "2.0", upstream_files("\n".join(lines) + "\n"))
-    report = rebase_report(proj.patch_set_dir, proj.root / "overlay", "2.0", proj.cache,
-                           proj.root / ".work", _silent, target_sdist=new_sdist, pinned_sdist=proj.sdist)
-    assert [(p.patch.split("-", 1)[1], p.status) for p in report.patches] == [
+    report = rebase_report(
+        proj.patch_set_dir,
+        proj.root / "overlay",
+        "2.0",
+        proj.cache,
+        proj.root / ".work",
+        _silent,
+        target_sdist=new_sdist,
+        pinned_sdist=proj.sdist,
+    )
+    assert [(p.patch, p.status) for p in report.patches] == [
         ("core-clean.patch", "clean"),
         ("core-offset.patch", "offset"),
         ("core-needs-3way.patch", "needs-3way"),
@@ -174,5 +220,124 @@ def test_rebase_report_classifies_every_patch(tmp_path):
     assert result.returncode == 1
     assert "1 patch(es) conflict" in result.stderr
     md = (tmp_path / "rep" / "fakeup-1.0-to-2.0.md").read_text()
-    assert "| conflict |" in md and "Summary: 1 clean, 1 offset, 1 needs-3way, 1 conflict, 1 already-upstream" in md
+    assert (
+        "| conflict |" in md
+        and "Summary: 1 clean, 1 offset, 1 needs-3way, 1 conflict, 1 already-upstream" in md
+    )
     assert (tmp_path / "rep" / "fakeup-1.0-to-2.0.json").is_file()
+
+
+def test_exported_names_come_from_subjects_without_numbers_or_diffstat(tmp_path):
+    repo, base = _tree_with_commit(tmp_path, "named")
+    [name] = export_commits(repo, base, tmp_path / "out")
+    assert name == "core-a-change.patch" == patch_file_name("core: a change")
+    text = (tmp_path / "out" / name).read_text()
+    assert "\n---\n" not in text and "files changed" not in text  # no diffstat
+    assert parse_patch(tmp_path / "out" / name).files == ["fakeup/core.py", "fakeup/new.py"]
+    long = "setup: keep the Rust frontend out of empty-target wheels, with a very long tail of words"
+    assert patch_file_name(long) == "setup-keep-the-rust-frontend-out-of-empty-target-wheels-with-a.patch"
+    assert len(patch_file_name(long)) <= NAME_MAX + len(".patch")
+
+
+def test_inserting_a_patch_renames_and_rewrites_no_other(project: Project, tmp_path):
+    tree = prepare_worktree(
+        project.patch_set_dir,
+        project.root / "overlay",
+        tmp_path / "work",
+        project.cache,
+        project.sdist,
+        note=_silent,
+    )
+    (tree / "fakeup/core.py").write_text(
+        (tree / "fakeup/core.py").read_text().replace("VALUE_50 = 50", "VALUE_50 = 'last'")
+    )
+    git(
+        "commit",
+        "-q",
+        "-a",
+        "-m",
+        "core: last\n\nWhy.\n\nUpstream-Status: Pending [test]\nDrop-When: x",
+        cwd=tree,
+        date=1_700_000_200,
+    )
+    first = export_worktree(tree, project.patch_set_dir, note=_silent)
+    before = {name: (project.patch_set_dir / name).read_bytes() for name in first}
+    # A new patch (to another file) between the two: the history rebuilt with it inserted.
+    git("checkout", "-q", "-b", "insert", "HEAD~1", cwd=tree)
+    (tree / "fakeup/__init__.py").write_text("MIDDLE = 1\n")
+    git(
+        "commit",
+        "-q",
+        "-a",
+        "-m",
+        "core: middle\n\nWhy.\n\nUpstream-Status: Pending [test]\nDrop-When: x",
+        cwd=tree,
+        date=1_700_000_300,
+    )
+    git("cherry-pick", "main", cwd=tree, date=1_700_000_200)
+    second = export_worktree(tree, project.patch_set_dir, note=_silent)
+    assert second == [first[0], "core-middle.patch", first[1]]
+    assert {name: (project.patch_set_dir / name).read_bytes() for name in first} == before
+    assert load_patch_set(project.patch_set_dir).series == second
+
+
+def test_two_commits_with_one_name_are_refused(tmp_path):
+    import pytest
+
+    from ascend_builder.errors import BuildError
+
+    repo, base = _tree_with_commit(tmp_path, "dup")
+    (repo / "fakeup/new.py").write_text("NEW = 2\n")
+    git("commit", "-q", "-a", "-m", "core: a change!\n\nAgain.", cwd=repo, date=1_700_000_200)
+    with pytest.raises(BuildError, match=r"two commits would both be exported as core-a-change\.patch"):
+        export_commits(repo, base, tmp_path / "out")
+
+
+def _patch_named(tmp_path: Path, subject: str, trailers: str, name: str | None = None) -> Path:
+    patch = make_patch(
+        tmp_path, upstream_files(), {"fakeup/core.py": core_module({5: "X = 1"})}, subject, trailers=trailers
+    )
+    if name is not None:
+        patch = patch.rename(patch.with_name(name))
+    return patch
+
+
+DROP = "\nDrop-When: x"
+
+
+def test_lint_names_come_from_subjects(tmp_path):
+    ok = _patch_named(tmp_path, "core: edit", "Upstream-Status: Backport v2" + DROP)
+    assert ok.name == "core-edit.patch" and lint_patch(parse_patch(ok)) == []
+    numbered = _patch_named(
+        tmp_path, "core: edit", "Upstream-Status: Backport v2" + DROP, "0001-core-edit.patch"
+    )
+    [problem] = lint_patch(parse_patch(numbered))
+    assert "starts with a number" in problem and "series" in problem
+    other = _patch_named(tmp_path, "core: edit", "Upstream-Status: Backport v2" + DROP, "core-tweak.patch")
+    [problem] = lint_patch(parse_patch(other))
+    assert "does not come from the subject" in problem and "expected core-edit.patch" in problem
+
+
+def test_lint_refuses_two_patches_whose_subjects_give_one_name(tmp_path):
+    proj = Project(root=tmp_path / "repo")
+    proj.sdist = make_sdist(tmp_path / "sdists", "1.0", upstream_files())
+    a = _patch_named(tmp_path / "a", "core: edit", "Upstream-Status: Backport v2" + DROP)
+    b = _patch_named(tmp_path / "b", "core: edit!", "Upstream-Status: Backport v2" + DROP, "core-edit-.patch")
+    proj.write([a, b])
+    problems = lint_patch_set(load_patch_set(proj.patch_set_dir))
+    assert any("both give the file name core-edit.patch" in p for p in problems), problems
+
+
+def test_a_pending_patch_says_why_it_is_not_submitted(tmp_path):
+    def problems(trailers: str) -> list[str]:
+        return lint_patch(parse_patch(_patch_named(tmp_path, "core: edit", trailers + DROP)))
+
+    [bare] = problems("Upstream-Status: Pending")
+    assert "does not say why" in bare and "Pending [why]" in bare
+    assert problems("Upstream-Status: Pending [the hook's form is not settled yet]") == []
+    assert problems("Upstream-Status: Pending https://github.com/vllm-project/vllm/issues/1") == []
+    assert problems("Upstream-Status: Pending\nPending-Reason: waits for the 0.33 refactor") == []
+    [malformed] = problems("Upstream-Status: Pending soon")
+    assert "malformed 'Upstream-Status: Pending soon'" in malformed
+    [empty] = problems("Upstream-Status: Pending []")
+    assert "malformed" in empty

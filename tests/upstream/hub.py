@@ -33,79 +33,215 @@ class Entry:
 
 
 def _llama(hidden, layers, heads, kv_heads, inter, vocab, max_pos, **extra) -> dict:
-    return dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_pos,
-                rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
-                bos_token_id=1, eos_token_id=2, **extra)
+    return dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
 
 
 def _qwen(model_type, arch, hidden, layers, heads, kv_heads, inter, max_pos, **extra) -> dict:
-    return dict(model_type=model_type, architectures=[arch], hidden_size=hidden, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
-                vocab_size=151936, max_position_embeddings=max_pos, rms_norm_eps=1e-6, hidden_act="silu",
-                rope_theta=1000000.0, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
-                **extra)
+    return dict(
+        model_type=model_type,
+        architectures=[arch],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        vocab_size=151936,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        rope_theta=1000000.0,
+        torch_dtype="bfloat16",
+        bos_token_id=151643,
+        eos_token_id=151645,
+        **extra,
+    )
 
 
 def _opt(hidden, layers, heads, ffn, proj, pre_norm) -> dict:
-    return dict(model_type="opt", architectures=["OPTForCausalLM"], hidden_size=hidden, num_hidden_layers=layers,
-                num_attention_heads=heads, ffn_dim=ffn, word_embed_proj_dim=proj, do_layer_norm_before=pre_norm,
-                vocab_size=50272, max_position_embeddings=2048, activation_function="relu",
-                torch_dtype="float16", bos_token_id=2, eos_token_id=2, pad_token_id=1, prefix="</s>")
+    return dict(
+        model_type="opt",
+        architectures=["OPTForCausalLM"],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        ffn_dim=ffn,
+        word_embed_proj_dim=proj,
+        do_layer_norm_before=pre_norm,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+        activation_function="relu",
+        torch_dtype="float16",
+        bos_token_id=2,
+        eos_token_id=2,
+        pad_token_id=1,
+        prefix="</s>",
+    )
 
 
-QWEN_TOKENS = {"bos": "<|endoftext|>", "eos": "<|im_end|>",
-               "extra": ["<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]}
+QWEN_TOKENS = {
+    "bos": "<|endoftext|>",
+    "eos": "<|im_end|>",
+    "extra": ["<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+}
 CLIP_PREPROCESSOR = {
-    "image_processor_type": "CLIPImageProcessor", "crop_size": {"height": 336, "width": 336},
-    "size": {"shortest_edge": 336}, "do_center_crop": True, "do_normalize": True, "do_resize": True,
-    "do_rescale": True, "do_convert_rgb": True, "rescale_factor": 1 / 255, "resample": 3,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "CLIPImageProcessor",
+    "crop_size": {"height": 336, "width": 336},
+    "size": {"shortest_edge": 336},
+    "do_center_crop": True,
+    "do_normalize": True,
+    "do_resize": True,
+    "do_rescale": True,
+    "do_convert_rgb": True,
+    "rescale_factor": 1 / 255,
+    "resample": 3,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
 QWEN_VL_PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 12845056,
-    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
 
 MODELS: dict[str, Entry] = {
     "facebook/opt-125m": Entry(_opt(768, 12, 12, 3072, 768, True), weights=True),
     "facebook/opt-350m": Entry(_opt(1024, 24, 16, 4096, 512, False)),
-    "Qwen/Qwen3-0.6B": Entry(_qwen("qwen3", "Qwen3ForCausalLM", 1024, 28, 16, 8, 3072, 40960, head_dim=128,
-                                   tie_word_embeddings=True, max_window_layers=28, use_sliding_window=False),
-                             tokenizer=QWEN_TOKENS),
-    "Qwen/Qwen1.5-7B": Entry(_qwen("qwen2", "Qwen2ForCausalLM", 4096, 32, 32, 32, 11008, 32768,
-                                   use_sliding_window=False, tie_word_embeddings=False),
-                             tokenizer=QWEN_TOKENS),
-    "hmellor/tiny-random-LlamaForCausalLM": Entry(_llama(16, 2, 4, 4, 64, 32000, 2048, head_dim=4),
-                                                  weights=True),
+    "Qwen/Qwen3-0.6B": Entry(
+        _qwen(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            1024,
+            28,
+            16,
+            8,
+            3072,
+            40960,
+            head_dim=128,
+            tie_word_embeddings=True,
+            max_window_layers=28,
+            use_sliding_window=False,
+        ),
+        tokenizer=QWEN_TOKENS,
+        weights=True,
+    ),
+    "Qwen/Qwen1.5-7B": Entry(
+        _qwen(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            4096,
+            32,
+            32,
+            32,
+            11008,
+            32768,
+            use_sliding_window=False,
+            tie_word_embeddings=False,
+        ),
+        tokenizer=QWEN_TOKENS,
+    ),
+    "hmellor/tiny-random-LlamaForCausalLM": Entry(
+        _llama(16, 2, 4, 4, 64, 32000, 2048, head_dim=4), weights=True
+    ),
     "llava-hf/llava-1.5-7b-hf": Entry(
-        dict(model_type="llava", architectures=["LlavaForConditionalGeneration"], image_token_index=32000,
-             projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
-             pad_token_id=32001, vocab_size=32064, torch_dtype="float16",
-             text_config=dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
-                              num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-                              vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                              torch_dtype="float16"),
-             vision_config=dict(model_type="clip_vision_model", hidden_size=1024, image_size=336,
-                                intermediate_size=4096, num_attention_heads=16, num_hidden_layers=24,
-                                patch_size=14, projection_dim=768)),
+        dict(
+            model_type="llava",
+            architectures=["LlavaForConditionalGeneration"],
+            image_token_index=32000,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+            pad_token_id=32001,
+            vocab_size=32064,
+            torch_dtype="float16",
+            text_config=dict(
+                model_type="llama",
+                hidden_size=4096,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=32,
+                intermediate_size=11008,
+                vocab_size=32064,
+                max_position_embeddings=4096,
+                rms_norm_eps=1e-5,
+                torch_dtype="float16",
+            ),
+            vision_config=dict(
+                model_type="clip_vision_model",
+                hidden_size=1024,
+                image_size=336,
+                intermediate_size=4096,
+                num_attention_heads=16,
+                num_hidden_layers=24,
+                patch_size=14,
+                projection_dim=768,
+            ),
+        ),
         tokenizer={"bos": "<s>", "eos": "</s>", "extra": ["<image>", "<pad>"]},
-        files={"preprocessor_config.json": CLIP_PREPROCESSOR,
-               "processor_config.json": {"processor_class": "LlavaProcessor", "patch_size": 14,
-                                         "vision_feature_select_strategy": "default",
-                                         "num_additional_image_tokens": 1}}),
+        files={
+            "preprocessor_config.json": CLIP_PREPROCESSOR,
+            "processor_config.json": {
+                "processor_class": "LlavaProcessor",
+                "patch_size": 14,
+                "vision_feature_select_strategy": "default",
+                "num_additional_image_tokens": 1,
+            },
+        },
+    ),
     "Qwen/Qwen2.5-VL-3B-Instruct": Entry(
-        _qwen("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", 2048, 36, 16, 2, 11008, 128000,
-              tie_word_embeddings=True, image_token_id=151655, video_token_id=151656,
-              vision_start_token_id=151652, vision_end_token_id=151653,
-              rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-              vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                                 out_hidden_size=2048, patch_size=14, spatial_merge_size=2,
-                                 temporal_patch_size=2, window_size=112,
-                                 fullatt_block_indexes=[7, 15, 23, 31], in_chans=3)),
-        tokenizer=QWEN_TOKENS, files={"preprocessor_config.json": QWEN_VL_PREPROCESSOR}),
+        _qwen(
+            "qwen2_5_vl",
+            "Qwen2_5_VLForConditionalGeneration",
+            2048,
+            36,
+            16,
+            2,
+            11008,
+            128000,
+            tie_word_embeddings=True,
+            image_token_id=151655,
+            video_token_id=151656,
+            vision_start_token_id=151652,
+            vision_end_token_id=151653,
+            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+            vision_config=dict(
+                depth=32,
+                hidden_size=1280,
+                intermediate_size=3420,
+                num_heads=16,
+                out_hidden_size=2048,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=112,
+                fullatt_block_indexes=[7, 15, 23, 31],
+                in_chans=3,
+            ),
+        ),
+        tokenizer=QWEN_TOKENS,
+        files={"preprocessor_config.json": QWEN_VL_PREPROCESSOR},
+    ),
 }
 
 
@@ -120,16 +256,28 @@ def _tokenizer_files(snapshot: Path, spec: dict, max_len: int, chat_template: bo
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. Hello world! 0123456789"] * 4,
-                            trainer=trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=special,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        ["The quick brown fox jumps over the lazy dog. Hello world! 0123456789"] * 4, trainer=trainer
+    )
     tok.save(str(snapshot / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec["bos"], "eos_token": spec["eos"],
-              "model_max_length": max_len, "additional_special_tokens": spec.get("extra", [])}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec["bos"],
+        "eos_token": spec["eos"],
+        "model_max_length": max_len,
+        "additional_special_tokens": spec.get("extra", []),
+    }
     if chat_template:
-        config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                                   "{% if add_generation_prompt %}assistant:{% endif %}")
+        config["chat_template"] = (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}"
+        )
     (snapshot / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
@@ -153,7 +301,9 @@ def _write_entry(cache: Path, repo_id: str, entry: Entry) -> None:
     config = dict(entry.config, _name_or_path=repo_id, transformers_version="4.57.0")
     (snapshot / "config.json").write_text(json.dumps(config, indent=1))
     text = entry.config.get("text_config", entry.config)
-    _tokenizer_files(snapshot, entry.tokenizer, text.get("max_position_embeddings", 2048), entry.chat_template)
+    _tokenizer_files(
+        snapshot, entry.tokenizer, text.get("max_position_embeddings", 2048), entry.chat_template
+    )
     for name, content in entry.files.items():
         (snapshot / name).write_text(json.dumps(content, indent=1))
     if entry.weights:

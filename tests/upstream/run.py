@@ -10,13 +10,20 @@ patch set (``patches/<set>/upstream-expectations.toml``). Every test not listed 
 must pass; a listed one must fail (or be skipped) as listed. Any
 other outcome -- an unexpected failure, skip or pass, or an expectation that no
 longer matches any test -- fails the run, so the file stays true. Counts per
-directory are printed, and written as JSON with ``--summary``.
+directory are printed, and written as JSON with ``--summary``; ``--record`` keeps a
+whole selection's counts in the patch set and writes them into docs/conformance.md
+(``counts.py``).
+
+A selection with ``importers-within = "<other selection>"`` also runs every test file
+of that other selection that imports a module the patch set changes (``imports.py``),
+so a patch's module cannot be left out of CI by forgetting to list its tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.metadata
 import json
 import os
 import re
@@ -28,16 +35,24 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.upstream.counts import record_run
 from tests.upstream.hub import ensure_hub
+from tests.upstream.imports import importers
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+if str(ROOT / "build") not in sys.path:
+    sys.path.insert(0, str(ROOT / "build"))  # the builder knows which modules the patches change
+
+from ascend_builder.upstream_tests import patched_modules  # noqa: E402
 
 
 def default_expectations() -> Path:
     """``patches/<patch set>/upstream-expectations.toml`` of the default patch set."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
     return ROOT / "patches" / config["patch-set"] / "upstream-expectations.toml"
+
+
 ACCEPTS = {"pass": {"passed"}, "fail": {"failed", "error"}, "skip": {"skipped"}}
 NEEDS_REF = {"upstream-bug", "not-offered", "ascend-semantics"}
 # Variables of this project's own test session that must not leak into upstream's run.
@@ -72,8 +87,9 @@ def load_expectations(path: Path) -> tuple[dict, dict, list[Expectation]]:
             raise ValueError(f"{where}: reason must be one of {sorted(reasons)}")
         if item["reason"] in NEEDS_REF and not item.get("note"):
             raise ValueError(f"{where}: reason {item['reason']!r} needs a note with the reference")
-        expectations.append(Expectation(tuple(item["tests"]), item["outcome"], item["reason"],
-                                        item.get("note", "")))
+        expectations.append(
+            Expectation(tuple(item["tests"]), item["outcome"], item["reason"], item.get("note", ""))
+        )
     return reasons, selections, expectations
 
 
@@ -87,8 +103,13 @@ def judge(outcomes: dict[str, dict], expectations: list[Expectation], selected: 
         if match:
             used.add(match)
         ok = result["outcome"] in ACCEPTS[expected]
-        verdicts[test] = {"outcome": result["outcome"], "expected": expected, "ok": ok,
-                          "reason": match.reason if match else None, "message": result.get("message", "")}
+        verdicts[test] = {
+            "outcome": result["outcome"],
+            "expected": expected,
+            "ok": ok,
+            "reason": match.reason if match else None,
+            "message": result.get("message", ""),
+        }
     stale = [e for e in expectations if e not in used and any(_selected(p, selected) for p in e.patterns)]
     return {"verdicts": verdicts, "stale": stale}
 
@@ -105,6 +126,24 @@ def _selected(pattern: str, selected: list[str]) -> bool:
         elif file == path or file.startswith(path.rstrip("/") + "/"):
             return True
     return False
+
+
+def selection_paths(name: str, selections: dict, source: Path, patch_set_dir: Path) -> tuple[list[str], dict]:
+    """The paths a named selection runs: its own, plus (``importers-within``) the test files
+    of another selection that import a module the patch set changes, which it names with
+    those modules. Package modules (``__init__.py``: ``vllm``, ``vllm.platforms``) are not
+    counted: every test of every selection imports them."""
+    selection = selections[name]
+    paths = list(selection["paths"])
+    within = selection.get("importers-within")
+    if not within:
+        return paths, {}
+    if within not in selections:
+        raise SystemExit(f"error: selection {name!r}: importers-within names no selection {within!r}")
+    modules = set(patched_modules(patch_set_dir, packages=False))
+    found = importers(source, selections[within]["paths"], modules)
+    added = {file: mods for file, mods in found.items() if not _selected(file, paths)}
+    return paths + sorted(added), added
 
 
 def _directory(test: str) -> str:
@@ -135,63 +174,152 @@ def report(judgement: dict, reasons: dict) -> tuple[str, dict]:
     return "\n".join(lines + table), summary
 
 
-def run_pytest(source: Path, paths: list[str], timeout: int, hub_cache: Path,
-               keep: Path | None = None, workers: int = 1) -> dict[str, dict]:
+def run_pytest(
+    source: Path, paths: list[str], timeout: int, hub_cache: Path, keep: Path | None = None, workers: int = 1
+) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
     with tempfile.TemporaryDirectory() as tmp:
         outcomes_file = Path(tmp) / "outcomes.jsonl"
-        env.update(VLLM_ASCEND_EMULATE="1", HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", HF_HOME=str(Path(tmp) / "hf-home"), ASCEND_OUTCOMES=str(outcomes_file),
-                   PYTHONPATH=str(HERE / "plugin"), VLLM_ASCEND_HOST_KV_CACHE_MB="64")
-        cmd = [sys.executable, "-m", "pytest", "-p", "ascend_outcomes", "-p", "no:cacheprovider", "-q",
-               "--continue-on-collection-errors", f"--timeout={timeout}", "-o", "addopts=", "-rN",
-               # upstream's pyproject leaves it unset; pytest-asyncio warns in every process
-               "-o", "asyncio_default_fixture_loop_scope=function",
-               "--disable-warnings", *(["-n", str(workers)] if workers > 1 else []), *paths]
+        env.update(
+            VLLM_ASCEND_EMULATE="1",
+            HF_HUB_CACHE=str(hub_cache),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            HF_HOME=str(Path(tmp) / "hf-home"),
+            ASCEND_OUTCOMES=str(outcomes_file),
+            PYTHONPATH=str(HERE / "plugin"),
+            # room for one sequence of 2048 tokens of a 0.6B model (Qwen3-0.6B, float16)
+            VLLM_ASCEND_HOST_KV_CACHE_MB="256",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "ascend_outcomes",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--continue-on-collection-errors",
+            f"--timeout={timeout}",
+            "-o",
+            "addopts=",
+            "-rN",
+            # upstream's pyproject leaves it unset; pytest-asyncio warns in every process
+            "-o",
+            "asyncio_default_fixture_loop_scope=function",
+            "--disable-warnings",
+            *(["-n", str(workers)] if workers > 1 else []),
+            *paths,
+        ]
         code = subprocess.run(cmd, cwd=source, env=env, check=False).returncode
         if not outcomes_file.exists():
             raise SystemExit("error: upstream's pytest run ended without results (see its output above)")
         if code not in (0, 1):  # 2 interrupted, 3 internal error, 4 usage, 5 nothing collected
-            raise SystemExit(f"error: upstream's pytest run did not complete (exit code {code}; "
-                             "see its output above)")
+            raise SystemExit(
+                f"error: upstream's pytest run did not complete (exit code {code}; see its output above)"
+            )
         text = outcomes_file.read_text()
         if keep:
             keep.write_text(text)
         return {r["test"]: r for r in map(json.loads, text.splitlines())}
 
 
+def _run_file(outcomes: Path) -> Path:
+    """Beside a kept outcomes file: what ran (paths), its wall time and workers."""
+    return outcomes.with_name(outcomes.name + ".run.json")
+
+
+def read_outcomes(path: Path) -> tuple[dict[str, dict], dict]:
+    """The outcomes a run kept with ``--outcomes``, and what ran."""
+    outcomes = {r["test"]: r for r in map(json.loads, path.read_text().splitlines())}
+    return outcomes, json.loads(_run_file(path).read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", type=Path, required=True, help="upstream test tree (from the pinned sdist)")
     p.add_argument("--selection", default="full", help="named selection in the expectations (default: full)")
-    p.add_argument("--expectations", type=Path, default=default_expectations(),
-                   help="expectations file (default: the default patch set's upstream-expectations.toml)")
+    p.add_argument(
+        "--expectations",
+        type=Path,
+        default=default_expectations(),
+        help="expectations file (default: the default patch set's upstream-expectations.toml)",
+    )
     p.add_argument("--timeout", type=int, default=180, help="per-test timeout in seconds")
-    p.add_argument("--cache", type=Path, default=Path(".work/upstream"), help="where the offline hub is built")
+    p.add_argument(
+        "--cache", type=Path, default=Path(".work/upstream"), help="where the offline hub is built"
+    )
     p.add_argument("--summary", type=Path, help="write per-directory counts as JSON here")
     p.add_argument("--workers", type=int, help="pytest-xdist worker processes (default: the selection's)")
-    p.add_argument("--outcomes", type=Path, help="keep every test's outcome, message and seconds (JSON lines) here")
-    p.add_argument("paths", nargs="*", help="test paths relative to the upstream tree (default: the selection)")
+    p.add_argument(
+        "--outcomes", type=Path, help="keep every test's outcome, message and seconds (JSON lines) here"
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="keep this whole selection's counts in the patch set and write them into "
+        "docs/conformance.md (not with PATHs)",
+    )
+    p.add_argument(
+        "--rejudge",
+        type=Path,
+        metavar="OUTCOMES",
+        help="run nothing: judge the outcomes an earlier run kept with --outcomes against the "
+        "expectations as they are now (after an entry was added, say); --record works too",
+    )
+    p.add_argument(
+        "paths", nargs="*", help="test paths relative to the upstream tree (default: the selection)"
+    )
     args = p.parse_args(argv)
 
     reasons, selections, expectations = load_expectations(args.expectations)
     if args.selection not in selections:
-        p.error(f"no selection {args.selection!r} in {args.expectations}; "
-                f"it has: {', '.join(sorted(selections))}")
+        p.error(
+            f"no selection {args.selection!r} in {args.expectations}; it has: {', '.join(sorted(selections))}"
+        )
+    if args.record and args.paths:
+        p.error("--record keeps the counts of a whole selection; give no PATHs")
     selection = selections[args.selection]
-    paths = args.paths or selection["paths"]
+    source = args.source.resolve()
+    if args.paths:
+        paths = args.paths
+    else:
+        paths, added = selection_paths(args.selection, selections, source, args.expectations.parent)
+        for file, modules in added.items():
+            print(f"selection {args.selection}: + {file} (imports {', '.join(modules)})")
     workers = args.workers or selection.get("workers", 1)
-    hub_cache = ensure_hub(args.cache.resolve())
-    started = time.monotonic()
-    outcomes = run_pytest(args.source.resolve(), paths, args.timeout, hub_cache, args.outcomes, workers)
+    if args.rejudge:
+        outcomes, run = read_outcomes(args.rejudge)
+        if run.get("paths") != paths:
+            p.error(f"{args.rejudge} was a run of other paths than this selection's now")
+        seconds, workers = run["seconds"], run["workers"]
+    else:
+        hub_cache = ensure_hub(args.cache.resolve())
+        started = time.monotonic()
+        outcomes = run_pytest(source, paths, args.timeout, hub_cache, args.outcomes, workers)
+        seconds = time.monotonic() - started
+        if args.outcomes:
+            _run_file(args.outcomes).write_text(
+                json.dumps({"paths": paths, "seconds": round(seconds), "workers": workers}) + "\n"
+            )
     judgement = judge(outcomes, expectations, paths)
     text, summary = report(judgement, reasons)
     print(text)
     unexpected = sum(not v["ok"] for v in judgement["verdicts"].values()) + len(judgement["stale"])
-    print(f"\nupstream tests: {len(outcomes)} results in {time.monotonic() - started:.0f} s, "
-          f"{unexpected} unexpected")
+    print(f"\nupstream tests: {len(outcomes)} results in {seconds:.0f} s, {unexpected} unexpected")
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.record:
+        record = {
+            "selection": args.selection,
+            "results": len(outcomes),
+            "seconds": round(seconds),
+            "workers": workers,
+            "wheel": f"vllm-{importlib.metadata.version('vllm')}",
+            "directories": summary,
+        }
+        print(f"recorded: {record_run(args.expectations.parent, record)} and docs/conformance.md")
     return 1 if unexpected else 0
 
 

@@ -12,15 +12,20 @@ FILE = "tests/v1/core/test_a.py"
 
 
 def _outcomes(**tests: str) -> dict:
-    return {f"{FILE}::{name}": {"outcome": outcome, "message": f"{name} {outcome}"} for name, outcome in tests.items()}
+    return {
+        f"{FILE}::{name}": {"outcome": outcome, "message": f"{name} {outcome}"}
+        for name, outcome in tests.items()
+    }
 
 
 def _unexpected(judgement: dict) -> set[str]:
     return {t.split("::")[1] for t, v in judgement["verdicts"].items() if not v["ok"]}
 
 
-EXPECT = [Expectation((f"{FILE}::test_cuda*",), "fail", "cuda", ""),
-          Expectation((f"{FILE}::test_skipped",), "skip", "cuda", "")]
+EXPECT = [
+    Expectation((f"{FILE}::test_cuda*",), "fail", "cuda", ""),
+    Expectation((f"{FILE}::test_skipped",), "skip", "cuda", ""),
+]
 
 
 def test_listed_failures_and_skips_are_expected_and_others_must_pass():
@@ -54,16 +59,24 @@ def test_an_expectation_that_matches_nothing_in_a_run_module_is_stale():
 
 def test_the_committed_expectations_are_well_formed():
     reasons, selections, expectations = load_expectations(default_expectations())
-    assert set(reasons) == {"cuda", "real-model", "oot-rejected", "upstream-bug", "not-offered",
-                            "ascend-semantics"}
+    assert set(reasons) == {
+        "cuda",
+        "real-model",
+        "oot-rejected",
+        "upstream-bug",
+        "not-offered",
+        "ascend-semantics",
+    }
     assert {"fast", "full"} <= set(selections)
     assert all(e.reason in reasons for e in expectations)
 
 
 def test_a_reference_is_required_for_bugs_and_features_not_offered(tmp_path: Path):
     bad = tmp_path / "e.toml"
-    bad.write_text('[reasons]\nupstream-bug = "x"\n[selections]\nfast = []\n'
-                   '[[expect]]\ntests = ["a"]\noutcome = "fail"\nreason = "upstream-bug"\n')
+    bad.write_text(
+        '[reasons]\nupstream-bug = "x"\n[selections]\nfast = []\n'
+        '[[expect]]\ntests = ["a"]\noutcome = "fail"\nreason = "upstream-bug"\n'
+    )
     with pytest.raises(ValueError, match="needs a note"):
         load_expectations(bad)
 
