@@ -26,11 +26,16 @@ LAYOUTS = {
     "TP=1": {},
     "TP=2, DCP=2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
     "PCP=2": {"prefill_context_parallel_size": 2},
-    "TP=2, PCP=2, DCP=2": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
-                           "decode_context_parallel_size": 2},
+    "TP=2, PCP=2, DCP=2": {
+        "tensor_parallel_size": 2,
+        "prefill_context_parallel_size": 2,
+        "decode_context_parallel_size": 2,
+    },
 }
-MODELS = {"MLA (deepseek_v3)": ["--arch", "deepseek_v3"],
-          "GQA (qwen2, 1 KV head)": ["--arch", "qwen2", "--kv-heads", "1"]}
+MODELS = {
+    "MLA (deepseek_v3)": ["--arch", "deepseek_v3"],
+    "GQA (qwen2, 1 KV head)": ["--arch", "qwen2", "--kv-heads", "1"],
+}
 
 
 def main() -> None:
@@ -45,25 +50,46 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, make in MODELS.items():
             model = Path(tmp) / make[1]
-            subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), *make,
-                            "--out", str(model)], check=True, capture_output=True)
-            runs = [{"model": str(model), "batches": [prompts[:2], prompts], "max_tokens": args.max_tokens,
-                     "engine": {"dtype": "float32", "max_model_len": 1024, "seed": 0, "block_size": 16,
-                                "distributed_executor_backend": "mp", **layout}}
-                    for layout in LAYOUTS.values()]
+            subprocess.run(
+                [sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), *make, "--out", str(model)],
+                check=True,
+                capture_output=True,
+            )
+            runs = [
+                {
+                    "model": str(model),
+                    "batches": [prompts[:2], prompts],
+                    "max_tokens": args.max_tokens,
+                    "engine": {
+                        "dtype": "float32",
+                        "max_model_len": 1024,
+                        "seed": 0,
+                        "block_size": 16,
+                        "distributed_executor_backend": "mp",
+                        **layout,
+                    },
+                }
+                for layout in LAYOUTS.values()
+            ]
             proc = subprocess.run(
-                [sys.executable, "-m", "tests.runtime.vllm_runner", json.dumps({"runs": runs})],
-                cwd=ROOT, env=dict(os.environ, VLLM_ASCEND_EMULATE="1"), capture_output=True, text=True)
+                [sys.executable, "-m", "tests.support.vllm_runner", json.dumps({"runs": runs})],
+                cwd=ROOT,
+                env=dict(os.environ, VLLM_ASCEND_EMULATE="1"),
+                capture_output=True,
+                text=True,
+            )
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:
                 sys.exit(f"benchmark engines failed:\n{proc.stderr[-4000:]}")
             base = None
-            for name, run in zip(LAYOUTS, json.loads(lines[-1][len("RESULT "):])["runs"]):
+            for name, run in zip(LAYOUTS, json.loads(lines[-1][len("RESULT ") :])["runs"]):
                 tokens = sum(len(r["token_ids"]) for r in run["batches"][1])
                 rate = tokens / run["generate_s"]
                 base = base or rate
-                print(f"{label:24} {name:20} {run['startup_s']:>10.1f} {rate:>12.1f} {rate / base:>7.2f}x",
-                      flush=True)
+                print(
+                    f"{label:24} {name:20} {run['startup_s']:>10.1f} {rate:>12.1f} {rate / base:>7.2f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def _layout(block_bytes: int, num_blocks: int):
 
 def _cache(block_bytes: int, num_blocks: int, fill: bool):
     layout = _layout(block_bytes, num_blocks)
-    buffers = [np.full(layout.total_bytes, layer + 1 if fill else 0, dtype=np.uint8) for layer in range(LAYERS)]
+    buffers = [
+        np.full(layout.total_bytes, layer + 1 if fill else 0, dtype=np.uint8) for layer in range(LAYERS)
+    ]
     layers = {f"layer.{i}": (buf.ctypes.data, layout) for i, buf in enumerate(buffers)}
     return buffers, layers
 
@@ -76,8 +78,15 @@ def prefill_peer(block_bytes: int, num_blocks: int, control_port: int, out, stop
         return wire.Reply(wire.WIRE_VERSION, True)
 
     server = ControlServer("127.0.0.1", control_port, handle)
-    out.put((transport.address, [(r.name, r.base, r.num_blocks, [(p.heads, p.head_bytes) for p in r.planes])
-                                 for r in layer_regions(layers)]))
+    out.put(
+        (
+            transport.address,
+            [
+                (r.name, r.base, r.num_blocks, [(p.heads, p.head_bytes) for p in r.planes])
+                for r in layer_regions(layers)
+            ],
+        )
+    )
     stop.wait(600)
     server.close()
     transport.close()
@@ -114,8 +123,10 @@ def transfer_rows(block_sizes: list[int], repeats: int) -> tuple[list[dict], dic
         peer.start()
         try:
             address, raw_layers = out.get(timeout=120)
-            theirs = [wire.LayerRegion(n, b, nb, [wire.PlaneSpec(h, hb) for h, hb in planes])
-                      for n, b, nb, planes in raw_layers]
+            theirs = [
+                wire.LayerRegion(n, b, nb, [wire.PlaneSpec(h, hb) for h, hb in planes])
+                for n, b, nb, planes in raw_layers
+            ]
             buffers, mine = _cache(block_bytes, num_blocks, fill=False)
             transport = open_transport("mooncake", "127.0.0.1", {})
             transport.register(plane_regions(layer_regions(mine)))
@@ -166,12 +177,23 @@ def transfer_rows(block_sizes: list[int], repeats: int) -> tuple[list[dict], dic
                 done_ms.append((t4 - t3) * 1e3)
             mib = TOTAL_MIB
             raw_tp, conn_tp = mib / statistics.median(raw_s), mib / statistics.median(conn_s)
-            rows.append({"block": f"{block_bytes // 1024} KiB", "ranges": len(lengths), "mib": mib,
-                         "raw_mib_s": raw_tp, "connector_mib_s": conn_tp, "ratio": conn_tp / raw_tp})
+            rows.append(
+                {
+                    "block": f"{block_bytes // 1024} KiB",
+                    "ranges": len(lengths),
+                    "mib": mib,
+                    "raw_mib_s": raw_tp,
+                    "connector_mib_s": conn_tp,
+                    "ratio": conn_tp / raw_tp,
+                }
+            )
             total = [p + a + d for p, a, d in zip(plan_ms, addr_ms, done_ms)]
             overhead[f"{block_bytes // 1024} KiB"] = {
-                "plan": (_pct(plan_ms, 50), _pct(plan_ms, 99)), "addressing": (_pct(addr_ms, 50), _pct(addr_ms, 99)),
-                "done round trip": (_pct(done_ms, 50), _pct(done_ms, 99)), "total": (_pct(total, 50), _pct(total, 99))}
+                "plan": (_pct(plan_ms, 50), _pct(plan_ms, 99)),
+                "addressing": (_pct(addr_ms, 50), _pct(addr_ms, 99)),
+                "done round trip": (_pct(done_ms, 50), _pct(done_ms, 99)),
+                "total": (_pct(total, 50), _pct(total, 99)),
+            }
             transport.close()
             del buffers
         finally:
@@ -183,12 +205,32 @@ def transfer_rows(block_sizes: list[int], repeats: int) -> tuple[list[dict], dic
 
 
 def _server(model: Path, port: int, config: dict | None, log: Path):
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--seed",
+        "0",
+    ]
     if config:
         cmd += ["--kv-transfer-config", json.dumps(config)]
-    return subprocess.Popen(cmd, env=dict(os.environ, VLLM_ASCEND_EMULATE="1"), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        env=dict(os.environ, VLLM_ASCEND_EMULATE="1"),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait(url: str, proc, log: Path, timeout: float = 600) -> None:
@@ -207,13 +249,22 @@ def _wait(url: str, proc, log: Path, timeout: float = 600) -> None:
     raise SystemExit(f"{url} not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-async def _stream_all(url: str, model: Path, prompts: list[str], max_tokens: int) -> tuple[list[float], int, float]:
+async def _stream_all(
+    url: str, model: Path, prompts: list[str], max_tokens: int
+) -> tuple[list[float], int, float]:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as client:
+
         async def one(prompt):
-            body = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": str(model),
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             t0, ttft, tokens = time.perf_counter(), None, 0
             async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
                 r.raise_for_status()
@@ -233,8 +284,18 @@ def serving_rows(num_prompts: int, max_tokens: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = tmp / "qwen2"
-        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", "qwen2", "--out",
-                        str(model)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "examples" / "make_tiny_model.py"),
+                "--arch",
+                "qwen2",
+                "--out",
+                str(model),
+            ],
+            check=True,
+            capture_output=True,
+        )
         ports = {name: _free_port() for name in ("colocated", "prefill", "decode", "proxy")}
         kv = {name: _free_port() for name in ("prefill", "decode")}
         procs = {"colocated": _server(model, ports["colocated"], None, tmp / "colocated.log")}
@@ -242,22 +303,44 @@ def serving_rows(num_prompts: int, max_tokens: int) -> list[dict]:
             config = {"kv_connector": "AscendP2PConnector", "kv_role": role, "kv_port": kv[name]}
             procs[name] = _server(model, ports[name], config, tmp / f"{name}.log")
         procs["proxy"] = subprocess.Popen(
-            [sys.executable, "-m", "vllm.ascend.kv_transfer.proxy", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-             "--decode", f"http://127.0.0.1:{ports['decode']}", "--port", str(ports["proxy"])],
-            stdout=open(tmp / "proxy.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.ascend.kv_transfer.proxy",
+                "--prefill",
+                f"http://127.0.0.1:{ports['prefill']}",
+                "--decode",
+                f"http://127.0.0.1:{ports['decode']}",
+                "--port",
+                str(ports["proxy"]),
+            ],
+            stdout=open(tmp / "proxy.log", "w"),  # noqa: SIM115  (the proxy writes it until it stops)
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             print("serving: starting a colocated instance, a 1P1D pair and the proxy ...", flush=True)
             for name in ("colocated", "prefill", "decode", "proxy"):
                 _wait(f"http://127.0.0.1:{ports[name]}", procs[name], tmp / f"{name}.log")
-            prompts = [f"Request {i}: " + "paged attention keeps keys and values in blocks " * (2 + i % 6)
-                       for i in range(num_prompts)]
+            prompts = [
+                f"Request {i}: " + "paged attention keeps keys and values in blocks " * (2 + i % 6)
+                for i in range(num_prompts)
+            ]
             rows = []
             for label, name in (("colocated", "colocated"), ("1P1D via proxy", "proxy")):
                 url = f"http://127.0.0.1:{ports[name]}"
                 asyncio.run(_stream_all(url, model, prompts[:2], 4))  # warm-up
                 ttfts, tokens, elapsed = asyncio.run(_stream_all(url, model, prompts, max_tokens))
-                rows.append({"setup": label, "requests": num_prompts, "ttft_p50_ms": _pct(ttfts, 50) * 1e3,
-                             "ttft_p99_ms": _pct(ttfts, 99) * 1e3, "tokens": tokens, "tokens_s": tokens / elapsed})
+                rows.append(
+                    {
+                        "setup": label,
+                        "requests": num_prompts,
+                        "ttft_p50_ms": _pct(ttfts, 50) * 1e3,
+                        "ttft_p99_ms": _pct(ttfts, 99) * 1e3,
+                        "tokens": tokens,
+                        "tokens_s": tokens / elapsed,
+                    }
+                )
             return rows
         finally:
             for proc in procs.values():
@@ -277,32 +360,49 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--skip-serving", action="store_true")
     args = p.parse_args()
-    print(f"pull throughput: {TOTAL_MIB} MiB per request over Mooncake TCP on 127.0.0.1, {args.repeats} pulls "
-          "per block size (median) ...", flush=True)
+    print(
+        f"pull throughput: {TOTAL_MIB} MiB per request over Mooncake TCP on 127.0.0.1, {args.repeats} pulls "
+        "per block size (median) ...",
+        flush=True,
+    )
     rows, overhead = transfer_rows([1 << 20, 64 << 10], args.repeats)
     print("\n| block | ranges | MiB | raw MiB/s | connector MiB/s | connector / raw |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['block']} | {r['ranges']} | {r['mib']} | {r['raw_mib_s']:.0f} | {r['connector_mib_s']:.0f} "
-              f"| {r['ratio']:.2f} |")
+        print(
+            f"| {r['block']} | {r['ranges']} | {r['mib']} | {r['raw_mib_s']:.0f} | {r['connector_mib_s']:.0f} "
+            f"| {r['ratio']:.2f} |"
+        )
     print("goal: connector >= 0.90 of raw:", "met" if all(r["ratio"] >= 0.9 for r in rows) else "NOT met")
     print("\ncontrol-plane overhead per request, ms (p50 / p99)")
     print("| block | plan | addressing | done round trip | total |")
     print("|---|---:|---:|---:|---:|")
     for block, parts in overhead.items():
-        print(f"| {block} | " + " | ".join(f"{parts[k][0]:.2f} / {parts[k][1]:.2f}" for k in
-                                          ("plan", "addressing", "done round trip", "total")) + " |")
-    print("goal: total p50 <= 2 ms:", "met" if all(p["total"][0] <= 2 for p in overhead.values()) else "NOT met")
+        print(
+            f"| {block} | "
+            + " | ".join(
+                f"{parts[k][0]:.2f} / {parts[k][1]:.2f}"
+                for k in ("plan", "addressing", "done round trip", "total")
+            )
+            + " |"
+        )
+    print(
+        "goal: total p50 <= 2 ms:", "met" if all(p["total"][0] <= 2 for p in overhead.values()) else "NOT met"
+    )
     if args.skip_serving:
         return
     srows = serving_rows(args.prompts, args.max_tokens)
     print("\n| setup | requests | TTFT p50 ms | TTFT p99 ms | output tokens | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in srows:
-        print(f"| {r['setup']} | {r['requests']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tokens']} "
-              f"| {r['tokens_s']:.1f} |")
-    print(f"1P1D / colocated tokens/s: {srows[1]['tokens_s'] / srows[0]['tokens_s']:.2f}; "
-          f"TTFT p50 ratio: {srows[1]['ttft_p50_ms'] / srows[0]['ttft_p50_ms']:.2f}")
+        print(
+            f"| {r['setup']} | {r['requests']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tokens']} "
+            f"| {r['tokens_s']:.1f} |"
+        )
+    print(
+        f"1P1D / colocated tokens/s: {srows[1]['tokens_s'] / srows[0]['tokens_s']:.2f}; "
+        f"TTFT p50 ratio: {srows[1]['ttft_p50_ms'] / srows[0]['ttft_p50_ms']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ with the selector's choice beside the measured fastest.
 
     nox -s bench -- moe [--tokens 1,4,16,64,256,1024,4096] [--ep 2,4] [--repeats 21]
 
-Each EP size is one set of gloo processes (tests/runtime/moe_ranks.py; EP = DP, TP 1);
+Each EP size is one set of gloo processes (tests/support/moe_ranks.py; EP = DP, TP 1);
 for every token count the strategies take turns on the same tokens (after one warm-up
 call each), so they see the same machine conditions. Latency: the slowest rank's median.
 AllToAll's bytes are compared with the routed minimum: per rank, the (token, expert)
@@ -30,7 +30,7 @@ def routed_minimum(case: dict, tokens: list[int]) -> list[int]:
     """Per rank: bytes of its rows bound for other ranks plus the rows it returns."""
     import torch
 
-    from tests.runtime.moe_ranks import problem
+    from tests.support.moe_ranks import problem
 
     ep = len(tokens)
     local = case["experts"] // ep
@@ -54,18 +54,32 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
 
-    from tests.runtime.moe_ranks import run
+    from tests.support.moe_ranks import run
     from vllm.ascend.moe import selector
 
     grid = [int(t) for t in args.tokens.split(",")]
     rows, exact, close, total = [], 0, 0, 0
     for ep in (int(e) for e in args.ep.split(",")):
-        base = {"tp": 1, "dp": ep, "ep": True, "experts": args.experts, "top_k": args.top_k,
-                "hidden": args.hidden, "inter": args.hidden // 2, "seed": 7}
-        case = {**base, "strategies": STRATEGIES, "tokens_grid": [[n] * ep for n in grid],
-                "bench": {"repeats": args.repeats}}
-        print(f"EP={ep}: {len(grid)} token counts x {len(STRATEGIES)} strategies x {args.repeats} "
-              "repeats ...", flush=True)
+        base = {
+            "tp": 1,
+            "dp": ep,
+            "ep": True,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "hidden": args.hidden,
+            "inter": args.hidden // 2,
+            "seed": 7,
+        }
+        case = {
+            **base,
+            "strategies": STRATEGIES,
+            "tokens_grid": [[n] * ep for n in grid],
+            "bench": {"repeats": args.repeats},
+        }
+        print(
+            f"EP={ep}: {len(grid)} token counts x {len(STRATEGIES)} strategies x {args.repeats} repeats ...",
+            flush=True,
+        )
         results = run(case, timeout=3600)
         for rank in results:
             if "error" in rank:
@@ -74,11 +88,20 @@ def main() -> None:
         for i in range(len(results[0]["results"])):
             per_rank = [rank["results"][i] for rank in results]
             key = (per_rank[0]["strategy"], per_rank[0]["tokens"][0])
-            measured[key] = {"median_s": max(r["median_s"] for r in per_rank),
-                             "bytes": max(r["bytes_sent"] for r in per_rank)}
-        lay = selector.MoELayout(expert_parallel=True, ep_size=ep, tp_size=1,
-                                 num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
-                                 soc="host", mc2_capacity=selector.mc2_capacity(256, 0, 1, "host"))
+            measured[key] = {
+                "median_s": max(r["median_s"] for r in per_rank),
+                "bytes": max(r["bytes_sent"] for r in per_rank),
+            }
+        lay = selector.MoELayout(
+            expert_parallel=True,
+            ep_size=ep,
+            tp_size=1,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            hidden_size=args.hidden,
+            soc="host",
+            mc2_capacity=selector.mc2_capacity(256, 0, 1, "host"),
+        )
         for n in grid:
             chosen = selector.select(n, lay).value
             timed = {s: measured[(s, n)] for s in STRATEGIES if (s, n) in measured}
@@ -90,8 +113,11 @@ def main() -> None:
             rows.append((ep, n, timed, chosen, fastest, minimum))
 
     print("\nmedian ms (bytes sent by the busiest rank)")
-    header = (f"{'EP':>3} {'tokens/rank':>11} | " + " | ".join(f"{s:>20}" for s in STRATEGIES)
-              + f" | {'a2a/min bytes':>13} | {'selector':>9} | {'fastest':>9}")
+    header = (
+        f"{'EP':>3} {'tokens/rank':>11} | "
+        + " | ".join(f"{s:>20}" for s in STRATEGIES)
+        + f" | {'a2a/min bytes':>13} | {'selector':>9} | {'fastest':>9}"
+    )
     print(header)
     print("-" * len(header))
     for ep, n, timed, chosen, fastest, minimum in rows:
@@ -101,13 +127,16 @@ def main() -> None:
             cells.append(f"{m['median_s'] * 1e3:8.2f} ({m['bytes']:>9})" if m else f"{'n/a':>20}")
         ratio = timed["alltoall"]["bytes"] / minimum if minimum else float("nan")
         mark = "" if chosen == fastest else " *"
-        print(f"{ep:>3} {n:>11} | " + " | ".join(cells)
-              + f" | {ratio:13.3f} | {chosen:>9} | {fastest:>9}{mark}")
-    print(f"\nselector's choice is the fastest in {exact}/{total} cells ({100 * exact / total:.0f} %), "
-          f"within {TIE:.0%} of the fastest in {close}/{total} ({100 * close / total:.0f} %); "
-          f"mc2 n/a above {selector.MC2_TOKENS_PER_RANK['host']} tokens per rank; "
-          f"host AllToAll from EP {selector.HOST_ALLTOALL_MIN_EP} and "
-          f"{selector.HOST_ALLTOALL_MIN_TOKENS} tokens")
+        print(
+            f"{ep:>3} {n:>11} | " + " | ".join(cells) + f" | {ratio:13.3f} | {chosen:>9} | {fastest:>9}{mark}"
+        )
+    print(
+        f"\nselector's choice is the fastest in {exact}/{total} cells ({100 * exact / total:.0f} %), "
+        f"within {TIE:.0%} of the fastest in {close}/{total} ({100 * close / total:.0f} %); "
+        f"mc2 n/a above {selector.MC2_TOKENS_PER_RANK['host']} tokens per rank; "
+        f"host AllToAll from EP {selector.HOST_ALLTOALL_MIN_EP} and "
+        f"{selector.HOST_ALLTOALL_MIN_TOKENS} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,14 @@ def configs() -> dict[str, dict | None]:
     def mtp(k: int, **extra) -> dict:
         return {"method": "deepseek_mtp", "num_speculative_tokens": k, **extra}
 
-    return {"no MTP": None, "MTP k=1": mtp(1), "MTP k=2": mtp(2),
-            "MTP k=2, all accepted": mtp(2, rejection_sample_method="synthetic",
-                                         synthetic_acceptance_rates=[1.0, 1.0])}
+    return {
+        "no MTP": None,
+        "MTP k=1": mtp(1),
+        "MTP k=2": mtp(2),
+        "MTP k=2, all accepted": mtp(
+            2, rejection_sample_method="synthetic", synthetic_acceptance_rates=[1.0, 1.0]
+        ),
+    }
 
 
 def main() -> None:
@@ -40,8 +45,18 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "deepseek_v3"
-        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"),
-                        "--arch", "deepseek_v3", "--out", str(model)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "examples" / "make_tiny_model.py"),
+                "--arch",
+                "deepseek_v3",
+                "--out",
+                str(model),
+            ],
+            check=True,
+            capture_output=True,
+        )
         prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog" for i in range(args.prompts)]
         runs = []
         for spec in configs().values():
@@ -49,17 +64,29 @@ def main() -> None:
             if spec:
                 engine["speculative_config"] = spec
             # The first batch warms the engine up; the second is measured.
-            runs.append({"model": str(model), "engine": engine, "batches": [prompts[:2], prompts],
-                         "max_tokens": args.max_tokens})
-        print(f"running {len(runs)} engines on {args.prompts} prompts x {args.max_tokens} tokens ...",
-              flush=True)
-        proc = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_runner", json.dumps({"runs": runs})],
-                              cwd=ROOT, env=dict(os.environ, VLLM_ASCEND_EMULATE="1"), capture_output=True,
-                              text=True)
+            runs.append(
+                {
+                    "model": str(model),
+                    "engine": engine,
+                    "batches": [prompts[:2], prompts],
+                    "max_tokens": args.max_tokens,
+                }
+            )
+        print(
+            f"running {len(runs)} engines on {args.prompts} prompts x {args.max_tokens} tokens ...",
+            flush=True,
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.vllm_runner", json.dumps({"runs": runs})],
+            cwd=ROOT,
+            env=dict(os.environ, VLLM_ASCEND_EMULATE="1"),
+            capture_output=True,
+            text=True,
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             sys.exit(f"benchmark engines failed:\n{proc.stderr[-4000:]}")
-        results = json.loads(lines[-1][len("RESULT "):])["runs"]
+        results = json.loads(lines[-1][len("RESULT ") :])["runs"]
     base = None
     header = f"{'configuration':24} {'accept rate':>11} {'accepted/step':>13} {'output tok/s':>12}"
     print(f"\n{header} {'vs no MTP':>9}")

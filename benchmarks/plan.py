@@ -31,22 +31,32 @@ def layouts(block: int) -> dict[str, tuple[CPLayout, CPLayout]]:
     gqa = {"kv_heads": 4, "block_size": block}
     return {
         "MLA TP8/DP2 -> TP8/DP2": (CPLayout(tp=8, dp=2, **mla), CPLayout(tp=8, dp=2, **mla)),
-        "MLA TP8/PCP2/DCP8 -> TP8/DCP4/DP2": (CPLayout(tp=8, pcp=2, dcp=8, **mla),
-                                              CPLayout(tp=8, dcp=4, dp=2, **mla)),
-        "MLA same, interleave = block": (CPLayout(tp=8, pcp=2, dcp=8, interleave=block, **mla),
-                                         CPLayout(tp=8, dcp=4, dp=2, interleave=block, **mla)),
-        "MLA TP8/PCP2/DCP4 -> TP4/DCP2/DP4": (CPLayout(tp=8, pcp=2, dcp=4, **mla),
-                                              CPLayout(tp=4, dcp=2, dp=4, **mla)),
+        "MLA TP8/PCP2/DCP8 -> TP8/DCP4/DP2": (
+            CPLayout(tp=8, pcp=2, dcp=8, **mla),
+            CPLayout(tp=8, dcp=4, dp=2, **mla),
+        ),
+        "MLA same, interleave = block": (
+            CPLayout(tp=8, pcp=2, dcp=8, interleave=block, **mla),
+            CPLayout(tp=8, dcp=4, dp=2, interleave=block, **mla),
+        ),
+        "MLA TP8/PCP2/DCP4 -> TP4/DCP2/DP4": (
+            CPLayout(tp=8, pcp=2, dcp=4, **mla),
+            CPLayout(tp=4, dcp=2, dp=4, **mla),
+        ),
         "MLA TP8/PCP2 -> TP4/DCP2": (CPLayout(tp=8, pcp=2, **mla), CPLayout(tp=4, dcp=2, **mla)),
         "MLA TP8 -> TP8/DCP4 (over-read)": (CPLayout(tp=8, **mla), CPLayout(tp=8, dcp=4, **mla)),
         "GQA4 TP8 -> TP8/DCP2 (over-read)": (CPLayout(tp=8, **gqa), CPLayout(tp=8, dcp=2, **gqa)),
-        "GQA4 TP8/PCP2/DCP2 -> TP8/DCP2/DP2": (CPLayout(tp=8, pcp=2, dcp=2, **gqa),
-                                               CPLayout(tp=8, dcp=2, dp=2, **gqa)),
+        "GQA4 TP8/PCP2/DCP2 -> TP8/DCP2/DP2": (
+            CPLayout(tp=8, pcp=2, dcp=2, **gqa),
+            CPLayout(tp=8, dcp=2, dp=2, **gqa),
+        ),
         "GQA4 TP16/DCP2 -> TP8/DCP2/DP2": (CPLayout(tp=16, dcp=2, **gqa), CPLayout(tp=8, dcp=2, dp=2, **gqa)),
         "GQA4 TP8 -> TP2": (CPLayout(tp=8, **gqa), CPLayout(tp=2, **gqa)),
         "GQA4 TP2 -> TP8": (CPLayout(tp=2, **gqa), CPLayout(tp=8, **gqa)),
         f"GQA4 TP4 block {block} -> TP4 block {block // 2}": (
-            CPLayout(tp=4, **gqa), CPLayout(tp=4, kv_heads=4, block_size=block // 2)),
+            CPLayout(tp=4, **gqa),
+            CPLayout(tp=4, kv_heads=4, block_size=block // 2),
+        ),
     }
 
 
@@ -57,8 +67,10 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=128)
     args = p.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
-    print(f"{'layout (prefill -> decode)':40} {'tokens':>7} {'reads':>6} {'runs':>7} {'plan ms':>8} "
-          f"{'needed MiB':>10} {'whole-block MiB':>15} {'over-read':>9}")
+    print(
+        f"{'layout (prefill -> decode)':40} {'tokens':>7} {'reads':>6} {'runs':>7} {'plan ms':>8} "
+        f"{'needed MiB':>10} {'whole-block MiB':>15} {'over-read':>9}"
+    )
     for name, (prefill, decode) in layouts(args.block_size).items():
         per_slot = MLA_BYTES_PER_HEAD_SLOT if prefill.mla else GQA_BYTES_PER_HEAD_SLOT
         for n in lengths:
@@ -72,9 +84,11 @@ def main() -> None:
                 plan = build_plan(prefill, decode, n, src, dst)
                 times.append(time.perf_counter() - start)
             needed, whole = plan.head_slots_needed(), plan.head_slots_whole_blocks()
-            print(f"{name:40} {n:>7} {len(plan):>6} {plan.run_count():>7} "
-                  f"{statistics.median(times) * 1e3:>8.3f} {needed * per_slot / 2**20:>10.1f} "
-                  f"{whole * per_slot / 2**20:>15.1f} {whole / needed:>8.2f}x")
+            print(
+                f"{name:40} {n:>7} {len(plan):>6} {plan.run_count():>7} "
+                f"{statistics.median(times) * 1e3:>8.3f} {needed * per_slot / 2**20:>10.1f} "
+                f"{whole * per_slot / 2**20:>15.1f} {whole / needed:>8.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
-                    r"kv_a_proj_with_mqa|kv_b_proj)\.")
+WEIGHT = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
+    r"kv_a_proj_with_mqa|kv_b_proj)\."
+)
 
 
 def linear_bytes(model: Path) -> int:
@@ -52,38 +54,80 @@ def main() -> None:
         rows, runs = [], []
         for arch in ("qwen2", "deepseek_v3"):
             float_model = Path(tmp) / arch
-            subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", arch,
-                            "--hidden-size", str(args.hidden_size), "--intermediate-size", str(2 * args.hidden_size),
-                            "--out", str(float_model)], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "examples" / "make_tiny_model.py"),
+                    "--arch",
+                    arch,
+                    "--hidden-size",
+                    str(args.hidden_size),
+                    "--intermediate-size",
+                    str(2 * args.hidden_size),
+                    "--out",
+                    str(float_model),
+                ],
+                check=True,
+                capture_output=True,
+            )
             variants = [("float", float_model)]
             for scheme in ("w8a8", "w8a8_dynamic"):
                 out = Path(tmp) / f"{arch}-{scheme}"
-                done = subprocess.run([sys.executable, str(ROOT / "examples" / "quantize_tiny_model.py"), "--model",
-                                       str(float_model), "--out", str(out), "--scheme", scheme],
-                                      capture_output=True, text=True)
+                done = subprocess.run(
+                    [
+                        sys.executable,
+                        str(ROOT / "examples" / "quantize_tiny_model.py"),
+                        "--model",
+                        str(float_model),
+                        "--out",
+                        str(out),
+                        "--scheme",
+                        scheme,
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
                 if done.returncode:
                     sys.exit(f"quantizing {arch} ({scheme}) failed:\n{done.stderr[-3000:]}")
                 variants.append((scheme, out))
             for scheme, model in variants:
                 rows.append((arch, scheme, linear_bytes(model), linear_bytes(float_model)))
                 engine = {"dtype": "float32", "max_model_len": 512, "seed": 0}
-                runs.append({"model": str(model), "engine": engine, "batches": [prompts[:2], prompts],
-                             "max_tokens": args.max_tokens})
-        print(f"running {len(runs)} engines on {args.prompts} prompts x {args.max_tokens} tokens ...", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_runner", json.dumps({"runs": runs})],
-                              cwd=ROOT, env=dict(os.environ, VLLM_ASCEND_EMULATE="1"), capture_output=True, text=True)
+                runs.append(
+                    {
+                        "model": str(model),
+                        "engine": engine,
+                        "batches": [prompts[:2], prompts],
+                        "max_tokens": args.max_tokens,
+                    }
+                )
+        print(
+            f"running {len(runs)} engines on {args.prompts} prompts x {args.max_tokens} tokens ...",
+            flush=True,
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.vllm_runner", json.dumps({"runs": runs})],
+            cwd=ROOT,
+            env=dict(os.environ, VLLM_ASCEND_EMULATE="1"),
+            capture_output=True,
+            text=True,
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             sys.exit(f"benchmark engines failed:\n{proc.stderr[-4000:]}")
-        results = json.loads(lines[-1][len("RESULT "):])["runs"]
-    print(f"\n{'model':12} {'scheme':13} {'linear+expert MiB':>17} {'vs float':>8} {'output tok/s':>12} {'vs float':>8}")
+        results = json.loads(lines[-1][len("RESULT ") :])["runs"]
+    print(
+        f"\n{'model':12} {'scheme':13} {'linear+expert MiB':>17} {'vs float':>8} {'output tok/s':>12} {'vs float':>8}"
+    )
     base_rate = {}
     for (arch, scheme, size, float_size), run in zip(rows, results):
         tokens = sum(len(r["token_ids"]) for batch in run["batches"] for r in batch)
         rate = tokens / run["generate_s"]  # both batches: the warm-up is short and the same for every row
         base_rate.setdefault(arch, rate)
-        print(f"{arch:12} {scheme:13} {size / 2 ** 20:>17.3f} {size / float_size:>8.3f} {rate:>12.1f} "
-              f"{rate / base_rate[arch]:>7.2f}x")
+        print(
+            f"{arch:12} {scheme:13} {size / 2**20:>17.3f} {size / float_size:>8.3f} {rate:>12.1f} "
+            f"{rate / base_rate[arch]:>7.2f}x"
+        )
     print("\ngoal: linear + expert weight bytes <= 0.30 of float")
 
 

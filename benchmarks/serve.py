@@ -35,8 +35,11 @@ def child(model: str, num_prompts: int, max_tokens: int) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t2
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"import_s": t_import, "startup_s": startup, "tokens": tokens,
-                                  "elapsed_s": elapsed}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps({"import_s": t_import, "startup_s": startup, "tokens": tokens, "elapsed_s": elapsed}),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -53,13 +56,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             model = Path(tmp) / arch
-            subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", arch,
-                            "--out", str(model)], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "examples" / "make_tiny_model.py"),
+                    "--arch",
+                    arch,
+                    "--out",
+                    str(model),
+                ],
+                check=True,
+                capture_output=True,
+            )
             print(f"{arch}: starting engine ...", flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--child", str(model), str(args.prompts),
-                                   str(args.max_tokens)], capture_output=True, text=True,
-                                  env=dict(os.environ, VLLM_ASCEND_EMULATE="1"))
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", str(model), str(args.prompts), str(args.max_tokens)],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, VLLM_ASCEND_EMULATE="1"),
+            )
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 sys.exit(f"error: benchmark of {arch} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(lines[-1][7:])
@@ -67,8 +83,10 @@ def main() -> None:
     print(f"\n{'model':<12} {'import s':>9} {'start-up s':>11} {'goal':>6} {'out tok/s':>10}")
     for arch, r in rows:
         ok = "ok" if r["startup_s"] <= 15 else "SLOW"
-        print(f"{arch:<12} {r['import_s']:>9.1f} {r['startup_s']:>11.1f} {ok:>6} "
-              f"{r['tokens'] / r['elapsed_s']:>10.1f}")
+        print(
+            f"{arch:<12} {r['import_s']:>9.1f} {r['startup_s']:>11.1f} {ok:>6} "
+            f"{r['tokens'] / r['elapsed_s']:>10.1f}"
+        )
     print(f"({args.prompts} prompts x {args.max_tokens} tokens, greedy, float32, host emulation)")
 
 

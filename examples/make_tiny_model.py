@@ -25,10 +25,11 @@ import argparse
 import json
 from pathlib import Path
 
-import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +55,9 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
@@ -65,28 +68,55 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 def save_tokenizer(tok: Tokenizer, out: Path, max_len: int) -> None:
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": max_len,
-        "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+                "model_max_length": max_len,
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2
+        )
+    )
 
 
 def base_config(args, tok: Tokenizer) -> dict:
     return dict(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, max_position_embeddings=args.max_len,
-        initializer_range=args.init_range, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
-        pad_token_id=tok.token_to_id("<pad>"), torch_dtype="float32",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        max_position_embeddings=args.max_len,
+        initializer_range=args.init_range,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+        pad_token_id=tok.token_to_id("<pad>"),
+        torch_dtype="float32",
     )
 
 
 def make_model(args, tok: Tokenizer):
-    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config
-    from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     cfg = base_config(args, tok)
     if args.arch == "llama":
@@ -94,11 +124,22 @@ def make_model(args, tok: Tokenizer):
     if args.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**cfg, num_key_value_heads=args.kv_heads or args.heads // 2))
     config = DeepseekV3Config(
-        **cfg, num_key_value_heads=args.heads, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        **cfg,
+        num_key_value_heads=args.heads,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
         qk_rope_head_dim=args.qk_rope_head_dim,
-        qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=args.experts, num_experts_per_tok=2,
-        n_shared_experts=1, moe_intermediate_size=args.intermediate_size // 2, first_k_dense_replace=1,
-        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=args.intermediate_size // 2,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
         num_nextn_predict_layers=1,
     )
     return DeepseekV3ForCausalLM(config)
@@ -112,8 +153,9 @@ def randomize_routing_bias(model, generator: torch.Generator) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=generator) * 0.5)
 
 
-def mtp_layer_weights(saved: dict[str, torch.Tensor], config, generator: torch.Generator,
-                      init_range: float) -> dict[str, torch.Tensor]:
+def mtp_layer_weights(
+    saved: dict[str, torch.Tensor], config, generator: torch.Generator, init_range: float
+) -> dict[str, torch.Tensor]:
     """One MTP module stored as layer ``num_hidden_layers`` (DeepSeek-V3 layout): a decoder
     layer shaped like the last saved MoE layer, plus enorm/hnorm/eh_proj/shared_head."""
     n = config.num_hidden_layers
@@ -122,7 +164,7 @@ def mtp_layer_weights(saved: dict[str, torch.Tensor], config, generator: torch.G
     for name, tensor in saved.items():
         if not name.startswith(template):
             continue
-        new_name = f"model.layers.{n}." + name[len(template):]
+        new_name = f"model.layers.{n}." + name[len(template) :]
         if name.endswith("norm.weight"):
             out[new_name] = torch.ones_like(tensor)
         else:
@@ -133,7 +175,8 @@ def mtp_layer_weights(saved: dict[str, torch.Tensor], config, generator: torch.G
     out[f"model.layers.{n}.eh_proj.weight"] = torch.randn(h, 2 * h, generator=generator) * init_range
     out[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(h)
     out[f"model.layers.{n}.shared_head.head.weight"] = (
-        torch.randn(config.vocab_size, h, generator=generator) * init_range)
+        torch.randn(config.vocab_size, h, generator=generator) * init_range
+    )
     return out
 
 
@@ -149,16 +192,28 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2)")
     p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3)")
-    p.add_argument("--kv-lora-rank", type=int, default=256,
-                   help="MLA latent size (deepseek_v3); with --qk-rope-head-dim it must sum to 320, 512 "
-                        "or 576 (vLLM's MLA). 512 + rope 64 is the form torch_npu's MLA attention takes")
-    p.add_argument("--q-lora-rank", type=int, default=None,
-                   help="MLA query compression (deepseek_v3; default none: q_proj instead of q_a_proj/q_b_proj)")
+    p.add_argument(
+        "--kv-lora-rank",
+        type=int,
+        default=256,
+        help="MLA latent size (deepseek_v3); with --qk-rope-head-dim it must sum to 320, 512 "
+        "or 576 (vLLM's MLA). 512 + rope 64 is the form torch_npu's MLA attention takes",
+    )
+    p.add_argument(
+        "--q-lora-rank",
+        type=int,
+        default=None,
+        help="MLA query compression (deepseek_v3; default none: q_proj instead of q_a_proj/q_b_proj)",
+    )
     p.add_argument("--qk-rope-head-dim", type=int, default=64, help="MLA rotary key size (deepseek_v3)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="dtype the weights are stored in (config.json's torch_dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="dtype the weights are stored in (config.json's torch_dtype)",
+    )
     args = p.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,13 +34,25 @@ import shutil
 import sys
 from pathlib import Path
 
-import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 import torch
 from safetensors.torch import load_file, save_file
 
+import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
+
 ARCHS = ("llama", "qwen2", "deepseek_v3")
-LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-           "kv_a_proj_with_mqa", "kv_b_proj"}
+LINEARS = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+}
 ALWAYS_FLOAT = {"kv_b_proj"}
 CALIBRATION = [
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.",
@@ -76,8 +88,9 @@ def linear_name(name: str) -> str | None:
     return module if module in LINEARS else None
 
 
-def plan_schemes(tensors: dict, config: dict, scheme: str, float_mtp: bool,
-                 keep_float: tuple[re.Pattern, ...] = ()) -> dict[str, str]:
+def plan_schemes(
+    tensors: dict, config: dict, scheme: str, float_mtp: bool, keep_float: tuple[re.Pattern, ...] = ()
+) -> dict[str, str]:
     """Scheme per linear weight; everything else is FLOAT."""
     mtp_first = config["num_hidden_layers"] if config["model_type"] == "deepseek_v3" else None
     plan = {}
@@ -105,8 +118,10 @@ def check_whole_expert_layers(tensors: dict, plan: dict[str, str]) -> None:
             quantized.setdefault(name.split(".mlp.experts.")[0], set()).add(name in plan)
     mixed = sorted(layer for layer, kinds in quantized.items() if len(kinds) > 1)
     if mixed:
-        fail(f"--keep-float matches only some routed experts of {mixed[0]}.mlp.experts; "
-             "keep all of a layer's experts float or none (match e.g. 'layers\\.2\\.mlp\\.experts\\.')")
+        fail(
+            f"--keep-float matches only some routed experts of {mixed[0]}.mlp.experts; "
+            "keep all of a layer's experts float or none (match e.g. 'layers\\.2\\.mlp\\.experts\\.')"
+        )
 
 
 def calibrate(model: Path, names: list[str]) -> dict[str, tuple[float, float]]:
@@ -124,6 +139,7 @@ def calibrate(model: Path, names: list[str]) -> dict[str, tuple[float, float]]:
             low, high = float(x.min()), float(x.max())
             old = ranges.get(module_name, (low, high))
             ranges[module_name] = (min(old[0], low), max(old[1], high))
+
         return record
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in hf.named_modules() if n in wanted]
@@ -162,8 +178,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory to write (must not exist)")
     parser.add_argument("--scheme", choices=("w8a8", "w8a8_dynamic"), required=True)
     parser.add_argument("--float-mtp", action="store_true", help="keep the DeepSeek MTP module float")
-    parser.add_argument("--keep-float", action="append", default=[], metavar="REGEX",
-                        help="keep linear weights whose name matches float (repeatable)")
+    parser.add_argument(
+        "--keep-float",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="keep linear weights whose name matches float (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         keep_float = tuple(re.compile(pattern) for pattern in args.keep_float)
@@ -204,17 +225,27 @@ def main(argv=None) -> None:
             in_scale, in_offset = activation_qparams(*ranges[prefix])
             deq = (in_scale * w_scale.squeeze(1)).to(torch.float32)
             bias = tensors.get(prefix + ".bias")
-            folded = (bias.to(torch.float64) / deq.to(torch.float64) if bias is not None
-                      else torch.zeros_like(deq, dtype=torch.float64))
+            folded = (
+                bias.to(torch.float64) / deq.to(torch.float64)
+                if bias is not None
+                else torch.zeros_like(deq, dtype=torch.float64)
+            )
             quant_bias = torch.round(folded - in_offset * w_q.to(torch.float64).sum(dim=1)).to(torch.int32)
-            layer.update(input_scale=torch.tensor([in_scale], dtype=torch.float32),
-                         input_offset=torch.tensor([in_offset], dtype=torch.float32),
-                         deq_scale=encode_deq_scale(deq, float16_model), quant_bias=quant_bias)
+            layer.update(
+                input_scale=torch.tensor([in_scale], dtype=torch.float32),
+                input_offset=torch.tensor([in_offset], dtype=torch.float32),
+                deq_scale=encode_deq_scale(deq, float16_model),
+                quant_bias=quant_bias,
+            )
         for suffix, value in layer.items():
             out_tensors[f"{prefix}.{suffix}"], description[f"{prefix}.{suffix}"] = value.contiguous(), scheme
     schemes = set(plan.values())
-    description = {"model_quant_type": "W8A8" if "W8A8" in schemes else "W8A8_DYNAMIC", "version": "1.0.0",
-                   "group_size": 0, **description}
+    description = {
+        "model_quant_type": "W8A8" if "W8A8" in schemes else "W8A8_DYNAMIC",
+        "version": "1.0.0",
+        "group_size": 0,
+        **description,
+    }
 
     args.out.mkdir(parents=True)
     try:
@@ -223,8 +254,12 @@ def main(argv=None) -> None:
         config.pop("quantization_config", None)
         (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for file in args.model.iterdir():
-            if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json",) \
-                    and not file.name.endswith(".safetensors.index.json"):
+            if (
+                file.is_file()
+                and file.suffix != ".safetensors"
+                and file.name not in ("config.json",)
+                and not file.name.endswith(".safetensors.index.json")
+            ):
                 shutil.copy2(file, args.out / file.name)
     except BaseException:
         shutil.rmtree(args.out, ignore_errors=True)  # no half-written checkpoint

@@ -1,9 +1,10 @@
 """Print what the installed vLLM Ascend wheel was built from.
 
-    python examples/show_provenance.py
+python examples/show_provenance.py
 """
 
 import vllm
+
 import vllm.ascend
 
 prov = vllm.ascend.provenance()

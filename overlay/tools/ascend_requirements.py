@@ -1,4 +1,5 @@
-"""Dependencies of the vLLM Ascend distribution, read by upstream's setup.py (patch 0002).
+"""Dependencies of the vLLM Ascend distribution, read by upstream's setup.py (patch
+``setup-take-the-ascend-distribution-s-requirements-and-extras``).
 
 The data lives in requirements/ascend.txt (always installed with the empty target)
 and requirements/ascend-extra-<name>.txt (one file per extra), all from overlay/.

@@ -1,4 +1,5 @@
-"""First code to run on ``import vllm`` (hook: patch 0003), before anything imports torch.
+"""First code to run on ``import vllm`` (hook: patch
+``vllm-run-the-ascend-bootstrap-before-anything-imports-torch``), before anything imports torch.
 
 Two problems with torch_npu on a host that has it installed but has no CANN:
 

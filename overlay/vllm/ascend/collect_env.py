@@ -1,4 +1,4 @@
-"""The Ascend section of ``vllm collect-env`` (hook: patch 0006)."""
+"""The Ascend section of ``vllm collect-env`` (hook: patch ``collect-env-append-the-ascend-section``)."""
 
 from __future__ import annotations
 

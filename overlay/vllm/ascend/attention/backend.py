@@ -82,8 +82,9 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         if self.cp_rank is not None:
             self.reorder_batch_threshold = 1  # decode requests first: their rows combine across ranks
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> AscendAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> AscendAttentionMetadata:
         m = common_attn_metadata
         metadata = AscendAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
@@ -93,8 +94,9 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         )
         if self.cp_rank is not None:
             num_decodes = split_decodes_and_prefills(m, decode_threshold=1)[0]
-            metadata.cp_step = build_step(metadata.query_start_loc, metadata.seq_lens, num_decodes,
-                                          self.cp_rank)
+            metadata.cp_step = build_step(
+                metadata.query_start_loc, metadata.seq_lens, num_decodes, self.cp_rank
+            )
         return metadata
 
 
@@ -103,12 +105,23 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
     can_return_lse_for_decode: bool = True
     supports_pcp: bool = True
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
-                 logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: str | None = None, **extra) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap=None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra,
+    ) -> None:
         unsupported = {
-            "alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
             "logits_soft_cap": logits_soft_cap,
         }
         for name, value in unsupported.items():
@@ -116,7 +129,8 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
                 raise NotImplementedError(f"Ascend attention does not support {name} yet")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(
-                f"Ascend attention supports decoder self-attention only, not {attn_type}")
+                f"Ascend attention supports decoder self-attention only, not {attn_type}"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -141,8 +155,18 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
                 key, value = cp.pcp_gather_rows(key[:rows]), cp.pcp_gather_rows(value[:rows])
         kernels.write_kv_cache(key, value, k_plane, v_plane, slot_mapping)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         if attn_metadata is None:  # profiling run without a KV cache
@@ -152,8 +176,14 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
         kernels.paged_attention(
-            query[:n], k_plane, v_plane, attn_metadata.block_table,
-            attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale, output[:n],
+            query[:n],
+            k_plane,
+            v_plane,
+            attn_metadata.block_table,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            self.scale,
+            output[:n],
         )
         return output
 
@@ -164,8 +194,9 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         ndec = step.num_decode_tokens
         if ndec:
             q = cp.gather_dcp_heads(query[:ndec], step.rank)
-            partial, lse = kernels.paged_decode(q, k_plane, v_plane, attn_metadata.block_table[:ndec],
-                                                step.decode_lens, self.scale)
+            partial, lse = kernels.paged_decode(
+                q, k_plane, v_plane, attn_metadata.block_table[:ndec], step.decode_lens, self.scale
+            )
             out[:ndec] = cp.combine_decode(partial, lse, step.rank, self.num_heads)
         if step.prefill_requests:
             history = cp.gather_history([k_plane, v_plane], attn_metadata.block_table, step)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm.ascend.context_parallel.step import CPStep, RankLayout
+from vllm.ascend.context_parallel.placement import RankLayout
+from vllm.ascend.context_parallel.step import CPStep
 from vllm.ascend.kernels.attention import gather_tokens
 from vllm.ascend.kernels.context_parallel import combine_partials
 
@@ -32,13 +33,19 @@ def rank_layout(parallel_config) -> RankLayout | None:
 
     from vllm.ascend.distributed.groups import get_context_parallel_group
 
-    layout = RankLayout(pcp, get_pcp_group().rank_in_group if pcp > 1 else 0,
-                        dcp, get_dcp_group().rank_in_group if dcp > 1 else 0,
-                        parallel_config.cp_kv_cache_interleave_size)
+    layout = RankLayout(
+        pcp,
+        get_pcp_group().rank_in_group if pcp > 1 else 0,
+        dcp,
+        get_dcp_group().rank_in_group if dcp > 1 else 0,
+        parallel_config.cp_kv_cache_interleave_size,
+    )
     group_rank = get_context_parallel_group().rank_in_group
     if group_rank != layout.cp_rank:
-        raise RuntimeError(f"context-parallel group rank {group_rank} != PCP/DCP rank {layout.cp_rank}: "
-                           "the DCP group must be consecutive TP ranks of one PCP rank")
+        raise RuntimeError(
+            f"context-parallel group rank {group_rank} != PCP/DCP rank {layout.cp_rank}: "
+            "the DCP group must be consecutive TP ranks of one PCP rank"
+        )
     return layout
 
 
@@ -65,7 +72,7 @@ def combine_decode(out: torch.Tensor, lse: torch.Tensor, rank: RankLayout, own_h
     lses = group.all_gather(lse.unsqueeze(0).contiguous(), dim=0)
     merged = combine_partials(outs, lses)
     first = rank.dcp_rank * own_heads
-    return merged[:, first:first + own_heads]
+    return merged[:, first : first + own_heads]
 
 
 def gather_history(planes: list[torch.Tensor], block_table: torch.Tensor, step: CPStep) -> torch.Tensor:
@@ -85,7 +92,7 @@ def gather_history(planes: list[torch.Tensor], block_table: torch.Tensor, step: 
 def segment_inputs(step: CPStep, history: torch.Tensor):
     """Per query run: the history prefix it attends over; (keys concatenated, q lens, kv lens)."""
     offsets = dict(zip(step.prefill_requests, step.history_offsets()))
-    prefixes = [history[offsets[s.request]:offsets[s.request] + s.kv_len] for s in step.segments]
+    prefixes = [history[offsets[s.request] : offsets[s.request] + s.kv_len] for s in step.segments]
     kv = torch.cat(prefixes) if prefixes else history[:0]
     return kv, [s.length for s in step.segments], [s.kv_len for s in step.segments]
 

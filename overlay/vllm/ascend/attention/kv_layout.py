@@ -43,12 +43,28 @@ class KVLayoutError(RuntimeError):
     """The per-layer cache vLLM handed over cannot be read as planes."""
 
 
+# vLLM's name of the per-layer layout the planes are read from (one contiguous region
+# per layer); a KV connector that moves Ascend planes requires it.
+VLLM_LAYOUT = "LBHNC"
+
+
+def connector_addresses_planes(kv_transfer_config) -> bool:
+    """Whether the configured KV connector moves this cache's planes. A connector class
+    declares it with ``addresses_ascend_kv_planes = True``; upstream's connectors address
+    blocks through vLLM's unsplit per-layer view and would move the wrong bytes."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    connector = KVConnectorFactory.get_connector_class(kv_transfer_config)
+    return bool(getattr(connector, "addresses_ascend_kv_planes", False))
+
+
 def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
     if not kv_cache.is_contiguous():
         raise KVLayoutError(
             f"the Ascend KV-cache layout needs each layer's cache as one contiguous region "
             f"(layout LBHNC, no page padding); got shape {tuple(kv_cache.shape)} with strides "
-            f"{kv_cache.stride()}. Unset VLLM_KV_CACHE_LAYOUT or set it to LBHNC.")
+            f"{kv_cache.stride()}. Unset VLLM_KV_CACHE_LAYOUT or set it to LBHNC."
+        )
     return kv_cache.view(-1)
 
 
@@ -100,16 +116,45 @@ class LayerLayout:
     planes: tuple[Plane, ...]
 
     @classmethod
-    def gqa(cls, num_blocks: int, kv_heads: int, block_size: int, head_size: int, head_size_v: int,
-            dtype_size: int) -> LayerLayout:
-        return cls(num_blocks, (Plane("k", kv_heads, block_size * head_size * dtype_size),
-                                Plane("v", kv_heads, block_size * head_size_v * dtype_size)))
+    def gqa(
+        cls,
+        num_blocks: int,
+        kv_heads: int,
+        block_size: int,
+        head_size: int,
+        head_size_v: int,
+        dtype_size: int,
+    ) -> LayerLayout:
+        return cls(
+            num_blocks,
+            (
+                Plane("k", kv_heads, block_size * head_size * dtype_size),
+                Plane("v", kv_heads, block_size * head_size_v * dtype_size),
+            ),
+        )
 
     @classmethod
-    def mla(cls, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-            dtype_size: int) -> LayerLayout:
-        return cls(num_blocks, (Plane("latent", 1, block_size * kv_lora_rank * dtype_size),
-                                Plane("rope", 1, block_size * rope_dim * dtype_size)))
+    def mla(
+        cls, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype_size: int
+    ) -> LayerLayout:
+        return cls(
+            num_blocks,
+            (
+                Plane("latent", 1, block_size * kv_lora_rank * dtype_size),
+                Plane("rope", 1, block_size * rope_dim * dtype_size),
+            ),
+        )
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor, head_size: int, kv_lora_rank: int | None) -> LayerLayout:
+        """The planes the attention backends read from this layer's cache (the view vLLM
+        hands them: layout LBHNC, MLA with one head); ``kv_lora_rank`` None for GQA/MHA."""
+        size = kv_cache.element_size()
+        if kv_lora_rank is not None:
+            blocks, block_size, content = kv_cache.shape[0], kv_cache.shape[-2], kv_cache.shape[-1]
+            return cls.mla(blocks, block_size, kv_lora_rank, content - kv_lora_rank, size)
+        blocks, heads, block_size, content = kv_cache.shape
+        return cls.gqa(blocks, heads, block_size, head_size, content - head_size, size)
 
     def plane_offset(self, index: int) -> int:
         return sum(p.block_bytes * self.num_blocks for p in self.planes[:index])

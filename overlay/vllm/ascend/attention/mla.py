@@ -33,8 +33,8 @@ from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
-from vllm.ascend.kernels.mla import head_major
 from vllm.ascend.kernels.attention import gather_tokens
+from vllm.ascend.kernels.mla import head_major
 
 
 @dataclass
@@ -68,13 +68,15 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         metadata.seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu().tolist()
         if self.cp_rank is not None:
-            metadata.cp_step = build_step(metadata.query_start_cpu, metadata.seq_lens_cpu,
-                                          metadata.num_decodes, self.cp_rank)
+            metadata.cp_step = build_step(
+                metadata.query_start_cpu, metadata.seq_lens_cpu, metadata.num_decodes, self.cp_rank
+            )
             metadata.cp_block_table = m.block_table_tensor[: m.num_reqs]
         if metadata.decode is not None:
             n = metadata.num_decodes
             metadata.decode_block_rows, metadata.decode_row_lens = decode_rows(
-                metadata.decode.block_table, metadata.query_start_cpu[: n + 1], metadata.seq_lens_cpu[:n])
+                metadata.decode.block_table, metadata.query_start_cpu[: n + 1], metadata.seq_lens_cpu[:n]
+            )
             if metadata.cp_step is not None:
                 metadata.decode_row_lens = metadata.cp_step.decode_lens
         return metadata
@@ -125,9 +127,20 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
     can_return_lse_for_decode: bool = True
     supports_pcp: bool = True
 
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                 **mla_args) -> None:
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap,
+        attn_type,
+        kv_sharing_target_layer_name,
+        **mla_args,
+    ) -> None:
         # Upstream's MLACommonImpl.__init__ picks a CUDA prefill kernel; this backend runs
         # its own prefill, so only the attributes the shared MLA layer reads are set.
         if kv_sharing_target_layer_name is not None:
@@ -141,8 +154,15 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                    "qk_head_dim", "v_head_dim", "kv_b_proj"):
+        for key in (
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "qk_head_dim",
+            "v_head_dim",
+            "kv_b_proj",
+        ):
             setattr(self, key, mla_args[key])
         from vllm.config import get_current_vllm_config
 
@@ -161,15 +181,15 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         self.cp_kv_cache_interleave_size = 1
         self.need_to_return_lse_for_decode = self.cp_rank is not None
 
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
-                           k_scale) -> None:
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if kv_cache.numel():
             latent, rope = mla_planes(kv_cache, self.kv_lora_rank)
             kernels.write_latent_cache(kv_c_normed, k_pe, latent, rope, slot_mapping)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-        q_nope, q_pe = q if isinstance(q, tuple) else q.split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = (
+            q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        )
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         rows, lens = attn_metadata.decode_block_rows, attn_metadata.decode_row_lens
         step = attn_metadata.cp_step
@@ -181,8 +201,9 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         out, lse = kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale, return_lse=True)
         return cp.combine_decode(out, lse, step.rank, heads), None
 
-    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
-                    output, output_scale=None) -> None:
+    def forward_mha(
+        self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, output_scale=None
+    ) -> None:
         if output_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
@@ -194,13 +215,19 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         starts = attn_metadata.query_start_cpu[first:]
         q_lens = [b - a for a, b in zip(starts, starts[1:])]
         kv_lens = attn_metadata.seq_lens_cpu[first:]
-        rows = [(gather_tokens(head_major(latent), prefill.block_table[r], n)[:, 0],
-                 gather_tokens(head_major(rope), prefill.block_table[r], n)[:, 0])
-                for r, n in enumerate(kv_lens) if q_lens[r]]
+        rows = [
+            (
+                gather_tokens(head_major(latent), prefill.block_table[r], n)[:, 0],
+                gather_tokens(head_major(rope), prefill.block_table[r], n)[:, 0],
+            )
+            for r, n in enumerate(kv_lens)
+            if q_lens[r]
+        ]
         kv_lens = [n for r, n in enumerate(kv_lens) if q_lens[r]]
         q_lens = [n for n in q_lens if n]
-        k, v = self._expand(torch.cat([c for c, _ in rows]).to(q.dtype),
-                            torch.cat([pe for _, pe in rows]).to(q.dtype))
+        k, v = self._expand(
+            torch.cat([c for c, _ in rows]).to(q.dtype), torch.cat([pe for _, pe in rows]).to(q.dtype)
+        )
         out[: sum(q_lens)] = kernels.prefill_attention(q[: sum(q_lens)], k, v, q_lens, kv_lens, self.scale)
 
     def _expand(self, c, pe):
@@ -220,8 +247,9 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         history = cp.gather_history(planes, attn_metadata.cp_block_table, step)
         if not step.segments:
             return
-        k, v = self._expand(history[:, 0, : self.kv_lora_rank].to(q.dtype),
-                            history[:, 0, self.kv_lora_rank:].to(q.dtype))
+        k, v = self._expand(
+            history[:, 0, : self.kv_lora_rank].to(q.dtype), history[:, 0, self.kv_lora_rank :].to(q.dtype)
+        )
         kv, q_lens, kv_lens = cp.segment_inputs(step, torch.cat([k, v], dim=-1))
         k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         rows = step.tensor("segment_rows", q.device) - step.num_decode_tokens

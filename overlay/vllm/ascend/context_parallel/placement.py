@@ -34,6 +34,25 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class RankLayout:
+    """One rank's place in its context-parallel group (``CPLayout.rank_of``)."""
+
+    pcp: int = 1
+    pcp_rank: int = 0
+    dcp: int = 1
+    dcp_rank: int = 0
+    interleave: int = 1
+
+    @property
+    def cp(self) -> int:
+        return self.pcp * self.dcp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.pcp_rank * self.dcp + self.dcp_rank
+
+
+@dataclass(frozen=True)
 class CPLayout:
     tp: int = 1
     pcp: int = 1
@@ -66,28 +85,36 @@ class CPLayout:
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.tp % self.dcp:
-            raise LayoutError(f"decode_context_parallel_size {self.dcp} must divide tensor_parallel_size "
-                              f"{self.tp}: DCP ranks are TP ranks")
+            raise LayoutError(
+                f"decode_context_parallel_size {self.dcp} must divide tensor_parallel_size "
+                f"{self.tp}: DCP ranks are TP ranks"
+            )
         if self.block_size % self.interleave:
-            raise LayoutError(f"cp_kv_cache_interleave_size {self.interleave} must divide the block size "
-                              f"{self.block_size}")
+            raise LayoutError(
+                f"cp_kv_cache_interleave_size {self.interleave} must divide the block size {self.block_size}"
+            )
         if self.kv_heads is not None:
             kv = self.kv_heads
             if kv < 1:
                 raise LayoutError(f"kv_heads must be at least 1, got {kv}")
             if kv % self.tp and self.tp % kv:
-                raise LayoutError(f"tensor_parallel_size {self.tp} and the model's {kv} KV heads must "
-                                  "divide one another")
+                raise LayoutError(
+                    f"tensor_parallel_size {self.tp} and the model's {kv} KV heads must divide one another"
+                )
             if self.dcp > 1 and self.tp % (kv * self.dcp):
                 raise LayoutError(
                     f"decode_context_parallel_size {self.dcp} needs every KV head on at least {self.dcp} "
                     f"TP ranks: tensor_parallel_size {self.tp} must be a multiple of KV heads {kv} x DCP "
-                    f"{self.dcp}")
+                    f"{self.dcp}"
+                )
         return self
 
     # -- ranks and heads --------------------------------------------------------------
+    def rank_of(self, pcp_rank: int, tp_rank: int) -> RankLayout:
+        return RankLayout(self.pcp, pcp_rank, self.dcp, tp_rank % self.dcp, self.interleave)
+
     def cp_rank(self, pcp_rank: int, tp_rank: int) -> int:
-        return pcp_rank * self.dcp + tp_rank % self.dcp
+        return self.rank_of(pcp_rank, tp_rank).cp_rank
 
     def rank(self, pcp_rank: int, tp_rank: int) -> int:
         """Rank inside one DP replica; globally ``dp_rank x ranks_per_replica + rank``."""
@@ -138,8 +165,9 @@ def local_positions(seq_len: int, cp_rank: int, cp: int, interleave: int) -> lis
     """Positions ``< seq_len`` that CP rank ``cp_rank`` stores, in storage order."""
     cycle = cp * interleave
     first = cp_rank * interleave
-    return [start + i for start in range(first, seq_len, cycle)
-            for i in range(min(interleave, seq_len - start))]
+    return [
+        start + i for start in range(first, seq_len, cycle) for i in range(min(interleave, seq_len - start))
+    ]
 
 
 @dataclass(frozen=True)
@@ -168,6 +196,8 @@ def place(layout: CPLayout, position: int) -> Placement:
     c = owner(position, layout.cp, layout.interleave)
     block, offset = block_and_offset(position, layout.block_size, layout.cp, layout.interleave)
     pcp_rank, dcp_rank = divmod(c, layout.dcp)
-    holders = tuple(Holder(layout.rank(pcp_rank, t), pcp_rank, t, layout.heads(t))
-                    for t in range(dcp_rank, layout.tp, layout.dcp))
+    holders = tuple(
+        Holder(layout.rank(pcp_rank, t), pcp_rank, t, layout.heads(t))
+        for t in range(dcp_rank, layout.tp, layout.dcp)
+    )
     return Placement(position, c, pcp_rank, dcp_rank, block, offset, holders)

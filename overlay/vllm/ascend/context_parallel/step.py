@@ -22,26 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.ascend.context_parallel.placement import local_count, local_slot, owner
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """This rank's place in its context-parallel group."""
-
-    pcp: int = 1
-    pcp_rank: int = 0
-    dcp: int = 1
-    dcp_rank: int = 0
-    interleave: int = 1
-
-    @property
-    def cp(self) -> int:
-        return self.pcp * self.dcp
-
-    @property
-    def cp_rank(self) -> int:
-        return self.pcp_rank * self.dcp + self.dcp_rank
+from vllm.ascend.context_parallel.placement import RankLayout, local_count, local_slot, owner
 
 
 @dataclass(frozen=True)
@@ -137,13 +118,19 @@ def build_step(query_start: list[int], seq_lens: list[int], num_decodes: int, ra
     cp, cp_rank, interleave = rank.cp, rank.cp_rank, rank.interleave
     q_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     num_decode_tokens = query_start[num_decodes]
-    decode_lens = [local_count(s - n + i + 1, cp_rank, cp, interleave)
-                   for s, n in zip(seq_lens[:num_decodes], q_lens[:num_decodes]) for i in range(n)]
+    decode_lens = [
+        local_count(s - n + i + 1, cp_rank, cp, interleave)
+        for s, n in zip(seq_lens[:num_decodes], q_lens[:num_decodes])
+        for i in range(n)
+    ]
     prefills = [r for r in range(num_decodes, len(q_lens)) if q_lens[r]]
 
     def runs_of(pcp_rank: int) -> list[tuple[int, int, int]]:
-        return [(r, start, length) for r in prefills
-                for start, length in zigzag_runs(q_lens[r], rank.pcp, pcp_rank)]
+        return [
+            (r, start, length)
+            for r in prefills
+            for start, length in zigzag_runs(q_lens[r], rank.pcp, pcp_rank)
+        ]
 
     segments, row = [], num_decode_tokens
     for r, start, length in runs_of(rank.pcp_rank):
@@ -152,10 +139,18 @@ def build_step(query_start: list[int], seq_lens: list[int], num_decodes: int, ra
     lens = [seq_lens[r] for r in prefills]
     pads = [local_count(n, 0, cp, interleave) for n in lens]
     step = CPStep(
-        rank=rank, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, decode_lens=decode_lens,
-        segments=segments, prefill_requests=prefills, history_lens=lens,
-        history_local=[local_count(n, cp_rank, cp, interleave) for n in lens], history_pad=pads,
-        history_take=_history_take(lens, pads, cp, interleave), local_rows=query_start[-1])
+        rank=rank,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        decode_lens=decode_lens,
+        segments=segments,
+        prefill_requests=prefills,
+        history_lens=lens,
+        history_local=[local_count(n, cp_rank, cp, interleave) for n in lens],
+        history_pad=pads,
+        history_take=_history_take(lens, pads, cp, interleave),
+        local_rows=query_start[-1],
+    )
     if rank.pcp > 1:
         _add_pcp_split(step, query_start, runs_of)
     return step
@@ -163,8 +158,10 @@ def build_step(query_start: list[int], seq_lens: list[int], num_decodes: int, ra
 
 def _add_pcp_split(step: CPStep, query_start: list[int], runs_of) -> None:
     pcp, ndec = step.rank.pcp, step.num_decode_tokens
-    per_rank = [[query_start[r] + start + i for r, start, length in runs_of(p) for i in range(length)]
-                for p in range(pcp)]
+    per_rank = [
+        [query_start[r] + start + i for r, start, length in runs_of(p) for i in range(length)]
+        for p in range(pcp)
+    ]
     rows = ndec + max(len(tokens) for tokens in per_rank)
     order: list[int] = []
     for p, tokens in enumerate(per_rank):

@@ -21,6 +21,10 @@ class Device(ABC):
     def synchronize(self) -> None: ...
 
     @abstractmethod
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the device."""
+
+    @abstractmethod
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
 
@@ -52,7 +56,7 @@ class Device(ABC):
 
     @abstractmethod
     def soc_generation(self) -> str:
-        """"A2", "A3", "other" (another Ascend SoC) or "host" (emulation): what the MoE
+        """ "A2", "A3", "other" (another Ascend SoC) or "host" (emulation): what the MoE
         strategy selector and the MC2 arguments depend on."""
 
     @abstractmethod

@@ -53,6 +53,9 @@ class HostDevice(Device):
     def synchronize(self) -> None:
         pass
 
+    def empty_cache(self) -> None:
+        pass
+
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         vm = psutil.virtual_memory()
         return int(vm.available), int(vm.total)

@@ -29,6 +29,9 @@ class NPUDevice(Device):
     def synchronize(self) -> None:
         self._npu.synchronize()
 
+    def empty_cache(self) -> None:
+        self._npu.empty_cache()
+
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         free, total = self._npu.mem_get_info(index)
         return int(free), int(total)

@@ -32,9 +32,12 @@ class NPUCommunicator(DeviceCommunicatorBase):
         super().__init__(*args, **kwargs)
         if self.use_all2all:
             if self.all2all_backend not in _SUPPORTED_ALL2ALL:
-                logger.warning("--all2all-backend %s is not available on Ascend; MoE layers use the Ascend "
-                               "strategies (additional_config moe_comm_method) and, for the "
-                               "gather/reduce-scatter path, allgather_reducescatter", self.all2all_backend)
+                logger.warning(
+                    "--all2all-backend %s is not available on Ascend; MoE layers use the Ascend "
+                    "strategies (additional_config moe_comm_method) and, for the "
+                    "gather/reduce-scatter path, allgather_reducescatter",
+                    self.all2all_backend,
+                )
             self.all2all_manager = AgRsAll2AllManager(self.cpu_group)
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
@@ -42,8 +45,9 @@ class NPUCommunicator(DeviceCommunicatorBase):
         return input_
 
     # -- uneven collectives (sizes along ``dim``, one per rank) -----------------------------
-    def all_gatherv(self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
-                    sizes: list[int] | None = None):
+    def all_gatherv(
+        self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0, sizes: list[int] | None = None
+    ):
         if not isinstance(input_, (list, tuple)):
             return self._all_gatherv_one(input_, dim, sizes)
         if dim != 0 or len(input_) == 1 or len({t.shape[0] for t in input_}) != 1:
@@ -56,7 +60,7 @@ class NPUCommunicator(DeviceCommunicatorBase):
         out, start = [], 0
         for t, part in zip(input_, parts):
             width = part.shape[1]
-            chunk = packed[:, start:start + width].contiguous()
+            chunk = packed[:, start : start + width].contiguous()
             out.append(chunk.view(t.dtype).reshape(packed.shape[0], *t.shape[1:]))
             start += width
         return out
@@ -71,48 +75,61 @@ class NPUCommunicator(DeviceCommunicatorBase):
         padded = _pad_rows(moved, longest)
         gathered = torch.empty((world * longest, *padded.shape[1:]), dtype=padded.dtype, device=padded.device)
         dist.all_gather_into_tensor(gathered, padded, group=self.device_group)
-        parts = [gathered[r * longest: r * longest + n] for r, n in enumerate(sizes)]
+        parts = [gathered[r * longest : r * longest + n] for r, n in enumerate(sizes)]
         return torch.cat(parts).movedim(0, dim).contiguous()
 
-    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1,
-                        sizes: list[int] | None = None) -> torch.Tensor:
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         world = self.world_size
         moved = input_.movedim(dim, 0)
         if sizes is None:
             if moved.shape[0] % world:
-                raise ValueError(f"reduce_scatterv: {moved.shape[0]} rows do not split evenly "
-                                 f"over {world} ranks")
+                raise ValueError(
+                    f"reduce_scatterv: {moved.shape[0]} rows do not split evenly over {world} ranks"
+                )
             sizes = [moved.shape[0] // world] * world
         if len(sizes) != world or sum(sizes) != moved.shape[0]:
-            raise ValueError(f"reduce_scatterv: sizes {sizes} do not cover {moved.shape[0]} rows "
-                             f"on {world} ranks")
+            raise ValueError(
+                f"reduce_scatterv: sizes {sizes} do not cover {moved.shape[0]} rows on {world} ranks"
+            )
         longest = max(sizes)
         starts = [sum(sizes[:r]) for r in range(world)]
-        padded = torch.cat([_pad_rows(moved[s: s + n], longest) for s, n in zip(starts, sizes)]).contiguous()
+        padded = torch.cat([_pad_rows(moved[s : s + n], longest) for s, n in zip(starts, sizes)]).contiguous()
         out = torch.empty((longest, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
         dist.reduce_scatter_tensor(out, padded, group=self.device_group)
         return out[: sizes[self.rank_in_group]].movedim(0, dim).contiguous()
 
-    def all_to_all_single(self, output: torch.Tensor, input_: torch.Tensor,
-                          output_split_sizes: list[int], input_split_sizes: list[int]) -> torch.Tensor:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+    ) -> torch.Tensor:
         dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=self.device_group)
         return output
 
     # -- MoE dispatch/combine of upstream's naive path: through the manager -----------------
-    def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
-                               extra_tensors=None):
+    def dispatch_router_logits(
+        self, hidden_states, router_logits, is_sequence_parallel=False, extra_tensors=None
+    ):
         if self.all2all_manager is None:
-            return super().dispatch_router_logits(hidden_states, router_logits, is_sequence_parallel,
-                                                  extra_tensors)
-        return self.all2all_manager.dispatch_router_logits(hidden_states, router_logits, is_sequence_parallel,
-                                                           extra_tensors)
+            return super().dispatch_router_logits(
+                hidden_states, router_logits, is_sequence_parallel, extra_tensors
+            )
+        return self.all2all_manager.dispatch_router_logits(
+            hidden_states, router_logits, is_sequence_parallel, extra_tensors
+        )
 
     def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
         if self.all2all_manager is None:
-            return super().dispatch(hidden_states, topk_weights, topk_ids, is_sequence_parallel,
-                                    extra_tensors)
-        return self.all2all_manager.dispatch(hidden_states, topk_weights, topk_ids, is_sequence_parallel,
-                                             extra_tensors=extra_tensors)
+            return super().dispatch(
+                hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors
+            )
+        return self.all2all_manager.dispatch(
+            hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors=extra_tensors
+        )
 
     def combine(self, hidden_states, is_sequence_parallel=False):
         if self.all2all_manager is None:

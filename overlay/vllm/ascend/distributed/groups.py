@@ -16,8 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vllm.distributed.parallel_state import (GroupCoordinator, get_ep_group, get_world_group,
-                                             init_model_parallel_group)
+from vllm.distributed.parallel_state import (
+    GroupCoordinator,
+    get_ep_group,
+    get_world_group,
+    init_model_parallel_group,
+)
 
 _MC2: GroupCoordinator | None = None
 
@@ -35,14 +39,17 @@ def init_mc2_group(backend: str) -> None:
     every = torch.empty(world.world_size * ep.world_size, dtype=torch.int64)
     dist.all_gather_into_tensor(every, mine, group=world.cpu_group)
     rank_lists = sorted({tuple(r) for r in every.view(world.world_size, ep.world_size).tolist()})
-    _MC2 = init_model_parallel_group([list(r) for r in rank_lists], world.local_rank, backend,
-                                     group_name="mc2")
+    _MC2 = init_model_parallel_group(
+        [list(r) for r in rank_lists], world.local_rank, backend, group_name="mc2"
+    )
 
 
 def get_mc2_group() -> GroupCoordinator:
     if _MC2 is None:
-        raise RuntimeError("the MC2 group is not initialised: MC2 needs expert parallelism "
-                           "(--enable-expert-parallel with an EP size above 1)")
+        raise RuntimeError(
+            "the MC2 group is not initialised: MC2 needs expert parallelism "
+            "(--enable-expert-parallel with an EP size above 1)"
+        )
     return _MC2
 
 
@@ -54,8 +61,11 @@ def context_parallel_rank_lists(world_size: int, tp: int, pcp: int, dcp: int) ->
     order is (ExternalDP x DP x PP) x PCP x TP, so each block of PCP x TP consecutive
     ranks is one replica of the model."""
     block = pcp * tp
-    return [[base + p * tp + first + d for p in range(pcp) for d in range(dcp)]
-            for base in range(0, world_size, block) for first in range(0, tp, dcp)]
+    return [
+        [base + p * tp + first + d for p in range(pcp) for d in range(dcp)]
+        for base in range(0, world_size, block)
+        for first in range(0, tp, dcp)
+    ]
 
 
 def init_context_parallel_group(parallel_config, backend: str) -> None:
@@ -71,6 +81,8 @@ def init_context_parallel_group(parallel_config, backend: str) -> None:
 
 def get_context_parallel_group() -> GroupCoordinator:
     if _CP is None:
-        raise RuntimeError("the context-parallel group is not initialised: it exists when "
-                           "--prefill-context-parallel-size x --decode-context-parallel-size > 1")
+        raise RuntimeError(
+            "the context-parallel group is not initialised: it exists when "
+            "--prefill-context-parallel-size x --decode-context-parallel-size > 1"
+        )
     return _CP

@@ -1,11 +1,12 @@
-"""Kernels facade: one module per op, each with an NPU and a reference implementation.
+"""Kernels facade: one module per op family, each op with an NPU and a reference form.
 
-Every op module exposes the same contract twice: ``npu_*`` (torch_npu; written
-against the torch_npu documentation, checked in CI against the torch_npu contract
-double, and verified on hardware only where a test marked ``npu`` ran on an NPU)
-and ``reference_*`` (plain torch: the oracle, and what host emulation runs).
-Callers use the unprefixed name, bound once at import by ``pick`` from
-``VLLM_ASCEND_KERNELS`` (the choice of a process never changes).
+Every op exposes the same contract twice: ``npu_*`` (torch_npu; written against the
+torch_npu documentation and checked in CI against the torch_npu contract double; none
+has run on an NPU here) and ``reference_*`` (plain torch: the oracle, and what host
+emulation runs). Where one torch formula serves both (no torch_npu op, nothing read
+back to the host), it is one function bound under both names. Callers use the
+unprefixed name, bound once at import by ``pick`` from ``VLLM_ASCEND_KERNELS`` (the
+choice of a process never changes).
 """
 
 from __future__ import annotations

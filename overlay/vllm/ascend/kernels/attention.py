@@ -45,8 +45,12 @@ def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
     q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + context_len
     mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, scale=scale)
+        q.transpose(0, 1).float(),
+        k.transpose(0, 1).float(),
+        v.transpose(0, 1).float(),
+        attn_mask=mask,
+        scale=scale,
+    )
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -60,8 +64,9 @@ def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping) -> None
     v_plane.transpose(1, 2)[blocks, offsets] = value.to(v_plane.dtype)
 
 
-def reference_paged_attention(query, k_plane, v_plane, block_table, query_start_loc: list[int],
-                              seq_lens: list[int], scale, out) -> torch.Tensor:
+def reference_paged_attention(
+    query, k_plane, v_plane, block_table, query_start_loc: list[int], seq_lens: list[int], scale, out
+) -> torch.Tensor:
     group = query.shape[1] // k_plane.shape[1]
     for r, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[r], query_start_loc[r + 1]
@@ -118,26 +123,39 @@ def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping) -> None:
     block_size = k_plane.shape[2]
     slots = npu_slots(slot_mapping, num_tokens)
     head_ids = torch.arange(heads, device=slots.device)
-    index = torch.stack(torch.broadcast_tensors(
-        (slots // block_size).unsqueeze(1), head_ids.unsqueeze(0), (slots % block_size).unsqueeze(1)), dim=-1)
+    index = torch.stack(
+        torch.broadcast_tensors(
+            (slots // block_size).unsqueeze(1), head_ids.unsqueeze(0), (slots % block_size).unsqueeze(1)
+        ),
+        dim=-1,
+    )
     npu = torch_npu()
     npu.npu_scatter_nd_update_(k_plane, index, key.to(k_plane.dtype))
     npu.npu_scatter_nd_update_(v_plane, index, value.to(v_plane.dtype))
 
 
-def npu_paged_attention(query, k_plane, v_plane, block_table, query_start_loc: list[int],
-                        seq_lens: list[int], scale, out) -> torch.Tensor:
+def npu_paged_attention(
+    query, k_plane, v_plane, block_table, query_start_loc: list[int], seq_lens: list[int], scale, out
+) -> torch.Tensor:
     """``npu_fused_infer_attention_score``: TND queries, the planes as
     ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask."""
     num_tokens = query_start_loc[-1]
     if num_tokens == 0:
         return out
     result, _ = torch_npu().npu_fused_infer_attention_score(
-        query[:num_tokens].contiguous(), k_plane, v_plane,
-        num_heads=query.shape[1], num_key_value_heads=k_plane.shape[1], scale=scale,
-        input_layout="TND", block_table=block_table, block_size=k_plane.shape[2],
-        actual_seq_lengths=query_start_loc[1:], actual_seq_lengths_kv=seq_lens,
-        atten_mask=causal_mask(query.device), sparse_mode=3,
+        query[:num_tokens].contiguous(),
+        k_plane,
+        v_plane,
+        num_heads=query.shape[1],
+        num_key_value_heads=k_plane.shape[1],
+        scale=scale,
+        input_layout="TND",
+        block_table=block_table,
+        block_size=k_plane.shape[2],
+        actual_seq_lengths=query_start_loc[1:],
+        actual_seq_lengths_kv=seq_lens,
+        atten_mask=causal_mask(query.device),
+        sparse_mode=3,
     )
     out[:num_tokens] = result
     return out
@@ -158,9 +176,17 @@ def npu_paged_decode(query, k_plane, v_plane, block_table, seq_lens: list[int], 
     attention over the ``(blocknum, KV_N, blocksize, D)`` planes, ``softmax_lse_flag``."""
     batch, heads = query.shape[:2]
     out, lse = torch_npu().npu_fused_infer_attention_score(
-        query.contiguous(), k_plane, v_plane, num_heads=heads, num_key_value_heads=k_plane.shape[1],
-        scale=scale, input_layout="TND", block_table=block_table, block_size=k_plane.shape[2],
-        actual_seq_lengths=list(range(1, batch + 1)), actual_seq_lengths_kv=seq_lens,
+        query.contiguous(),
+        k_plane,
+        v_plane,
+        num_heads=heads,
+        num_key_value_heads=k_plane.shape[1],
+        scale=scale,
+        input_layout="TND",
+        block_table=block_table,
+        block_size=k_plane.shape[2],
+        actual_seq_lengths=list(range(1, batch + 1)),
+        actual_seq_lengths_kv=seq_lens,
         softmax_lse_flag=True,
     )
     return empty_rows_to_identity(out, lse[..., 0], seq_lens)

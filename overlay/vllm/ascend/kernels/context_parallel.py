@@ -28,8 +28,8 @@ def npu_combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor
     ``(B x S x N, D)`` (update_type 0: the merged output only)."""
     cp, tokens, heads, dim = outs.shape
     merged, _ = torch_npu().npu_attention_update(
-        [lses[c].reshape(-1).float() for c in range(cp)],
-        [outs[c].reshape(-1, dim) for c in range(cp)], 0)
+        [lses[c].reshape(-1).float() for c in range(cp)], [outs[c].reshape(-1, dim) for c in range(cp)], 0
+    )
     return merged.view(tokens, heads, dim)
 
 

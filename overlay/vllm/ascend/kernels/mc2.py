@@ -58,8 +58,9 @@ class Mc2Dispatched(NamedTuple):
 def _validate(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int) -> None:
     bs, k = expert_ids.shape
     if x.dim() != 2 or x.shape[0] != bs:
-        raise ValueError(f"mc2 dispatch: x {tuple(x.shape)} and expert_ids {tuple(expert_ids.shape)} "
-                         "disagree")
+        raise ValueError(
+            f"mc2 dispatch: x {tuple(x.shape)} and expert_ids {tuple(expert_ids.shape)} disagree"
+        )
     if not 0 < bs <= MAX_BATCH or not 0 < k <= min(MAX_TOP_K, num_experts):
         raise ValueError(f"mc2 dispatch: BS={bs} must be in (0, {MAX_BATCH}], top-k={k} in (0, {MAX_TOP_K}]")
     if expert_ids.dtype != torch.int32:
@@ -67,8 +68,10 @@ def _validate(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int) -> No
     if num_experts % comm.ep_size:
         raise ValueError(f"mc2 dispatch: {num_experts} experts do not split over {comm.ep_size} EP ranks")
     if active_mask.dtype != torch.bool or tuple(active_mask.shape) != (bs,):
-        raise ValueError(f"mc2 dispatch: active_mask must be bool [{bs}], got {active_mask.dtype} "
-                         f"{tuple(active_mask.shape)}")
+        raise ValueError(
+            f"mc2 dispatch: active_mask must be bool [{bs}], got {active_mask.dtype} "
+            f"{tuple(active_mask.shape)}"
+        )
     n_active = int(active_mask.sum())
     if not bool(active_mask[:n_active].all()):
         raise ValueError("mc2 dispatch: active_mask must put every True before every False")
@@ -100,13 +103,20 @@ def reference_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_expert
     recv_header = torch.empty_like(header)
     dist.all_to_all_single(recv_header, header, group=comm.group)
     if bool((recv_header[:, local] != bs).any()):
-        raise ValueError(f"mc2 dispatch: EP ranks disagree on BS ({recv_header[:, local].tolist()}); "
-                         "with global_bs=0 every rank must pass the same BS")
+        raise ValueError(
+            f"mc2 dispatch: EP ranks disagree on BS ({recv_header[:, local].tolist()}); "
+            "with global_bs=0 every rank must pass the same BS"
+        )
     recv_counts = recv_header[:, :local]  # [source rank, local expert]
     rows = x[order // k]
     received = x.new_empty((int(recv_counts.sum()), x.shape[1]))
-    dist.all_to_all_single(received, rows.contiguous(), recv_counts.sum(1).tolist(),
-                           send_counts.sum(1).tolist(), group=comm.group)
+    dist.all_to_all_single(
+        received,
+        rows.contiguous(),
+        recv_counts.sum(1).tolist(),
+        send_counts.sum(1).tolist(),
+        group=comm.group,
+    )
     # Arrived grouped by (source, expert); experts want (expert, source).
     source = torch.arange(ep, device=x.device).repeat_interleave(local)
     expert = torch.arange(local, device=x.device).repeat(ep)
@@ -123,13 +133,22 @@ def reference_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_expert
     return Mc2Dispatched(expand_x, recv_counts.sum(0).to(torch.int64), assist.reshape(-1), ep_recv_counts)
 
 
-def reference_mc2_combine(expand_x, expert_ids, dispatched: Mc2Dispatched, expert_scales, active_mask,
-                          comm: Mc2Comm, num_experts: int) -> torch.Tensor:
+def reference_mc2_combine(
+    expand_x,
+    expert_ids,
+    dispatched: Mc2Dispatched,
+    expert_scales,
+    active_mask,
+    comm: Mc2Comm,
+    num_experts: int,
+) -> torch.Tensor:
     bs, k = expert_ids.shape
     ep, local = comm.ep_size, num_experts // comm.ep_size
     if expert_scales.dtype != torch.float32 or tuple(expert_scales.shape) != (bs, k):
-        raise ValueError(f"mc2 combine: expert_scales must be float32 [{bs}, {k}], got {expert_scales.dtype} "
-                         f"{tuple(expert_scales.shape)}")
+        raise ValueError(
+            f"mc2 combine: expert_scales must be float32 [{bs}, {k}], got {expert_scales.dtype} "
+            f"{tuple(expert_scales.shape)}"
+        )
     prefix = dispatched.ep_recv_counts.to(torch.int64)
     recv_counts = torch.diff(prefix, prepend=prefix.new_zeros(1)).view(local, ep).t()  # [source, expert]
     n = int(prefix[-1]) if prefix.numel() else 0
@@ -139,8 +158,9 @@ def reference_mc2_combine(expand_x, expert_ids, dispatched: Mc2Dispatched, exper
     order, ids = _send_order(expert_ids, active_mask)
     send_counts = torch.bincount(ids, minlength=num_experts).view(ep, local)
     returned = expand_x.new_empty((order.numel(), expand_x.shape[1]))
-    dist.all_to_all_single(returned, back, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(),
-                           group=comm.group)
+    dist.all_to_all_single(
+        returned, back, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(), group=comm.group
+    )
     out = torch.zeros((bs, expand_x.shape[1]), dtype=torch.float32, device=expand_x.device)
     weights = expert_scales.reshape(-1)[order].unsqueeze(1)
     out.index_add_(0, order // k, returned.float() * weights)
@@ -158,23 +178,50 @@ def npu_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int
     """``torch_npu.npu_moe_distribute_dispatch_v2`` (unquantized, uniform BS with an
     active mask). Passes the contract double; not verified on an NPU."""
     out = torch_npu().npu_moe_distribute_dispatch_v2(
-        x, expert_ids, comm.name, comm.ep_size, comm.ep_rank, num_experts,
-        x_active_mask=active_mask, global_bs=0, expert_token_nums_type=1, **_soc_arguments(comm))
+        x,
+        expert_ids,
+        comm.name,
+        comm.ep_size,
+        comm.ep_rank,
+        num_experts,
+        x_active_mask=active_mask,
+        global_bs=0,
+        expert_token_nums_type=1,
+        **_soc_arguments(comm),
+    )
     expand_x, _dynamic_scales, assist, token_nums, ep_recv, tp_recv, expand_scales = out
     return Mc2Dispatched(expand_x, token_nums, assist, ep_recv, tp_recv, expand_scales)
 
 
-def npu_mc2_combine(expand_x, expert_ids, dispatched: Mc2Dispatched, expert_scales, active_mask,
-                    comm: Mc2Comm, num_experts: int) -> torch.Tensor:
+def npu_mc2_combine(
+    expand_x,
+    expert_ids,
+    dispatched: Mc2Dispatched,
+    expert_scales,
+    active_mask,
+    comm: Mc2Comm,
+    num_experts: int,
+) -> torch.Tensor:
     """``torch_npu.npu_moe_distribute_combine_v2``. Passes the contract double; not
     verified on an NPU."""
     extra = _soc_arguments(comm)
     if comm.soc == "A3":
         extra["tp_send_counts"] = dispatched.tp_recv_counts
     return torch_npu().npu_moe_distribute_combine_v2(
-        expand_x, expert_ids, dispatched.assist_info, dispatched.ep_recv_counts, expert_scales,
-        comm.name, comm.ep_size, comm.ep_rank, num_experts,
-        x_active_mask=active_mask, expand_scales=dispatched.expand_scales, global_bs=0, **extra)
+        expand_x,
+        expert_ids,
+        dispatched.assist_info,
+        dispatched.ep_recv_counts,
+        expert_scales,
+        comm.name,
+        comm.ep_size,
+        comm.ep_rank,
+        num_experts,
+        x_active_mask=active_mask,
+        expand_scales=dispatched.expand_scales,
+        global_bs=0,
+        **extra,
+    )
 
 
 mc2_dispatch = pick(reference_mc2_dispatch, npu_mc2_dispatch)

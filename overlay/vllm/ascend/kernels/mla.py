@@ -21,8 +21,13 @@ from __future__ import annotations
 import torch
 
 from vllm.ascend.kernels import pick, torch_npu
-from vllm.ascend.kernels.attention import (causal_attention, causal_mask, empty_rows_to_identity, npu_slots,
-                                           valid_slots)
+from vllm.ascend.kernels.attention import (
+    causal_attention,
+    causal_mask,
+    empty_rows_to_identity,
+    npu_slots,
+    valid_slots,
+)
 
 # torch_npu's FIA in its MLA form (query_rope/key_rope): latent 512, rope 64, and
 # 32, 64 or 128 query heads (fewer heads are padded).
@@ -50,8 +55,9 @@ def _gather(plane, block_row, seq_len):
     return gather_tokens(head_major(plane), block_row, seq_len)[:, 0]  # [seq, D]
 
 
-def reference_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale,
-                         return_lse: bool = False):
+def reference_mla_decode(
+    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False
+):
     """With ``return_lse`` also the softmax log-sum-exp ``[B, H]`` (float32; -inf and a zero
     output for a row with no keys on this rank)."""
     out = q_nope.new_zeros(q_nope.shape)
@@ -75,9 +81,13 @@ def reference_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], 
     q_start = kv_start = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
         if q_len:
-            out[q_start:q_start + q_len] = causal_attention(
-                q[q_start:q_start + q_len], k[kv_start:kv_start + kv_len], v[kv_start:kv_start + kv_len],
-                kv_len - q_len, scale)
+            out[q_start : q_start + q_len] = causal_attention(
+                q[q_start : q_start + q_len],
+                k[kv_start : kv_start + kv_len],
+                v[kv_start : kv_start + kv_len],
+                kv_len - q_len,
+                scale,
+            )
         q_start, kv_start = q_start + q_len, kv_start + kv_len
     return out
 
@@ -92,20 +102,25 @@ def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping) -> None:
     torch_npu()._npu_reshape_and_cache(
         key=kv_c.reshape(num_tokens, 1, -1).to(latent.dtype),
         value=k_pe.reshape(num_tokens, 1, -1).to(rope.dtype),
-        key_cache=latent, value_cache=rope,
-        slot_indices=npu_slots(slot_mapping, num_tokens).to(torch.int32))
+        key_cache=latent,
+        value_cache=rope,
+        slot_indices=npu_slots(slot_mapping, num_tokens).to(torch.int32),
+    )
 
 
 def npu_padded_heads(num_heads: int) -> int:
     for n in NPU_MLA_HEADS:
         if num_heads <= n:
             return n
-    raise ValueError(f"the NPU MLA decode kernel takes at most {NPU_MLA_HEADS[-1]} query heads per rank, "
-                     f"got {num_heads}; raise the tensor-parallel size")
+    raise ValueError(
+        f"the NPU MLA decode kernel takes at most {NPU_MLA_HEADS[-1]} query heads per rank, "
+        f"got {num_heads}; raise the tensor-parallel size"
+    )
 
 
-def npu_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale,
-                   return_lse: bool = False):
+def npu_mla_decode(
+    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False
+):
     """``npu_fused_infer_attention_score`` in its MLA form: BNSD query ``c``-space parts
     (heads padded to 32/64/128), ``query_rope``/``key_rope`` the rotary parts, value = ``c``;
     ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``."""
@@ -117,9 +132,18 @@ def npu_mla_decode(q_nope, q_pe, latent, rope, block_table, seq_lens: list[int],
     query_rope[:, :heads, 0] = q_pe
     latent_bnsd = head_major(latent)
     out, lse = torch_npu().npu_fused_infer_attention_score(
-        query, latent_bnsd, latent_bnsd, query_rope=query_rope, key_rope=head_major(rope),
-        num_heads=padded, num_key_value_heads=1, input_layout="BNSD", scale=scale,
-        block_table=block_table, block_size=latent.shape[1], actual_seq_lengths_kv=seq_lens,
+        query,
+        latent_bnsd,
+        latent_bnsd,
+        query_rope=query_rope,
+        key_rope=head_major(rope),
+        num_heads=padded,
+        num_key_value_heads=1,
+        input_layout="BNSD",
+        scale=scale,
+        block_table=block_table,
+        block_size=latent.shape[1],
+        actual_seq_lengths_kv=seq_lens,
         softmax_lse_flag=return_lse,
     )
     if not return_lse:
@@ -138,9 +162,17 @@ def npu_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale)
     q_cum = torch.tensor(q_lens).cumsum(0).tolist()
     kv_cum = torch.tensor(kv_lens).cumsum(0).tolist()
     out, _ = torch_npu().npu_fused_infer_attention_score(
-        q.contiguous(), k.contiguous(), v.contiguous(), num_heads=q.shape[1], num_key_value_heads=k.shape[1],
-        scale=scale, input_layout="TND", actual_seq_lengths=q_cum, actual_seq_lengths_kv=kv_cum,
-        atten_mask=causal_mask(q.device), sparse_mode=3,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        num_heads=q.shape[1],
+        num_key_value_heads=k.shape[1],
+        scale=scale,
+        input_layout="TND",
+        actual_seq_lengths=q_cum,
+        actual_seq_lengths_kv=kv_cum,
+        atten_mask=causal_mask(q.device),
+        sparse_mode=3,
     )
     return out[..., :dv]
 
@@ -150,7 +182,8 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
         raise ValueError(
             f"the NPU MLA decode kernel (torch_npu npu_fused_infer_attention_score, MLA form) needs "
             f"kv_lora_rank {NPU_MLA_LATENT} and qk_rope_head_dim {NPU_MLA_ROPE}; this model has "
-            f"{kv_lora_rank} and {rope_dim}")
+            f"{kv_lora_rank} and {rope_dim}"
+        )
 
 
 write_latent_cache = pick(reference_write_latent_cache, npu_write_latent_cache)

@@ -22,12 +22,13 @@ def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch
     return torch.where(ids >= 0, expert_map.to(torch.int64)[ids.clamp(min=0)], -1)
 
 
-def reference_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
-                          apply_router_weight_on_input=False) -> torch.Tensor:
+def _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, expert_mlp):
+    """The reference loop over this rank's experts: ``expert_mlp(expert, h)`` maps the
+    float32 rows routed to an expert (router weight applied when on the input) to their
+    float32 outputs; results are weighted and summed in float32."""
     ids = _local_ids(topk_ids, expert_map)
     weights = topk_weights.to(torch.float32)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w2.shape[-1]
     for expert in torch.unique(ids).tolist():
         if expert < 0:
             continue
@@ -36,14 +37,27 @@ def reference_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
         w = weights[tokens, slots].unsqueeze(1)
         if apply_router_weight_on_input:
             h = h * w
-        gate_up = h @ w13[expert].to(torch.float32).t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[expert].to(torch.float32).t()
+        y = expert_mlp(expert, h)
         out.index_add_(0, tokens, y if apply_router_weight_on_input else y * w)
     return out.to(x.dtype)
 
 
-def _rows_by_expert(x, topk_weights, topk_ids, expert_map, num_local: int, apply_router_weight_on_input: bool):
+def reference_moe_experts(
+    x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
+) -> torch.Tensor:
+    inter = w2.shape[-1]
+
+    def mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
+        gate_up = h @ w13[expert].to(torch.float32).t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return act @ w2[expert].to(torch.float32).t()
+
+    return _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, mlp)
+
+
+def _rows_by_expert(
+    x, topk_weights, topk_ids, expert_map, num_local: int, apply_router_weight_on_input: bool
+):
     """The (token, expert) rows this rank computes, sorted by expert: row -> token index,
     the rows' inputs (router weight applied when asked), their router weights, and the
     cumulative int64 group list; None when every chosen expert lives on another rank."""
@@ -60,8 +74,9 @@ def _rows_by_expert(x, topk_weights, topk_ids, expert_map, num_local: int, apply
     return tokens, h, weights, group_list
 
 
-def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
-                    apply_router_weight_on_input=False) -> torch.Tensor:
+def npu_moe_experts(
+    x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
+) -> torch.Tensor:
     """Sort tokens by expert, two grouped matmuls (``npu_grouped_matmul``, one x, one
     3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu`` between,
     scatter back. Passes the contract double; not verified on an NPU."""
@@ -70,11 +85,13 @@ def npu_moe_experts(x, w13, w2, topk_weights, topk_ids, expert_map=None,
     if rows is None:  # every chosen expert lives on another rank
         return torch.zeros_like(x)
     tokens, h, weights, group_list = rows
-    gate_up = npu.npu_grouped_matmul([h], [w13.transpose(1, 2)], group_list=group_list,
-                                       split_item=2, group_type=0)[0]
+    gate_up = npu.npu_grouped_matmul(
+        [h], [w13.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
+    )[0]
     act = npu.npu_swiglu(gate_up)
-    y = npu.npu_grouped_matmul([act], [w2.transpose(1, 2)], group_list=group_list,
-                                 split_item=2, group_type=0)[0]
+    y = npu.npu_grouped_matmul(
+        [act], [w2.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
+    )[0]
     if not apply_router_weight_on_input:
         y = y * weights
     out = torch.zeros_like(x)
@@ -90,35 +107,46 @@ moe_experts = pick(reference_moe_experts, npu_moe_experts)
 # w2_scale [E, H] (float32). Each expert's input rows are quantized per token, multiplied
 # in int32, dequantized (weight scale x token scale) into the activation dtype, SwiGLU'd,
 # quantized per token again for the down projection, and dequantized.
-def reference_moe_experts_w8a8_dynamic(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-                                       expert_map=None, apply_router_weight_on_input=False) -> torch.Tensor:
+def reference_moe_experts_w8a8_dynamic(
+    x,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    topk_weights,
+    topk_ids,
+    expert_map=None,
+    apply_router_weight_on_input=False,
+) -> torch.Tensor:
     from vllm.ascend.kernels.quant import reference_quantize_dynamic
 
-    ids = _local_ids(topk_ids, expert_map)
-    weights = topk_weights.to(torch.float32)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w2.shape[-1]
-    for expert in torch.unique(ids).tolist():
-        if expert < 0:
-            continue
-        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
-        h = x[tokens]
-        w = weights[tokens, slots].unsqueeze(1)
-        if apply_router_weight_on_input:
-            h = (h.to(torch.float32) * w).to(x.dtype)
-        h_q, h_scale = reference_quantize_dynamic(h)
+
+    def mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
+        h_q, h_scale = reference_quantize_dynamic(h.to(x.dtype))  # the activation dtype, as on the device
         acc = torch.mm(h_q.to(torch.int32), w13[expert].to(torch.int32).t()).to(torch.float32)
-        gate_up = (acc * w13_scale[expert].to(torch.float32) * h_scale.unsqueeze(1)).to(x.dtype).to(torch.float32)
+        gate_up = (
+            (acc * w13_scale[expert].to(torch.float32) * h_scale.unsqueeze(1)).to(x.dtype).to(torch.float32)
+        )
         act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
         a_q, a_scale = reference_quantize_dynamic(act)
         acc = torch.mm(a_q.to(torch.int32), w2[expert].to(torch.int32).t()).to(torch.float32)
-        y = (acc * w2_scale[expert].to(torch.float32) * a_scale.unsqueeze(1)).to(x.dtype).to(torch.float32)
-        out.index_add_(0, tokens, y if apply_router_weight_on_input else y * w)
-    return out.to(x.dtype)
+        return (acc * w2_scale[expert].to(torch.float32) * a_scale.unsqueeze(1)).to(x.dtype).to(torch.float32)
+
+    return _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, mlp)
 
 
-def npu_moe_experts_w8a8_dynamic(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map=None,
-                                 apply_router_weight_on_input=False) -> torch.Tensor:
+def npu_moe_experts_w8a8_dynamic(
+    x,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    topk_weights,
+    topk_ids,
+    expert_map=None,
+    apply_router_weight_on_input=False,
+) -> torch.Tensor:
     """Tokens sorted by expert, ``npu_dynamic_quant``, two per-token quantized grouped
     matmuls (``npu_grouped_matmul`` with ``scale`` and ``per_token_scale``; the scale is
     bfloat16 for bfloat16 output and float32 for float16, as documented) with
@@ -131,14 +159,28 @@ def npu_moe_experts_w8a8_dynamic(x, w13, w2, w13_scale, w2_scale, topk_weights, 
     tokens, h, weights, group_list = rows
     scale_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     h_q, h_scale = npu.npu_dynamic_quant(h)
-    gate_up = npu.npu_grouped_matmul([h_q], [w13.transpose(1, 2)], scale=[w13_scale.to(scale_dtype)],
-                                     per_token_scale=[h_scale], group_list=group_list, split_item=2, group_type=0,
-                                     output_dtype=x.dtype)[0]
+    gate_up = npu.npu_grouped_matmul(
+        [h_q],
+        [w13.transpose(1, 2)],
+        scale=[w13_scale.to(scale_dtype)],
+        per_token_scale=[h_scale],
+        group_list=group_list,
+        split_item=2,
+        group_type=0,
+        output_dtype=x.dtype,
+    )[0]
     act = npu.npu_swiglu(gate_up)
     a_q, a_scale = npu.npu_dynamic_quant(act)
-    y = npu.npu_grouped_matmul([a_q], [w2.transpose(1, 2)], scale=[w2_scale.to(scale_dtype)],
-                               per_token_scale=[a_scale], group_list=group_list, split_item=2, group_type=0,
-                               output_dtype=x.dtype)[0]
+    y = npu.npu_grouped_matmul(
+        [a_q],
+        [w2.transpose(1, 2)],
+        scale=[w2_scale.to(scale_dtype)],
+        per_token_scale=[a_scale],
+        group_list=group_list,
+        split_item=2,
+        group_type=0,
+        output_dtype=x.dtype,
+    )[0]
     if not apply_router_weight_on_input:
         y = y * weights
     out = torch.zeros_like(x)

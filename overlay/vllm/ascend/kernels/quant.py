@@ -55,8 +55,9 @@ def npu_quantize_static(x, scale_reciprocal, offset) -> torch.Tensor:
     even, saturated) with ``npu_static_params``' vectors. Multiplying by the reciprocal may
     round an exact .5 tie differently from the reference's division. The activations go
     in as float32: a reciprocal in bfloat16 would move the quantization grid."""
-    return torch_npu().npu_quantize(x.to(torch.float32), scale_reciprocal, offset, torch.qint8, axis=-1,
-                                     div_mode=False)
+    return torch_npu().npu_quantize(
+        x.to(torch.float32), scale_reciprocal, offset, torch.qint8, axis=-1, div_mode=False
+    )
 
 
 def reference_quantize_dynamic(x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +91,9 @@ def reference_matmul_static(x_q, w_q, deq_scale, quant_bias, out_dtype) -> torch
 
 
 def npu_matmul_static(x_q, w_q, deq_scale, quant_bias, out_dtype) -> torch.Tensor:
-    out = torch_npu().npu_quant_matmul(_rows(x_q), w_q, deq_scale.to(torch.float32), bias=quant_bias,
-                                       output_dtype=out_dtype)
+    out = torch_npu().npu_quant_matmul(
+        _rows(x_q), w_q, deq_scale.to(torch.float32), bias=quant_bias, output_dtype=out_dtype
+    )
     return out.reshape(*x_q.shape[:-1], w_q.shape[1])
 
 
@@ -105,9 +107,14 @@ def reference_matmul_dynamic(x_q, w_q, weight_scale, token_scale, bias, out_dtyp
 
 
 def npu_matmul_dynamic(x_q, w_q, weight_scale, token_scale, bias, out_dtype) -> torch.Tensor:
-    out = torch_npu().npu_quant_matmul(_rows(x_q), w_q, weight_scale.to(torch.float32),
-                                       pertoken_scale=token_scale.reshape(-1).to(torch.float32), bias=bias,
-                                       output_dtype=out_dtype)
+    out = torch_npu().npu_quant_matmul(
+        _rows(x_q),
+        w_q,
+        weight_scale.to(torch.float32),
+        pertoken_scale=token_scale.reshape(-1).to(torch.float32),
+        bias=bias,
+        output_dtype=out_dtype,
+    )
     return out.reshape(*x_q.shape[:-1], w_q.shape[1])
 
 

@@ -34,13 +34,14 @@ def compute_slot_mapping(
     BLOCK_SIZE,
 ):
     num_tokens = int(num_tokens)
-    slot_mapping_ptr[num_tokens:int(max_num_tokens)] = PAD_ID
+    slot_mapping_ptr[num_tokens : int(max_num_tokens)] = PAD_ID
     if num_tokens == 0:
         return
     qsl = query_start_loc_ptr.to(torch.int64)
     counts = qsl[1:] - qsl[:-1]
     req_of_token = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=qsl.device), counts, output_size=num_tokens)
+        torch.arange(counts.numel(), device=qsl.device), counts, output_size=num_tokens
+    )
     pos = positions_ptr[:num_tokens].to(torch.int64)
     cp, interleave = TOTAL_CP_WORLD_SIZE, CP_KV_CACHE_INTERLEAVE_SIZE
     is_local = owner(pos, cp, interleave) == TOTAL_CP_RANK

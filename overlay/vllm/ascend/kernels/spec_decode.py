@@ -61,11 +61,21 @@ def _request_of_token(cu: torch.Tensor, num_tokens: int):
 
 
 # -- drafter steps (vllm/v1/spec_decode/utils.py) ---------------------------------------
-def _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped_positions_ptr,
-                       out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size):
+def eagle_step_slot_mapping_metadata(
+    positions_ptr,
+    block_table_ptr,
+    block_table_stride,
+    seq_lens_ptr,
+    out_clamped_positions_ptr,
+    out_slot_mapping_ptr,
+    block_size,
+    max_model_len,
+    n_blocks_per_req,
+    PAD_ID,
+    batch_size,
+):
     """Next draft token of each request: its position (0 past ``max_model_len``), slot
-    (PAD_ID there) and sequence length; slots past the batch are the launcher's padding.
-    One formula for both modes: no data-dependent shape and nothing read back."""
+    (PAD_ID there) and sequence length; slots past the batch are the launcher's padding."""
     batch_size = int(batch_size)
     position = positions_ptr[:batch_size].to(torch.int64) + 1
     beyond = position >= max_model_len
@@ -80,56 +90,46 @@ def _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped
     out_slot_mapping_ptr[batch_size:].fill_(PAD_ID)
 
 
-def reference_eagle_step_slot_mapping_metadata(
-    positions_ptr, block_table_ptr, block_table_stride, seq_lens_ptr, out_clamped_positions_ptr,
-    out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size,
+# Both forms: one formula, no data-dependent shape and nothing read back.
+reference_eagle_step_slot_mapping_metadata = npu_eagle_step_slot_mapping_metadata = (
+    eagle_step_slot_mapping_metadata
+)
+
+
+def eagle_prepare_inputs_padded(
+    cu_num_draft_tokens_ptr,
+    valid_sampled_tokens_count_ptr,
+    query_start_loc_gpu_ptr,
+    token_indices_to_sample_ptr,
+    num_rejected_tokens_gpu_ptr,
+    num_reqs,
 ):
-    _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped_positions_ptr,
-                       out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size)
-
-
-def npu_eagle_step_slot_mapping_metadata(
-    positions_ptr, block_table_ptr, block_table_stride, seq_lens_ptr, out_clamped_positions_ptr,
-    out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size,
-):
-    _step_slot_mapping(positions_ptr, block_table_ptr, seq_lens_ptr, out_clamped_positions_ptr,
-                       out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size)
-
-
-def _prepare_inputs_padded(cu_num_draft_tokens_ptr, valid_sampled_tokens_count_ptr, query_start_loc_gpu_ptr,
-                           token_indices_to_sample_ptr, num_rejected_tokens_gpu_ptr, num_reqs):
-    # One formula for both modes: no data-dependent shape and nothing read back.
     num_reqs = int(num_reqs)
     if num_reqs == 0:
         return
     _, drafts = _spans(cu_num_draft_tokens_ptr[:num_reqs])
     valid = valid_sampled_tokens_count_ptr[:num_reqs].to(torch.int64)
     rejected = torch.where(drafts > 0, drafts + 1 - valid, 0)
-    last = query_start_loc_gpu_ptr[1:num_reqs + 1].to(torch.int64) - 1
+    last = query_start_loc_gpu_ptr[1 : num_reqs + 1].to(torch.int64) - 1
     token_indices_to_sample_ptr[:num_reqs].copy_(last - rejected)
     num_rejected_tokens_gpu_ptr[:num_reqs].copy_(rejected)
 
 
-def reference_eagle_prepare_inputs_padded(
-    cu_num_draft_tokens_ptr, valid_sampled_tokens_count_ptr, query_start_loc_gpu_ptr,
-    token_indices_to_sample_ptr, num_rejected_tokens_gpu_ptr, num_reqs,
-):
-    _prepare_inputs_padded(cu_num_draft_tokens_ptr, valid_sampled_tokens_count_ptr, query_start_loc_gpu_ptr,
-                           token_indices_to_sample_ptr, num_rejected_tokens_gpu_ptr, num_reqs)
-
-
-def npu_eagle_prepare_inputs_padded(
-    cu_num_draft_tokens_ptr, valid_sampled_tokens_count_ptr, query_start_loc_gpu_ptr,
-    token_indices_to_sample_ptr, num_rejected_tokens_gpu_ptr, num_reqs,
-):
-    _prepare_inputs_padded(cu_num_draft_tokens_ptr, valid_sampled_tokens_count_ptr, query_start_loc_gpu_ptr,
-                           token_indices_to_sample_ptr, num_rejected_tokens_gpu_ptr, num_reqs)
+# Both forms: one formula, no data-dependent shape and nothing read back.
+reference_eagle_prepare_inputs_padded = npu_eagle_prepare_inputs_padded = eagle_prepare_inputs_padded
 
 
 def reference_eagle_prepare_next_token_padded(
-    sampled_token_ids_ptr, discard_request_mask_ptr, backup_next_token_ids_ptr, next_token_ids_ptr,
-    valid_sampled_tokens_count_ptr, vocab_size, num_sampled_tokens_per_req, num_reqs,
-    stride_sampled_token_ids, BLOCK_SIZE_TOKENS,
+    sampled_token_ids_ptr,
+    discard_request_mask_ptr,
+    backup_next_token_ids_ptr,
+    next_token_ids_ptr,
+    valid_sampled_tokens_count_ptr,
+    vocab_size,
+    num_sampled_tokens_per_req,
+    num_reqs,
+    stride_sampled_token_ids,
+    BLOCK_SIZE_TOKENS,
 ):
     """Per request: how many sampled tokens are real (not -1, inside the vocabulary) and
     the last real one; a discarded request, or one with none, takes its backup token."""
@@ -144,9 +144,16 @@ def reference_eagle_prepare_next_token_padded(
 
 
 def npu_eagle_prepare_next_token_padded(
-    sampled_token_ids_ptr, discard_request_mask_ptr, backup_next_token_ids_ptr, next_token_ids_ptr,
-    valid_sampled_tokens_count_ptr, vocab_size, num_sampled_tokens_per_req, num_reqs,
-    stride_sampled_token_ids, BLOCK_SIZE_TOKENS,
+    sampled_token_ids_ptr,
+    discard_request_mask_ptr,
+    backup_next_token_ids_ptr,
+    next_token_ids_ptr,
+    valid_sampled_tokens_count_ptr,
+    vocab_size,
+    num_sampled_tokens_per_req,
+    num_reqs,
+    stride_sampled_token_ids,
+    BLOCK_SIZE_TOKENS,
 ):
     num_reqs = int(num_reqs)
     if num_reqs == 0:
@@ -188,15 +195,23 @@ def _write_verdicts(output_token_ids_ptr, accepted, token, inside, count, bonus,
 
 
 def reference_rejection_greedy_sample(
-    output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, target_argmax_ptr,
-    bonus_token_ids_ptr, is_greedy_ptr, max_spec_len, uniform_probs_ptr, synthetic_conditional_rates_ptr,
+    output_token_ids_ptr,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    target_argmax_ptr,
+    bonus_token_ids_ptr,
+    is_greedy_ptr,
+    max_spec_len,
+    uniform_probs_ptr,
+    synthetic_conditional_rates_ptr,
     SYNTHETIC_MODE,
 ):
     """Walk the drafts position by position: a greedy request keeps the target's argmax
     (synthetic mode: the draft when its uniform draw is below the position's rate) and
     stops at the first disagreement; with none, the bonus token follows."""
     draft_token_ids_ptr, target_argmax_ptr, uniform_probs_ptr = _flat(
-        draft_token_ids_ptr, target_argmax_ptr, uniform_probs_ptr)
+        draft_token_ids_ptr, target_argmax_ptr, uniform_probs_ptr
+    )
     out = output_token_ids_ptr
     start, count = _spans(cu_num_draft_tokens_ptr)
     live = torch.ones_like(count, dtype=torch.bool) if is_greedy_ptr is None else is_greedy_ptr.clone()
@@ -220,12 +235,20 @@ def reference_rejection_greedy_sample(
 
 
 def npu_rejection_greedy_sample(
-    output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, target_argmax_ptr,
-    bonus_token_ids_ptr, is_greedy_ptr, max_spec_len, uniform_probs_ptr, synthetic_conditional_rates_ptr,
+    output_token_ids_ptr,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    target_argmax_ptr,
+    bonus_token_ids_ptr,
+    is_greedy_ptr,
+    max_spec_len,
+    uniform_probs_ptr,
+    synthetic_conditional_rates_ptr,
     SYNTHETIC_MODE,
 ):
     draft_token_ids_ptr, target_argmax_ptr, uniform_probs_ptr = _flat(
-        draft_token_ids_ptr, target_argmax_ptr, uniform_probs_ptr)
+        draft_token_ids_ptr, target_argmax_ptr, uniform_probs_ptr
+    )
     out = output_token_ids_ptr
     width = out.shape[1] - 1
     num_tokens = draft_token_ids_ptr.numel()
@@ -246,15 +269,27 @@ def npu_rejection_greedy_sample(
 
 
 def reference_rejection_random_sample(
-    output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr,
-    bonus_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr, is_greedy_ptr, max_spec_len, vocab_size,
-    synthetic_conditional_rates_ptr, NO_DRAFT_PROBS, SYNTHETIC_MODE,
+    output_token_ids_ptr,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    draft_probs_ptr,
+    target_probs_ptr,
+    bonus_token_ids_ptr,
+    recovered_token_ids_ptr,
+    uniform_probs_ptr,
+    is_greedy_ptr,
+    max_spec_len,
+    vocab_size,
+    synthetic_conditional_rates_ptr,
+    NO_DRAFT_PROBS,
+    SYNTHETIC_MODE,
 ):
     """Walk the drafts of each random request: accept draft d when p(d)/q(d) >= u (q = 1
     without draft probabilities; synthetic mode: u < the position's rate), a -1 draft is
     rejected; the first rejection takes the recovered token and ends the request."""
     draft_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr = _flat(
-        draft_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr)
+        draft_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr
+    )
     out = output_token_ids_ptr
     start, count = _spans(cu_num_draft_tokens_ptr)
     live = ~is_greedy_ptr.bool()
@@ -280,12 +315,24 @@ def reference_rejection_random_sample(
 
 
 def npu_rejection_random_sample(
-    output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr,
-    bonus_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr, is_greedy_ptr, max_spec_len, vocab_size,
-    synthetic_conditional_rates_ptr, NO_DRAFT_PROBS, SYNTHETIC_MODE,
+    output_token_ids_ptr,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    draft_probs_ptr,
+    target_probs_ptr,
+    bonus_token_ids_ptr,
+    recovered_token_ids_ptr,
+    uniform_probs_ptr,
+    is_greedy_ptr,
+    max_spec_len,
+    vocab_size,
+    synthetic_conditional_rates_ptr,
+    NO_DRAFT_PROBS,
+    SYNTHETIC_MODE,
 ):
     draft_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr = _flat(
-        draft_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr)
+        draft_token_ids_ptr, recovered_token_ids_ptr, uniform_probs_ptr
+    )
     out = output_token_ids_ptr
     width = out.shape[1] - 1
     num_tokens = draft_token_ids_ptr.numel()
@@ -315,7 +362,7 @@ def reference_expand(output_ptr, input_ptr, cu_num_tokens_ptr, replace_from, rep
     start, count = _spans(cu_num_tokens_ptr)
     for r, (s, n) in enumerate(zip(start.tolist(), count.tolist())):
         value = input_ptr[r]
-        output_ptr[s:s + min(n, MAX_NUM_TOKENS)] = replace_to if bool(value == replace_from) else value
+        output_ptr[s : s + min(n, MAX_NUM_TOKENS)] = replace_to if bool(value == replace_from) else value
 
 
 def npu_expand(output_ptr, input_ptr, cu_num_tokens_ptr, replace_from, replace_to, MAX_NUM_TOKENS):
@@ -344,48 +391,68 @@ def _recovery_scores(draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr, inv
 
 
 def reference_sample_recovered_tokens(
-    output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr,
-    inv_q_ptr, vocab_size, BLOCK_SIZE, NO_DRAFT_PROBS, USE_FP64_GUMBEL,
+    output_token_ids_ptr,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    draft_probs_ptr,
+    target_probs_ptr,
+    inv_q_ptr,
+    vocab_size,
+    BLOCK_SIZE,
+    NO_DRAFT_PROBS,
+    USE_FP64_GUMBEL,
 ):
     output_token_ids_ptr, draft_token_ids_ptr = output_token_ids_ptr.view(-1), draft_token_ids_ptr.reshape(-1)
     start, count = _spans(cu_num_draft_tokens_ptr)
     req = torch.repeat_interleave(torch.arange(count.numel(), device=count.device), count)
     n = req.numel()
     draft_probs = None if draft_probs_ptr is None else draft_probs_ptr[:n]
-    scores = _recovery_scores(draft_token_ids_ptr[:n], draft_probs, target_probs_ptr[:n], inv_q_ptr, req,
-                              NO_DRAFT_PROBS)
+    scores = _recovery_scores(
+        draft_token_ids_ptr[:n], draft_probs, target_probs_ptr[:n], inv_q_ptr, req, NO_DRAFT_PROBS
+    )
     output_token_ids_ptr[:n] = scores.argmax(dim=1).clamp(max=vocab_size - 1).to(output_token_ids_ptr.dtype)
 
 
 def npu_sample_recovered_tokens(
-    output_token_ids_ptr, cu_num_draft_tokens_ptr, draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr,
-    inv_q_ptr, vocab_size, BLOCK_SIZE, NO_DRAFT_PROBS, USE_FP64_GUMBEL,
+    output_token_ids_ptr,
+    cu_num_draft_tokens_ptr,
+    draft_token_ids_ptr,
+    draft_probs_ptr,
+    target_probs_ptr,
+    inv_q_ptr,
+    vocab_size,
+    BLOCK_SIZE,
+    NO_DRAFT_PROBS,
+    USE_FP64_GUMBEL,
 ):
     output_token_ids_ptr, draft_token_ids_ptr = output_token_ids_ptr.view(-1), draft_token_ids_ptr.reshape(-1)
     num_tokens = output_token_ids_ptr.numel()
     if num_tokens == 0:
         return
     req, _, owned = _request_of_token(cu_num_draft_tokens_ptr, num_tokens)
-    scores = _recovery_scores(draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr, inv_q_ptr, req,
-                              NO_DRAFT_PROBS)
+    scores = _recovery_scores(
+        draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr, inv_q_ptr, req, NO_DRAFT_PROBS
+    )
     recovered = scores.argmax(dim=1).clamp(max=vocab_size - 1).to(output_token_ids_ptr.dtype)
     output_token_ids_ptr.copy_(torch.where(owned, recovered, output_token_ids_ptr))
 
 
 KERNELS = {
-    _SPEC_UTILS + "eagle_step_slot_mapping_metadata_kernel":
-        pick(reference_eagle_step_slot_mapping_metadata, npu_eagle_step_slot_mapping_metadata),
-    _SPEC_UTILS + "eagle_prepare_inputs_padded_kernel":
-        pick(reference_eagle_prepare_inputs_padded, npu_eagle_prepare_inputs_padded),
-    _SPEC_UTILS + "eagle_prepare_next_token_padded_kernel":
-        pick(reference_eagle_prepare_next_token_padded, npu_eagle_prepare_next_token_padded),
-    _SAMPLER + "rejection_greedy_sample_kernel":
-        pick(reference_rejection_greedy_sample, npu_rejection_greedy_sample),
-    _SAMPLER + "rejection_random_sample_kernel":
-        pick(reference_rejection_random_sample, npu_rejection_random_sample),
+    _SPEC_UTILS + "eagle_step_slot_mapping_metadata_kernel": eagle_step_slot_mapping_metadata,
+    _SPEC_UTILS + "eagle_prepare_inputs_padded_kernel": eagle_prepare_inputs_padded,
+    _SPEC_UTILS + "eagle_prepare_next_token_padded_kernel": pick(
+        reference_eagle_prepare_next_token_padded, npu_eagle_prepare_next_token_padded
+    ),
+    _SAMPLER + "rejection_greedy_sample_kernel": pick(
+        reference_rejection_greedy_sample, npu_rejection_greedy_sample
+    ),
+    _SAMPLER + "rejection_random_sample_kernel": pick(
+        reference_rejection_random_sample, npu_rejection_random_sample
+    ),
     _SAMPLER + "expand_kernel": pick(reference_expand, npu_expand),
-    _SAMPLER + "sample_recovered_tokens_kernel":
-        pick(reference_sample_recovered_tokens, npu_sample_recovered_tokens),
+    _SAMPLER + "sample_recovered_tokens_kernel": pick(
+        reference_sample_recovered_tokens, npu_sample_recovered_tokens
+    ),
 }
 
 

@@ -24,17 +24,29 @@ def plane_table(mine: dict, theirs: list) -> tuple[list, list]:
     for name, (base, layer) in mine.items():
         their = by_name.get(name)
         if their is None or len(their.planes) != len(layer.planes):
-            raise RuntimeError(f"the prefill instance has no KV layer {name!r} like this one: not the same model")
+            raise RuntimeError(
+                f"the prefill instance has no KV layer {name!r} like this one: not the same model"
+            )
         offset_s = 0
         for index, (plane, their_plane) in enumerate(zip(layer.planes, their.planes)):
-            src.append((their.base + offset_s, their_plane.heads * their_plane.head_bytes, their_plane.head_bytes))
+            src.append(
+                (their.base + offset_s, their_plane.heads * their_plane.head_bytes, their_plane.head_bytes)
+            )
             dst.append((base + layer.plane_offset(index), plane.block_bytes, plane.head_bytes))
             offset_s += their_plane.heads * their_plane.head_bytes * their.num_blocks
     return src, dst
 
 
-def read_ranges(plan, read_ids, src: list, dst: list, src_head0: int, dst_head0: int,
-                block_sizes: tuple[int, int], whole_blocks: bool = False):
+def read_ranges(
+    plan,
+    read_ids,
+    src: list,
+    dst: list,
+    src_head0: int,
+    dst_head0: int,
+    block_sizes: tuple[int, int],
+    whole_blocks: bool = False,
+):
     """(local addresses, remote addresses, lengths) of ``read_ids`` of ``plan`` (all from one
     prefill rank, whose first KV head is ``src_head0``; this rank's is ``dst_head0``).
 
@@ -43,9 +55,20 @@ def read_ranges(plan, read_ids, src: list, dst: list, src_head0: int, dst_head0:
     reads at once; neighbouring ranges contiguous on both sides are merged."""
     ids = np.asarray(read_ids, dtype=np.int64).ravel()
     if whole_blocks:
-        parts = [whole_block_ranges((int(plan.head0[i]), int(plan.head1[i])), plan.runs(i), src, dst,
-                                    int(plan.src_block[i]), int(plan.dst_block[i]), src_head0, dst_head0,
-                                    block_sizes) for i in ids.tolist()]
+        parts = [
+            whole_block_ranges(
+                (int(plan.head0[i]), int(plan.head1[i])),
+                plan.runs(i),
+                src,
+                dst,
+                int(plan.src_block[i]),
+                int(plan.dst_block[i]),
+                src_head0,
+                dst_head0,
+                block_sizes,
+            )
+            for i in ids.tolist()
+        ]
         if parts:
             return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
     if ids.size == 0:
@@ -62,8 +85,9 @@ def read_ranges(plan, read_ids, src: list, dst: list, src_head0: int, dst_head0:
     before = np.r_[0, np.cumsum(counts)[:-1]]
     token = np.arange(read_of.size) + np.repeat(plan.token_start[ids] - before, counts)
     src_slot, dst_slot = plan.src_offsets[token], plan.dst_offsets[token]
-    first = np.flatnonzero(np.r_[True, (np.diff(read_of) != 0) | (np.diff(src_slot) != 1)
-                                 | (np.diff(dst_slot) != 1)])
+    first = np.flatnonzero(
+        np.r_[True, (np.diff(read_of) != 0) | (np.diff(src_slot) != 1) | (np.diff(dst_slot) != 1)]
+    )
     run_len = np.diff(np.r_[first, read_of.size])
     run_read = read_of[first]
     # each run once per head of its read
@@ -72,35 +96,63 @@ def read_ranges(plan, read_ids, src: list, dst: list, src_head0: int, dst_head0:
     run = np.repeat(np.arange(first.size), heads)
     head = h0[run] + np.arange(run.size) - np.repeat(np.r_[0, np.cumsum(heads)[:-1]], heads)
     read = run_read[run]
-    remote = (s[:, :1] + plan.src_block[ids][read] * s[:, 1:2] + (head - src_head0) * s[:, 2:3]
-              + src_slot[first][run] * slot[:, None])
-    local = (d[:, :1] + plan.dst_block[ids][read] * d[:, 1:2] + (head - dst_head0) * d[:, 2:3]
-             + dst_slot[first][run] * slot[:, None])
+    remote = (
+        s[:, :1]
+        + plan.src_block[ids][read] * s[:, 1:2]
+        + (head - src_head0) * s[:, 2:3]
+        + src_slot[first][run] * slot[:, None]
+    )
+    local = (
+        d[:, :1]
+        + plan.dst_block[ids][read] * d[:, 1:2]
+        + (head - dst_head0) * d[:, 2:3]
+        + dst_slot[first][run] * slot[:, None]
+    )
     lengths = run_len[run] * slot[:, None]
     return merge_ranges(local.ravel(), remote.ravel(), lengths.ravel())
 
 
-def whole_block_ranges(read_heads: tuple[int, int], runs: np.ndarray, src: list, dst: list, src_block: int,
-                       dst_block: int, src_head0: int, dst_head0: int, block_sizes: tuple[int, int]):
+def whole_block_ranges(
+    read_heads: tuple[int, int],
+    runs: np.ndarray,
+    src: list,
+    dst: list,
+    src_block: int,
+    dst_block: int,
+    src_head0: int,
+    dst_head0: int,
+    block_sizes: tuple[int, int],
+):
     """The same read as whole blocks, for transports that move nothing smaller: allowed when
     the read's heads are all of both ranks' heads and every token sits in the same slot."""
     s = np.asarray(src, dtype=np.int64)
     d = np.asarray(dst, dtype=np.int64)
     heads = read_heads[1] - read_heads[0]
-    if (block_sizes[0] != block_sizes[1] or np.any(runs[:, 1] != runs[:, 2]) or read_heads[0] != src_head0
-            or read_heads[0] != dst_head0 or np.any(s[:, 1] != heads * s[:, 2])
-            or np.any(d[:, 1] != heads * d[:, 2]) or np.any(s[:, 1] != d[:, 1])):
-        raise TransferError("the llmdatadist transport moves whole blocks only: prefill and decode need the "
-                            "same block size, KV heads per rank and context-parallel layout (or use transport "
-                            "'mooncake')")
+    if (
+        block_sizes[0] != block_sizes[1]
+        or np.any(runs[:, 1] != runs[:, 2])
+        or read_heads[0] != src_head0
+        or read_heads[0] != dst_head0
+        or np.any(s[:, 1] != heads * s[:, 2])
+        or np.any(d[:, 1] != heads * d[:, 2])
+        or np.any(s[:, 1] != d[:, 1])
+    ):
+        raise TransferError(
+            "the llmdatadist transport moves whole blocks only: prefill and decode need the "
+            "same block size, KV heads per rank and context-parallel layout (or use transport "
+            "'mooncake')"
+        )
     return d[:, 0] + dst_block * d[:, 1], s[:, 0] + src_block * s[:, 1], s[:, 1].copy()
 
 
 def layer_regions(layers: dict) -> list:
     """This rank's layers (name -> (base, LayerLayout)) as the handshake describes them."""
-    return [wire.LayerRegion(name, base, layer.num_blocks,
-                             [wire.PlaneSpec(p.heads, p.head_bytes) for p in layer.planes])
-            for name, (base, layer) in layers.items()]
+    return [
+        wire.LayerRegion(
+            name, base, layer.num_blocks, [wire.PlaneSpec(p.heads, p.head_bytes) for p in layer.planes]
+        )
+        for name, (base, layer) in layers.items()
+    ]
 
 
 def plane_regions(layers) -> list[Region]:

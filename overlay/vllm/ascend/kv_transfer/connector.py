@@ -8,12 +8,22 @@ passes between them each step.
 
 from __future__ import annotations
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from vllm.ascend.attention.kv_layout import VLLM_LAYOUT
 from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, P2PScheduler
 from vllm.ascend.kv_transfer.settings import P2PSettings
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.ascend.kv_transfer.stats import P2PConnectorStats, P2PPromMetrics
 
 
 class AscendP2PConnector(KVConnectorBase_V1):
+    # It reads and writes the Ascend K/V (MLA: latent/rope) planes (attention/kv_layout.py).
+    addresses_ascend_kv_planes = True
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        return VLLM_LAYOUT
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = P2PSettings.from_config(vllm_config)
@@ -62,6 +72,20 @@ class AscendP2PConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks()
+
+    # -- statistics (stats.py): vLLM's log line and /metrics ------------------------------
+    def get_kv_connector_stats(self) -> P2PConnectorStats | None:
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> P2PConnectorStats:
+        return P2PConnectorStats(data=data) if data is not None else P2PConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> P2PPromMetrics:
+        return P2PPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -36,8 +36,10 @@ class ControlServer:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
             self._socket.close()
-            raise RuntimeError(f"KV control plane cannot bind {host}:{port} ({e}): is another instance "
-                               "using this kv_port range? Give each instance its own kv_port.") from None
+            raise RuntimeError(
+                f"KV control plane cannot bind {host}:{port} ({e}): is another instance "
+                "using this kv_port range? Give each instance its own kv_port."
+            ) from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kv-control-{port}", daemon=True)
         self._thread.start()
@@ -50,8 +52,11 @@ class ControlServer:
                 continue
             frames = self._socket.recv_multipart()
             if len(frames) != 3 or frames[1]:
-                logger.warning("KV control %s: dropped a message with %d frames (expected an envelope)",
-                               self._name, len(frames))
+                logger.warning(
+                    "KV control %s: dropped a message with %d frames (expected an envelope)",
+                    self._name,
+                    len(frames),
+                )
                 continue
             identity, payload = frames[0], frames[2]
             try:

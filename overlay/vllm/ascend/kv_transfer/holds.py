@@ -31,8 +31,9 @@ COUNTED, EARLY, EXPIRED, DROPPED = "counted", "early", "expired", "dropped"
 
 
 class Holds:
-    def __init__(self, lease_seconds: float, max_early: int = 4096, max_expired: int = 65536,
-                 clock=time.monotonic):
+    def __init__(
+        self, lease_seconds: float, max_early: int = 4096, max_expired: int = 65536, clock=time.monotonic
+    ):
         self.lease = lease_seconds
         self._clock = clock
         self._max_early = max_early
@@ -44,6 +45,7 @@ class Holds:
         self._expired: OrderedDict[str, None] = OrderedDict()  # released by lease expiry (bounded)
         self._max_expired = max_expired
         self._finished: set[str] = set()
+        self._newly_expired = 0  # leases run out since the last take_expired_count
 
     def hold(self, request_id: str, lease: float | None = None) -> None:
         with self._lock:
@@ -97,10 +99,15 @@ class Holds:
         with self._lock:
             for request_id, hold in list(self._holds.items()):
                 if hold.deadline < now:
-                    logger.warning("request %s: no word from the decode side within the %.0f s lease; freeing "
-                                   "its KV blocks", request_id, self.lease)
+                    logger.warning(
+                        "request %s: no word from the decode side within the %.0f s lease; freeing "
+                        "its KV blocks",
+                        request_id,
+                        self.lease,
+                    )
                     self._release(request_id)
                     self._expired[request_id] = None
+                    self._newly_expired += 1
                     if len(self._expired) > self._max_expired:
                         self._expired.popitem(last=False)
             for request_id, until in list(self._released.items()):
@@ -112,6 +119,12 @@ class Holds:
                     self._early.pop(request_id, None)
             finished, self._finished = self._finished, set()
         return finished
+
+    def take_expired_count(self) -> int:
+        """Leases that ran out since the last call (for the connector's statistics)."""
+        with self._lock:
+            count, self._newly_expired = self._newly_expired, 0
+        return count
 
     def __len__(self) -> int:
         return len(self._holds)

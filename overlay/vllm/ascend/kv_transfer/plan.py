@@ -17,7 +17,7 @@ choice, e.g. per request). Every prefill rank of the request's DP replica holds 
 of it: ranks no read touches are ``unread``, and the first decode rank sends them the
 done message so they free their blocks.
 
-Run ``python -m vllm.ascend.kv_transfer.plan --help`` to inspect a plan (docs/pd_plan.md).
+Run ``python -m vllm.ascend.kv_transfer.inspector --help`` to inspect a plan (docs/pd_plan.md).
 """
 
 from __future__ import annotations
@@ -104,9 +104,17 @@ class Plan:
 
     def read(self, i: int) -> Read:
         s, n = int(self.token_start[i]), int(self.token_count[i])
-        return Read(i, int(self.decode_rank[i]), int(self.prefill_rank[i]), int(self.src_block[i]),
-                    int(self.dst_block[i]), (int(self.head0[i]), int(self.head1[i])),
-                    self.positions[s:s + n], self.src_offsets[s:s + n], self.dst_offsets[s:s + n])
+        return Read(
+            i,
+            int(self.decode_rank[i]),
+            int(self.prefill_rank[i]),
+            int(self.src_block[i]),
+            int(self.dst_block[i]),
+            (int(self.head0[i]), int(self.head1[i])),
+            self.positions[s : s + n],
+            self.src_offsets[s : s + n],
+            self.dst_offsets[s : s + n],
+        )
 
     def reads(self):
         return (self.read(i) for i in range(len(self)))
@@ -119,7 +127,7 @@ class Plan:
         """Read ``i``'s tokens as runs that are contiguous on both sides: rows (first token's
         position, src slot, dst slot, length)."""
         s, n = int(self.token_start[i]), int(self.token_count[i])
-        pos, src, dst = self.positions[s:s + n], self.src_offsets[s:s + n], self.dst_offsets[s:s + n]
+        pos, src, dst = self.positions[s : s + n], self.src_offsets[s : s + n], self.dst_offsets[s : s + n]
         first = np.flatnonzero(_run_starts(src, dst))
         lengths = np.diff(np.r_[first, n])
         return np.stack([pos[first], src[first], dst[first], lengths], axis=1)
@@ -140,8 +148,10 @@ class Plan:
         changed = np.any(pairs[:, 1:] != pairs[:, :-1], axis=0)
         starts = np.flatnonzero(np.r_[True, changed]) if len(self) else []
         ends = list(starts[1:]) + [len(self)]
-        messages = [DoneMessage(int(pairs[0, s]), int(pairs[1, s]), tuple(order[s:e].tolist()))
-                    for s, e in zip(starts, ends)]
+        messages = [
+            DoneMessage(int(pairs[0, s]), int(pairs[1, s]), tuple(order[s:e].tolist()))
+            for s, e in zip(starts, ends)
+        ]
         first = self.decode_ranks.start
         messages += [DoneMessage(first, rank, ()) for rank in self.unread]
         return messages
@@ -156,9 +166,11 @@ class Plan:
         from whole, once (and picks its tokens out locally)."""
         if not len(self):
             return 0
-        blocks = np.unique(np.stack([self.decode_rank, self.prefill_rank, self.src_block, self.head0,
-                                     self.head1]), axis=1)
+        blocks = np.unique(
+            np.stack([self.decode_rank, self.prefill_rank, self.src_block, self.head0, self.head1]), axis=1
+        )
         return int((self.prefill.block_size * (blocks[4] - blocks[3])).sum())
+
 
 def _run_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """Per token: does a run of slots contiguous on both sides start here?"""
@@ -176,10 +188,14 @@ def check_pair(prefill: CPLayout, decode: CPLayout) -> None:
         except LayoutError as e:
             raise LayoutError(f"{side} layout: {e}") from None
     if prefill.kv_heads != decode.kv_heads:
+
         def name(kv):
             return "MLA" if kv is None else f"{kv} KV heads"
-        raise LayoutError(f"prefill and decode must serve the same model: prefill has "
-                          f"{name(prefill.kv_heads)}, decode {name(decode.kv_heads)}")
+
+        raise LayoutError(
+            f"prefill and decode must serve the same model: prefill has "
+            f"{name(prefill.kv_heads)}, decode {name(decode.kv_heads)}"
+        )
 
 
 def _head_pieces(prefill: CPLayout, decode: CPLayout, tp_rank: int) -> list[tuple[int, int]]:
@@ -221,8 +237,16 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
     return rank, cp, h0, h1, src_tp
 
 
-def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_block_ids, decode_block_ids,
-               prefill_dp_rank: int = 0, decode_dp_rank: int = 0, replica_offset: int = 0) -> Plan:
+def build_plan(
+    prefill: CPLayout,
+    decode: CPLayout,
+    num_tokens: int,
+    prefill_block_ids,
+    decode_block_ids,
+    prefill_dp_rank: int = 0,
+    decode_dp_rank: int = 0,
+    replica_offset: int = 0,
+) -> Plan:
     """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
     sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
     Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
@@ -238,7 +262,8 @@ def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_blo
         raise LayoutError(
             f"{num_tokens} tokens need {need_p} prefill blocks ({prefill.virtual_block_size} tokens each) "
             f"and {need_d} decode blocks ({decode.virtual_block_size} tokens each), got "
-            f"{len(prefill_block_ids)} and {len(decode_block_ids)}")
+            f"{len(prefill_block_ids)} and {len(decode_block_ids)}"
+        )
     src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
     dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
     p_base = prefill_dp_rank * prefill.ranks_per_replica
@@ -276,17 +301,29 @@ def build_plan(prefill: CPLayout, decode: CPLayout, num_tokens: int, prefill_blo
     src_tp = t_src_tp[target, p_cp]
     prefill_rank = p_base + (p_cp // prefill.dcp) * prefill.tp + src_tp
 
-    return Plan(prefill, decode, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset,
-                decode_rank=d_base + t_rank[target], prefill_rank=prefill_rank,
-                src_block=src_ids[g_src[group]], dst_block=dst_ids[g_dst[group]],
-                head0=t_h0[target], head1=t_h1[target],
-                token_start=starts[group], token_count=counts[group],
-                positions=t[order], src_offsets=src_off[order], dst_offsets=dst_off[order])
+    return Plan(
+        prefill,
+        decode,
+        num_tokens,
+        prefill_dp_rank,
+        decode_dp_rank,
+        replica_offset,
+        decode_rank=d_base + t_rank[target],
+        prefill_rank=prefill_rank,
+        src_block=src_ids[g_src[group]],
+        dst_block=dst_ids[g_dst[group]],
+        head0=t_h0[target],
+        head1=t_h1[target],
+        token_start=starts[group],
+        token_count=counts[group],
+        positions=t[order],
+        src_offsets=src_off[order],
+        dst_offsets=dst_off[order],
+    )
 
 
 if __name__ == "__main__":
     import sys
 
-    from vllm.ascend.kv_transfer.inspector import main
-
-    sys.exit(main())
+    # The inspector (which imports this module) is the command; say where it went.
+    sys.exit("the plan inspector is `python -m vllm.ascend.kv_transfer.inspector` (same arguments)")

@@ -53,22 +53,40 @@ class Pool:
         """Live instances, least loaded first (ties rotate); then the resting ones."""
         now, turn = time.monotonic(), next(self._turn)
         n = len(self.instances)
-        ranked = sorted(range(n), key=lambda i: (self.instances[i].down_until > now,
-                                                 self.instances[i].in_flight, (i - turn) % n))
+        ranked = sorted(
+            range(n),
+            key=lambda i: (self.instances[i].down_until > now, self.instances[i].in_flight, (i - turn) % n),
+        )
         return [self.instances[i] for i in ranked]
 
     def mark_down(self, instance: Instance, error: Exception) -> None:
         instance.down_until = time.monotonic() + self.cooldown
-        logger.warning("%s instance %s unreachable (%s: %s); resting it for %.0f s", self.role, instance.url,
-                       type(error).__name__, error, self.cooldown)
+        logger.warning(
+            "%s instance %s unreachable (%s: %s); resting it for %.0f s",
+            self.role,
+            instance.url,
+            type(error).__name__,
+            error,
+            self.cooldown,
+        )
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                   else "service_unavailable", "code": status}}, status_code=status)
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "service_unavailable",
+                "code": status,
+            }
+        },
+        status_code=status,
+    )
 
 
-def build_app(prefill: list[str], decode: list[str], timeout: float = 600.0, cooldown: float = 5.0) -> FastAPI:
+def build_app(
+    prefill: list[str], decode: list[str], timeout: float = 600.0, cooldown: float = 5.0
+) -> FastAPI:
     pools = {"prefill": Pool("prefill", prefill, cooldown), "decode": Pool("decode", decode, cooldown)}
     state: dict = {}
 
@@ -100,8 +118,9 @@ def build_app(prefill: list[str], decode: list[str], timeout: float = 600.0, coo
                 pool.mark_down(instance, e)
             except httpx.RemoteProtocolError as e:  # closed before answering: try again, do not rest it
                 instance.in_flight -= 1
-                logger.warning("%s instance %s dropped the connection (%s); trying again", pool.role,
-                               instance.url, e)
+                logger.warning(
+                    "%s instance %s dropped the connection (%s); trying again", pool.role, instance.url, e
+                )
             except BaseException:
                 instance.in_flight -= 1
                 raise
@@ -132,8 +151,11 @@ def build_app(prefill: list[str], decode: list[str], timeout: float = 600.0, coo
             return _error(503, str(e))
         try:
             if answer.status_code != 200:  # the client's mistake (4xx) or the instance's: pass it on
-                return Response(answer.content, status_code=answer.status_code,
-                                media_type=answer.headers.get("content-type"))
+                return Response(
+                    answer.content,
+                    status_code=answer.status_code,
+                    media_type=answer.headers.get("content-type"),
+                )
             params = answer.json().get("kv_transfer_params")
         finally:
             instance.in_flight -= 1
@@ -148,8 +170,11 @@ def build_app(prefill: list[str], decode: list[str], timeout: float = 600.0, coo
         if not stream or answer.status_code != 200:
             try:
                 await answer.aread()
-                return Response(answer.content, status_code=answer.status_code,
-                                media_type=answer.headers.get("content-type"))
+                return Response(
+                    answer.content,
+                    status_code=answer.status_code,
+                    media_type=answer.headers.get("content-type"),
+                )
             finally:
                 instance.in_flight -= 1
                 await answer.aclose()
@@ -178,8 +203,11 @@ def build_app(prefill: list[str], decode: list[str], timeout: float = 600.0, coo
         for instance in pools["decode"].order():
             try:
                 answer = await client.get(instance.url + "/v1/models", timeout=10)
-                return Response(answer.content, status_code=answer.status_code,
-                                media_type=answer.headers.get("content-type"))
+                return Response(
+                    answer.content,
+                    status_code=answer.status_code,
+                    media_type=answer.headers.get("content-type"),
+                )
             except httpx.HTTPError as e:
                 pools["decode"].mark_down(instance, e)
         return _error(503, "no decode instance could be reached")
@@ -207,8 +235,11 @@ def build_app(prefill: list[str], decode: list[str], timeout: float = 600.0, coo
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(prog="python -m vllm.ascend.kv_transfer.proxy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m vllm.ascend.kv_transfer.proxy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -217,8 +248,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cooldown", type=float, default=5.0, help="seconds an unreachable instance rests")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(build_app(args.prefill, args.decode, args.timeout, args.cooldown), host=args.host,
-                port=args.port, log_level="warning")
+    uvicorn.run(
+        build_app(args.prefill, args.decode, args.timeout, args.cooldown),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient
 from vllm.ascend.kv_transfer.settings import P2PSettings
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,11 @@ def parse_remote(params: dict | None) -> RemotePrefill | None:
     try:
         return msgspec.convert(params, RemotePrefill)
     except msgspec.ValidationError as e:
-        logger.warning("kv_transfer_params with do_remote_prefill are malformed (%s); computing the prompt "
-                       "locally instead", e)
+        logger.warning(
+            "kv_transfer_params with do_remote_prefill are malformed (%s); computing the prompt "
+            "locally instead",
+            e,
+        )
         return None
 
 
@@ -98,18 +102,24 @@ class P2PScheduler:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
-                or not block_ids:
+        if (
+            request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            or not block_ids
+        ):
             return False, None
         self._sends[request.request_id] = self.settings.lease_seconds
         layout = self.settings.layout
         return True, {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": self.settings.engine_id, "remote_request_id": request.request_id,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.settings.engine_id,
+            "remote_request_id": request.request_id,
             "remote_host": self.settings.host,
             "remote_port": self.settings.control_port(self.settings.dp_rank, 0),
-            "remote_ranks": layout.ranks_per_replica, "remote_dp_rank": self.settings.dp_rank,
-            "remote_block_ids": list(block_ids), "remote_num_tokens": len(request.prompt_token_ids),
+            "remote_ranks": layout.ranks_per_replica,
+            "remote_dp_rank": self.settings.dp_rank,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": len(request.prompt_token_ids),
         }
 
     # -- decode -------------------------------------------------------------------------
@@ -118,9 +128,13 @@ class P2PScheduler:
         if remote is None:
             return 0, False
         if remote.remote_num_tokens != len(request.prompt_token_ids):
-            logger.warning("request %s: the prefill instance computed %d tokens, the prompt has %d; computing "
-                           "it locally", request.request_id, remote.remote_num_tokens,
-                           len(request.prompt_token_ids))
+            logger.warning(
+                "request %s: the prefill instance computed %d tokens, the prompt has %d; computing "
+                "it locally",
+                request.request_id,
+                remote.remote_num_tokens,
+                len(request.prompt_token_ids),
+            )
             request.kv_transfer_params["do_remote_prefill"] = False
             self._release(request.request_id, remote)
             return 0, False
@@ -160,8 +174,9 @@ class P2PScheduler:
         with self._lock:
             self._waiting.pop(request_id, None)
         for rank in range(remote.remote_ranks):
-            message = wire.DoneReading(wire.WIRE_VERSION, remote.remote_request_id, 0, rank, [], reads_total=0,
-                                       ok=False)
+            message = wire.DoneReading(
+                wire.WIRE_VERSION, remote.remote_request_id, 0, rank, [], reads_total=0, ok=False
+            )
             self._outbox.put((f"{remote.remote_host}:{remote.remote_port + rank}", message))
 
     def _messenger(self) -> None:
@@ -186,8 +201,12 @@ class P2PScheduler:
         for (host, port, ranks), ids in by_peer.items():
             for rank in range(ranks):
                 for start in range(0, len(ids), wire.MAX_RENEW):
-                    self._send(f"{host}:{port + rank}", wire.Renew(wire.WIRE_VERSION, self.settings.engine_id,
-                                                                  ids[start:start + wire.MAX_RENEW]))
+                    self._send(
+                        f"{host}:{port + rank}",
+                        wire.Renew(
+                            wire.WIRE_VERSION, self.settings.engine_id, ids[start : start + wire.MAX_RENEW]
+                        ),
+                    )
 
     def _send(self, address: str, message) -> None:
         try:

@@ -19,11 +19,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.ascend.context_parallel.config import layout_of
+from vllm.ascend.context_parallel.config import context_parallel_layout
 from vllm.ascend.context_parallel.placement import CPLayout
 
-KNOWN_KEYS = {"transport", "host", "lease_seconds", "control_timeout", "mooncake_protocol", "transfer_timeout",
-              "device_name", "device_id", "llmdatadist_port_offset"}
+KNOWN_KEYS = {
+    "transport",
+    "host",
+    "lease_seconds",
+    "control_timeout",
+    "mooncake_protocol",
+    "transfer_timeout",
+    "device_name",
+    "device_id",
+    "llmdatadist_port_offset",
+}
 
 
 @dataclass(frozen=True)
@@ -46,20 +55,31 @@ class P2PSettings:
         extra = dict(kv.kv_connector_extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config keys for AscendP2PConnector: {unknown}; "
-                             f"known: {sorted(KNOWN_KEYS)}")
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys for AscendP2PConnector: {unknown}; "
+                f"known: {sorted(KNOWN_KEYS)}"
+            )
         transport = str(extra.get("transport", "mooncake"))
         if transport not in ("mooncake", "llmdatadist"):
-            raise ValueError(f"kv_connector_extra_config.transport must be 'mooncake' or 'llmdatadist', "
-                             f"got {transport!r}")
+            raise ValueError(
+                f"kv_connector_extra_config.transport must be 'mooncake' or 'llmdatadist', got {transport!r}"
+            )
         lease = float(extra.get("lease_seconds", 30))
         if lease <= 0:
             raise ValueError(f"kv_connector_extra_config.lease_seconds must be positive, got {lease}")
-        return cls(engine_id=str(kv.engine_id), producer=kv.is_kv_producer, consumer=kv.is_kv_consumer,
-                   transport=transport, host=str(extra.get("host", "127.0.0.1")), port=int(kv.kv_port),
-                   lease_seconds=lease, control_timeout=float(extra.get("control_timeout", 5.0)),
-                   layout=layout_of(vllm_config), dp_rank=vllm_config.parallel_config.data_parallel_index,
-                   options=extra)
+        return cls(
+            engine_id=str(kv.engine_id),
+            producer=kv.is_kv_producer,
+            consumer=kv.is_kv_consumer,
+            transport=transport,
+            host=str(extra.get("host", "127.0.0.1")),
+            port=int(kv.kv_port),
+            lease_seconds=lease,
+            control_timeout=float(extra.get("control_timeout", 5.0)),
+            layout=context_parallel_layout(vllm_config),
+            dp_rank=vllm_config.parallel_config.data_parallel_index,
+            options=extra,
+        )
 
     def control_port(self, dp_rank: int, rank: int) -> int:
         return self.port + dp_rank * self.layout.ranks_per_replica + rank

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
 from vllm.ascend.kv_transfer.plan import build_plan
 from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpec
 from vllm.ascend.kv_transfer.settings import P2PSettings
+from vllm.ascend.kv_transfer.stats import P2PConnectorStats
 from vllm.ascend.kv_transfer.transport import open_transport
 
 logger = logging.getLogger(__name__)
@@ -78,15 +80,6 @@ class _Peer:
     ranks: dict  # rank in replica -> _PeerRank (filled as they are needed)
 
 
-def _layer_layout(tensor, head_size: int, kv_lora_rank: int | None) -> LayerLayout:
-    """How the attention backends split a layer's cache into planes (attention/kv_layout.py)."""
-    size = tensor.element_size()
-    blocks, heads, block_size, content = tensor.shape  # layout LBHNC; MLA: one head
-    if kv_lora_rank is not None:
-        return LayerLayout.mla(blocks, block_size, kv_lora_rank, content - kv_lora_rank, size)
-    return LayerLayout.gqa(blocks, heads, block_size, head_size, content - head_size, size)
-
-
 class P2PWorker:
     def __init__(self, settings: P2PSettings, vllm_config):
         from vllm.distributed.parallel_state import get_pcp_group, get_tensor_model_parallel_rank
@@ -116,11 +109,16 @@ class P2PWorker:
         self._failed_blocks: set[int] = set()
         self._pacer = IdlePacer()
         self._idle = False
+        self._stats = P2PConnectorStats()  # this interval's; pull threads record into it (under _lock)
+        self._reported_holds: int | None = None
 
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         for name, tensor in kv_caches.items():
-            self._layers[name] = (tensor.data_ptr(), _layer_layout(tensor, self._head_size, self._kv_lora_rank))
+            self._layers[name] = (
+                tensor.data_ptr(),
+                LayerLayout.of_cache(tensor, self._head_size, self._kv_lora_rank),
+            )
         options = dict(self.settings.options, role="prefill" if self.settings.producer else "decode")
         port = self.settings.control_port(self.settings.dp_rank, self.rank)
         options.setdefault("llmdatadist_port", port + int(options.get("llmdatadist_port_offset", 1000)))
@@ -129,13 +127,27 @@ class P2PWorker:
         self._transport = open_transport(self.settings.transport, self.settings.host, options)
         regions = layer_regions(self._layers)
         self._transport.register(plane_regions(regions))
-        self._info = wire.RankInfo(wire.WIRE_VERSION, self.settings.engine_id, self.settings.dp_rank, self.rank,
-                                   wire.Layout.of(self.layout), self._transport.name, self._transport.address,
-                                   regions)
+        self._info = wire.RankInfo(
+            wire.WIRE_VERSION,
+            self.settings.engine_id,
+            self.settings.dp_rank,
+            self.rank,
+            wire.Layout.of(self.layout),
+            self._transport.name,
+            self._transport.address,
+            regions,
+        )
         if self.settings.producer:
-            self._server = ControlServer(self.settings.host, port, self._handle, name=f"prefill rank {self.rank}")
-        logger.info("AscendP2PConnector rank %d: %d KV layers registered with %s at %s", self.global_rank,
-                    len(self._layers), self.settings.transport, self._transport.address)
+            self._server = ControlServer(
+                self.settings.host, port, self._handle, name=f"prefill rank {self.rank}"
+            )
+        logger.info(
+            "AscendP2PConnector rank %d: %d KV layers registered with %s at %s",
+            self.global_rank,
+            len(self._layers),
+            self.settings.transport,
+            self._transport.address,
+        )
 
     # -- prefill: the control plane -----------------------------------------------------
     def _handle(self, message):
@@ -144,13 +156,21 @@ class P2PWorker:
             return self._info
         if isinstance(message, wire.DoneReading):
             if not message.ok:
-                logger.warning("request %s: decode rank %d reports failed reads %s", message.request_id,
-                               message.decode_rank, message.read_ids)
+                logger.warning(
+                    "request %s: decode rank %d reports failed reads %s",
+                    message.request_id,
+                    message.decode_rank,
+                    message.read_ids,
+                )
             status = self._holds.done(message.request_id, message.read_ids, message.reads_total)
             self._pacer.news()
             if status == EXPIRED:
-                return wire.Reply(wire.WIRE_VERSION, False, "the request's lease ran out before these reads were "
-                                  "reported; its blocks were freed", lease_expired=True)
+                return wire.Reply(
+                    wire.WIRE_VERSION,
+                    False,
+                    "the request's lease ran out before these reads were reported; its blocks were freed",
+                    lease_expired=True,
+                )
             if status == DROPPED:
                 return wire.Reply(wire.WIRE_VERSION, False, "too many done messages for unknown requests")
             return ok
@@ -176,6 +196,18 @@ class P2PWorker:
             recving, self._finished_recving = self._finished_recving, set()
         return sending or None, recving or None
 
+    def take_stats(self) -> P2PConnectorStats | None:
+        """This interval's statistics (None when there is nothing new)."""
+        expired = self._holds.take_expired_count()
+        holds = len(self._holds) if self.settings.producer else None
+        with self._lock:
+            stats, self._stats = self._stats, P2PConnectorStats()
+        stats.record_expired_leases(expired)
+        if holds is not None and holds != self._reported_holds:
+            stats.record_holds(self.global_rank, holds)
+            self._reported_holds = holds
+        return None if stats.is_empty() else stats
+
     def take_failed_blocks(self) -> set[int]:
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
@@ -187,8 +219,12 @@ class P2PWorker:
         peer = self._peers.get(key)
         if peer is None:
             info = self._hello(remote.remote_host, remote.remote_port)
-            peer = _Peer(info.layout.to_layout(), remote.remote_host, remote.remote_port,
-                         {info.rank: self._connect(info)})
+            peer = _Peer(
+                info.layout.to_layout(),
+                remote.remote_host,
+                remote.remote_port,
+                {info.rank: self._connect(info)},
+            )
             with self._peer_lock:
                 peer = self._peers.setdefault(key, peer)
         return peer
@@ -204,36 +240,60 @@ class P2PWorker:
         if not isinstance(reply, wire.RankInfo):
             raise RuntimeError(f"the prefill rank at {host}:{port} answered Hello with {reply}")
         if reply.transport != self._transport.name:
-            raise RuntimeError(f"the prefill instance uses the {reply.transport} transport, this one "
-                               f"{self._transport.name}: set the same kv_connector_extra_config.transport")
+            raise RuntimeError(
+                f"the prefill instance uses the {reply.transport} transport, this one "
+                f"{self._transport.name}: set the same kv_connector_extra_config.transport"
+            )
         return reply
 
     def _pull(self, spec: RecvSpec) -> None:
-        remote, plan, failed = spec.remote, None, False
+        remote, plan, failed, pulled = spec.remote, None, False, 0
+        started = time.perf_counter()
         try:
             peer = self._peer(remote)
-            plan = build_plan(peer.layout, self.layout, remote.remote_num_tokens, remote.remote_block_ids,
-                              spec.local_block_ids, remote.remote_dp_rank, self.settings.dp_rank,
-                              replica_offset=zlib.crc32(spec.request_id.encode()) % 64)
-            self._execute(plan, peer, spec)
+            plan = build_plan(
+                peer.layout,
+                self.layout,
+                remote.remote_num_tokens,
+                remote.remote_block_ids,
+                spec.local_block_ids,
+                remote.remote_dp_rank,
+                self.settings.dp_rank,
+                replica_offset=zlib.crc32(spec.request_id.encode()) % 64,
+            )
+            pulled = self._execute(plan, peer, spec)
         except Exception as e:
             failed = True
-            logger.warning("request %s: pulling its KV from %s:%d failed: %s", spec.request_id,
-                           remote.remote_host, remote.remote_port, e)
+            logger.warning(
+                "request %s: pulling its KV from %s:%d failed: %s",
+                spec.request_id,
+                remote.remote_host,
+                remote.remote_port,
+                e,
+            )
         finally:
             if self._send_done(spec, plan, failed) and not failed:
                 failed = True
-                logger.warning("request %s: the prefill instance at %s:%d freed its blocks (lease expired) before "
-                               "the reads were reported; discarding what was read", spec.request_id,
-                               remote.remote_host, remote.remote_port)
+                logger.warning(
+                    "request %s: the prefill instance at %s:%d freed its blocks (lease expired) before "
+                    "the reads were reported; discarding what was read",
+                    spec.request_id,
+                    remote.remote_host,
+                    remote.remote_port,
+                )
             with self._lock:
                 if failed:
                     first_block = spec.first_token // self.layout.virtual_block_size
                     self._failed_blocks.update(spec.local_block_ids[first_block:])
+                    self._stats.record_failed_pull()
+                else:
+                    self._stats.record_pull(time.perf_counter() - started, pulled)
                 self._finished_recving.add(spec.request_id)
             self._pacer.news()
 
-    def _execute(self, plan, peer: _Peer, spec: RecvSpec) -> None:
+    def _execute(self, plan, peer: _Peer, spec: RecvSpec) -> int:
+        """This rank's reads of the plan; the bytes read."""
+        pulled = 0
         mine = plan.read_ids_of(self.global_rank)
         # reads of tokens cached here are skipped (a whole block either is or is not)
         mine = mine[plan.positions[plan.token_start[mine]] >= spec.first_token]
@@ -242,26 +302,50 @@ class P2PWorker:
         for p in np.unique(plan.prefill_rank[mine]).tolist():
             target = peer.ranks.get(p - p_base)
             if target is None:
-                target = peer.ranks[p - p_base] = self._connect(self._hello(peer.host, peer.port + p - p_base))
+                target = peer.ranks[p - p_base] = self._connect(
+                    self._hello(peer.host, peer.port + p - p_base)
+                )
             p_heads = peer.layout.heads((p - p_base) % peer.layout.tp).start
             local, remote_addr, lengths = read_ranges(
-                plan, mine[plan.prefill_rank[mine] == p], target.src, target.dst, p_heads, d_heads,
-                (peer.layout.block_size, self.layout.block_size), self._transport.whole_blocks)
+                plan,
+                mine[plan.prefill_rank[mine] == p],
+                target.src,
+                target.dst,
+                p_heads,
+                d_heads,
+                (peer.layout.block_size, self.layout.block_size),
+                self._transport.whole_blocks,
+            )
             self._transport.read(target.address, local, remote_addr, lengths)
+            pulled += int(lengths.sum())
+        return pulled
 
     def _send_done(self, spec: RecvSpec, plan, failed: bool) -> bool:
         """Send this rank's done messages; True if a prefill rank answers that the
         request's lease had already run out (what was read may be stale)."""
         remote = spec.remote
         if plan is None:  # no plan (prefill unreachable): every rank asks every prefill rank to free
-            messages = [wire.DoneReading(wire.WIRE_VERSION, remote.remote_request_id, self.global_rank, rank, [],
-                                         reads_total=0, ok=False) for rank in range(remote.remote_ranks)]
+            messages = [
+                wire.DoneReading(
+                    wire.WIRE_VERSION,
+                    remote.remote_request_id,
+                    self.global_rank,
+                    rank,
+                    [],
+                    reads_total=0,
+                    ok=False,
+                )
+                for rank in range(remote.remote_ranks)
+            ]
             targets = [remote.remote_port + rank for rank in range(remote.remote_ranks)]
         else:
             failed_ids = frozenset(plan.read_ids_of(self.global_rank).tolist()) if failed else frozenset()
             # the prefill instance knows the request by its own id
-            messages = [m for m in wire.done_messages(plan, remote.remote_request_id, failed_ids)
-                        if m.decode_rank == self.global_rank]
+            messages = [
+                m
+                for m in wire.done_messages(plan, remote.remote_request_id, failed_ids)
+                if m.decode_rank == self.global_rank
+            ]
             targets = [remote.remote_port + m.prefill_rank - plan.prefill_ranks.start for m in messages]
         expired = False
         for message, port in zip(messages, targets):
@@ -275,8 +359,14 @@ class P2PWorker:
                     expired |= isinstance(reply, wire.Reply) and reply.lease_expired
                     break
                 except Exception as e:
-                    logger.warning("request %s: done message to %s failed (attempt %d of %d): %s",
-                                   spec.request_id, address, attempt, attempts, e)
+                    logger.warning(
+                        "request %s: done message to %s failed (attempt %d of %d): %s",
+                        spec.request_id,
+                        address,
+                        attempt,
+                        attempts,
+                        e,
+                    )
             else:  # unanswered: the blocks may have been freed under the read
                 expired |= message.ok
         return expired

@@ -37,8 +37,9 @@ class AscendExperts(mk.FusedMoEExpertsModular):
     def _supports_parallel_config(moe_parallel_config) -> bool:
         return True
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
-                         activation):
+    def workspace_shapes(
+        self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation
+    ):
         # The facade allocates what it needs; the output is one row per input row.
         return (0,), (0,), (M, K)
 
@@ -47,8 +48,32 @@ class AscendExperts(mk.FusedMoEExpertsModular):
         # vLLM's CUDA moe_sum, which this wheel does not have).
         return TopKWeightAndReduceNoOP()
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input):
-        output.copy_(moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map,
-                                 apply_router_weight_on_input=apply_router_weight_on_input))
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        output.copy_(
+            moe_experts(
+                hidden_states,
+                w1,
+                w2,
+                topk_weights,
+                topk_ids,
+                expert_map=expert_map,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+            )
+        )

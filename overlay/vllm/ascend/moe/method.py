@@ -25,11 +25,18 @@ from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 def apply_kernel(kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
     """Run a MoE method's modular kernel on the layer's expert weights (float or int8)."""
     return kernel.apply(
-        hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight, topk_weights=topk_weights,
-        topk_ids=topk_ids, activation=layer.activation,
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        activation=layer.activation,
         apply_router_weight_on_input=layer.apply_router_weight_on_input,
-        global_num_experts=layer.global_num_experts, expert_map=layer.expert_map,
-        shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+        global_num_experts=layer.global_num_experts,
+        expert_map=layer.expert_map,
+        shared_experts=shared_experts,
+        shared_experts_input=shared_experts_input,
+    )
 
 
 @UnquantizedFusedMoEMethod.register_oot
@@ -47,10 +54,13 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = mk.FusedMoEKernel(
             AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),
-            AscendExperts(self.moe, self.moe_quant_config))
+            AscendExperts(self.moe, self.moe_quant_config),
+        )
 
     def _apply_kernel(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return apply_kernel(self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return apply_kernel(
+            self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        )
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         return self._apply_kernel(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)

@@ -23,37 +23,53 @@ batch through the same path. What prepare leaves for finalize is kept on the ins
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.distributed.parallel_state import get_ep_group, get_tp_group
-from vllm.logger import init_logger
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep import (
-    MoEPrepareAndFinalizeNaiveDPEPModular)
+    MoEPrepareAndFinalizeNaiveDPEPModular,
+)
 from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
 
 from vllm.ascend.kernels.mc2 import Mc2Comm, mc2_combine, mc2_dispatch
 from vllm.ascend.moe.selector import MoEComm
-from vllm.ascend.moe.step import MoEStep, step_for
+from vllm.ascend.moe.step import MoEPlan, MoEStep, installed_plan
 
 logger = init_logger(__name__)
 _ANNOUNCED: set[MoEComm] = set()
 
 
-def current_step(vllm_config, num_local_tokens: int) -> MoEStep:
-    """This forward's step; without one from the platform hook (no DP metadata), the
-    local token count is what every EP rank sees (they are the TP ranks of one DP rank)."""
-    if is_forward_context_available():
-        ctx = get_forward_context()
-        step = ctx.additional_kwargs.get("ascend_moe")
-        if step is not None:
-            return step
-        if ctx.dp_metadata is not None:
-            return step_for(vllm_config, int(ctx.dp_metadata.num_tokens_across_dp_cpu.max()))
-    return step_for(vllm_config, num_local_tokens)
+class MoECommStrategy(Protocol):
+    """One communication strategy: ``prepare`` moves a layer's routed tokens to the ranks
+    holding their experts and returns upstream's prepare result; ``finalize`` brings the
+    expert outputs back into ``output``. A new strategy is one class with these two
+    methods, registered in ``AscendMoEPrepareAndFinalize``."""
+
+    reduced: bool  # finalize leaves the full sum (no TP all-reduce after the layer)
+
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        on_input,
+        step: MoEStep,
+        quant_config=None,
+        defer_input_quant=False,
+    ) -> mk.PrepareResultType: ...
+
+    def finalize(
+        self, output, fused_expert_output, topk_weights, topk_ids, on_input, weight_and_reduce_impl
+    ) -> None: ...
 
 
 def _tp_slice(num_tokens: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
@@ -92,13 +108,40 @@ class _Placement:
         self.mine = self.by_owner[self.owner[self.by_owner] == ep.rank_in_group]  # ascending ids
 
 
+@dataclass
+class _AllToAllCall:
+    """What AllToAll's prepare leaves for its finalize."""
+
+    start: int  # this TP rank's slice of the tokens: [start, end), padded to share rows
+    end: int
+    share: int
+    num_tokens: int
+    k: int
+    order: torch.Tensor  # this rank's (token, expert) rows, grouped by owning rank
+    weights: torch.Tensor  # their routing weights (float32), in that order
+    send_split: list[int]
+    recv_split: list[int]
+    on_input: bool  # routing weights already applied to the input rows
+
+
 class AllToAllStrategy:
     reduced = True
 
     def __init__(self) -> None:
         self._placement: _Placement | None = None
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, on_input, step):
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        on_input,
+        step,
+        quant_config=None,
+        defer_input_quant=False,
+    ):
         ep = get_ep_group()
         num_tokens, k = topk_ids.shape
         tp = get_tp_group()
@@ -112,8 +155,13 @@ class AllToAllStrategy:
         counts = torch.bincount(ids, minlength=num_experts)
         mine_count = len(place.mine)
         recv_expert_counts = counts.new_empty(mine_count * ep.world_size)
-        dist.all_to_all_single(recv_expert_counts, counts[place.by_owner].contiguous(),
-                               [mine_count] * ep.world_size, place.experts_per_rank, group=ep.device_group)
+        dist.all_to_all_single(
+            recv_expert_counts,
+            counts[place.by_owner].contiguous(),
+            [mine_count] * ep.world_size,
+            place.experts_per_rank,
+            group=ep.device_group,
+        )
         send_split = torch.bincount(place.owner[ids], minlength=ep.world_size).tolist()
         recv_by_source = recv_expert_counts.view(ep.world_size, -1)
         recv_split = recv_by_source.sum(1).tolist()
@@ -124,21 +172,38 @@ class AllToAllStrategy:
         received = a1.new_empty((sum(recv_split), a1.shape[1]))
         dist.all_to_all_single(received, rows.contiguous(), recv_split, send_split, group=ep.device_group)
         row_ids = place.mine.repeat(ep.world_size).repeat_interleave(recv_by_source.reshape(-1))
-        self._call = (start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input)
+        self._call = _AllToAllCall(
+            start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input
+        )
         ones = torch.ones((received.shape[0], 1), dtype=torch.float32, device=a1.device)
         return received, None, None, row_ids.to(torch.int32).unsqueeze(1), ones
 
-    def finalize(self, output, fused_expert_output):
-        start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input = self._call
-        self._call = None
+    def finalize(self, output, fused_expert_output, *_):
+        call, self._call = self._call, None
         ep = get_ep_group()
-        back = fused_expert_output.new_empty((sum(send_split), fused_expert_output.shape[1]))
-        dist.all_to_all_single(back, fused_expert_output.contiguous(), send_split, recv_split,
-                               group=ep.device_group)
-        part = torch.zeros((end - start, output.shape[1]), dtype=torch.float32, device=output.device)
-        contrib = back.float() if on_input else back.float() * weights.unsqueeze(1)
-        part.index_add_(0, order // k, contrib)
-        output.copy_(_tp_all_gather(part.to(output.dtype), share, num_tokens))
+        back = fused_expert_output.new_empty((sum(call.send_split), fused_expert_output.shape[1]))
+        dist.all_to_all_single(
+            back, fused_expert_output.contiguous(), call.send_split, call.recv_split, group=ep.device_group
+        )
+        part = torch.zeros(
+            (call.end - call.start, output.shape[1]), dtype=torch.float32, device=output.device
+        )
+        contrib = back.float() if call.on_input else back.float() * call.weights.unsqueeze(1)
+        part.index_add_(0, call.order // call.k, contrib)
+        output.copy_(_tp_all_gather(part.to(output.dtype), call.share, call.num_tokens))
+
+
+@dataclass
+class _MC2Call:
+    """What MC2's prepare leaves for its finalize."""
+
+    ids: torch.Tensor  # [share, k] expert ids of this rank's padded rows
+    scales: torch.Tensor  # [share, k] routing weights (ones when applied on the input)
+    mask: torch.Tensor  # [share] real rows
+    dispatched: object  # the dispatch kernel's result (kernels/mc2.py)
+    num_tokens: int
+    share: int
+    num_experts: int
 
 
 class MC2Strategy:
@@ -154,11 +219,27 @@ class MC2Strategy:
 
             group = get_mc2_group()
             dev = ascend_device.current()
-            self._comm = Mc2Comm(group.device_group, dev.comm_name(group.device_group), group.world_size,
-                                 group.rank_in_group, dev.soc_generation())
+            self._comm = Mc2Comm(
+                group.device_group,
+                dev.comm_name(group.device_group),
+                group.world_size,
+                group.rank_in_group,
+                dev.soc_generation(),
+            )
         return self._comm
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, on_input, step):
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        on_input,
+        step,
+        quant_config=None,
+        defer_input_quant=False,
+    ):
         comm = self.comm()
         num_tokens, k = topk_ids.shape
         if on_input and k != 1:
@@ -167,8 +248,9 @@ class MC2Strategy:
         tp = get_tp_group()
         share = step.mc2_padded_tokens // tp.world_size
         if share * tp.world_size < num_tokens:
-            raise RuntimeError(f"MC2 step carries {share * tp.world_size} rows but this rank has "
-                               f"{num_tokens} tokens")
+            raise RuntimeError(
+                f"MC2 step carries {share * tp.world_size} rows but this rank has {num_tokens} tokens"
+            )
         start = tp.rank_in_group * share
         x = a1.new_zeros((share, a1.shape[1]))
         # Padding rows name k distinct, valid experts (the op checks every row).
@@ -193,16 +275,62 @@ class MC2Strategy:
         local_of_row = torch.searchsorted(ends, torch.arange(rows, device=a1.device), right=True)
         elsewhere = num_experts - 1 if comm.ep_rank == 0 else 0
         row_ids = torch.where(local_of_row < local, local_of_row + comm.ep_rank * local, elsewhere)
-        self._call = (ids, scales, mask, dispatched, num_tokens, share, num_experts)
+        self._call = _MC2Call(ids, scales, mask, dispatched, num_tokens, share, num_experts)
         ones = torch.ones((rows, 1), dtype=torch.float32, device=a1.device)
         return dispatched.expand_x, None, None, row_ids.to(torch.int32).unsqueeze(1), ones
 
-    def finalize(self, output, fused_expert_output):
-        ids, scales, mask, dispatched, num_tokens, share, num_experts = self._call
-        self._call = None
-        part = mc2_combine(fused_expert_output.contiguous(), ids, dispatched, scales, mask, self.comm(),
-                           num_experts)
-        output.copy_(_tp_all_gather(part, share, num_tokens))
+    def finalize(self, output, fused_expert_output, *_):
+        call, self._call = self._call, None
+        part = mc2_combine(
+            fused_expert_output.contiguous(),
+            call.ids,
+            call.dispatched,
+            call.scales,
+            call.mask,
+            self.comm(),
+            call.num_experts,
+        )
+        output.copy_(_tp_all_gather(part, call.share, call.num_tokens))
+
+
+class AllGatherStrategy:
+    """Upstream's naive gather / reduce-scatter over the DP group (nothing without DP); the
+    output is a partial sum the runner all-reduces over TP."""
+
+    reduced = False
+
+    def __init__(self, moe) -> None:
+        pc = moe.moe_parallel_config
+        sp = pc.is_sequence_parallel  # off on Ascend (platform/npu.py); upstream's semantics kept
+        self._upstream = (
+            MoEPrepareAndFinalizeNaiveDPEPModular(sp, num_dispatchers=pc.dp_size * pc.sp_size)
+            if pc.dp_size > 1 or sp
+            else MoEPrepareAndFinalizeNoDPEPModular()
+        )
+
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        on_input,
+        step,
+        quant_config=None,
+        defer_input_quant=False,
+    ):
+        # The experts apply on-input router weights themselves (they get the flag too).
+        return self._upstream.prepare(
+            a1, topk_weights, topk_ids, num_experts, expert_map, False, quant_config, defer_input_quant
+        )
+
+    def finalize(
+        self, output, fused_expert_output, topk_weights, topk_ids, on_input, weight_and_reduce_impl
+    ) -> None:
+        self._upstream.finalize(
+            output, fused_expert_output, topk_weights, topk_ids, on_input, weight_and_reduce_impl
+        )
 
 
 class AscendMoEPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
@@ -212,15 +340,38 @@ class AscendMoEPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         super().__init__()
         self.moe = moe
         self.vllm_config = vllm_config
+        self._plan = installed_plan()
         pc = moe.moe_parallel_config
-        sp = pc.is_sequence_parallel  # off on Ascend (platform/npu.py); upstream's semantics kept
-        self._gather = (MoEPrepareAndFinalizeNaiveDPEPModular(sp, num_dispatchers=pc.dp_size * pc.sp_size)
-                        if pc.dp_size > 1 or sp else MoEPrepareAndFinalizeNoDPEPModular())
         # Layers whose model reduces the output itself, sequence-parallel MoE and prefill
         # context parallelism keep upstream's semantics: gather/reduce-scatter only.
-        self.gather_only = bool(moe.skip_final_all_reduce or sp or pc.pcp_size > 1)
-        self._strategies = {MoEComm.ALLTOALL: AllToAllStrategy(), MoEComm.MC2: MC2Strategy()}
-        self._active = None
+        self.gather_only = bool(moe.skip_final_all_reduce or pc.is_sequence_parallel or pc.pcp_size > 1)
+        self._strategies: dict[MoEComm, MoECommStrategy] = {
+            MoEComm.ALLGATHER: AllGatherStrategy(moe),
+            MoEComm.ALLTOALL: AllToAllStrategy(),
+            MoEComm.MC2: MC2Strategy(),
+        }
+        self._active: MoECommStrategy | None = None
+
+    @property
+    def plan(self) -> MoEPlan:
+        if self._plan is None:  # built outside a worker (layer tests): worked out when first needed
+            from vllm.ascend import device as ascend_device
+
+            self._plan = MoEPlan.from_config(self.vllm_config, ascend_device.current().soc_generation())
+        return self._plan
+
+    def current_step(self, num_local_tokens: int) -> MoEStep:
+        """This forward's step: the platform hook's, else from the DP metadata or, without
+        any, the local token count, which every EP rank sees (they are the TP ranks of one
+        DP rank)."""
+        if is_forward_context_available():
+            ctx = get_forward_context()
+            step = ctx.additional_kwargs.get("ascend_moe")
+            if step is not None:
+                return step
+            if ctx.dp_metadata is not None:
+                return self.plan.step(int(ctx.dp_metadata.num_tokens_across_dp_cpu.max()))
+        return self.plan.step(num_local_tokens)
 
     @property
     def activation_format(self) -> mk.FusedMoEActivationFormat:
@@ -241,27 +392,53 @@ class AscendMoEPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     def supports_async(self) -> bool:
         return False
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant_config, defer_input_quant=False) -> mk.PrepareResultType:
-        step = current_step(self.vllm_config, a1.shape[0])
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        apply_router_weight_on_input,
+        quant_config,
+        defer_input_quant=False,
+    ) -> mk.PrepareResultType:
+        step = self.current_step(a1.shape[0])
         comm = MoEComm.ALLGATHER if self.gather_only or expert_map is None else step.comm
         if comm not in _ANNOUNCED:
             _ANNOUNCED.add(comm)
-            logger.info("Ascend MoE: first step with the %s strategy (%d tokens at most per DP rank)",
-                        comm.value, step.max_tokens)
-        if comm is MoEComm.ALLGATHER:
-            self._active = None
-            # The experts apply on-input router weights themselves (they get the flag too).
-            return self._gather.prepare(a1, topk_weights, topk_ids, num_experts, expert_map, False,
-                                        quant_config, defer_input_quant)
+            logger.info(
+                "Ascend MoE: first step with the %s strategy (%d tokens at most per DP rank)",
+                comm.value,
+                step.max_tokens,
+            )
         self._active = self._strategies[comm]
-        return self._active.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                    apply_router_weight_on_input, step)
+        return self._active.prepare(
+            a1,
+            topk_weights,
+            topk_ids,
+            num_experts,
+            expert_map,
+            apply_router_weight_on_input,
+            step,
+            quant_config,
+            defer_input_quant,
+        )
 
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
-        if self._active is None:
-            self._gather.finalize(output, fused_expert_output, topk_weights, topk_ids,
-                                  apply_router_weight_on_input, weight_and_reduce_impl)
-            return
-        self._active.finalize(output, fused_expert_output)
+    def finalize(
+        self,
+        output,
+        fused_expert_output,
+        topk_weights,
+        topk_ids,
+        apply_router_weight_on_input,
+        weight_and_reduce_impl,
+    ) -> None:
+        self._active.finalize(
+            output,
+            fused_expert_output,
+            topk_weights,
+            topk_ids,
+            apply_router_weight_on_input,
+            weight_and_reduce_impl,
+        )

@@ -3,8 +3,8 @@ on the same inputs.
 
 The only per-step input is the largest token count across the DP ranks, which every
 rank learns from the step's DP metadata all-reduce (``worker/dp_step.py``; an idle rank
-running upstream's dummy batch of 1 + k tokens sees the same maximum as the busiest rank), so all EP ranks always choose the
-same strategy and the same MC2 batch size. The table is in docs/moe.md.
+running upstream's dummy batch of 1 + k tokens sees the same maximum as the busiest
+rank), so all EP ranks always choose the same strategy and the same MC2 batch size. The table is in docs/moe.md.
 
 NPU rules follow vllm-ascend (``vllm_ascend/ascend_forward_context.py``,
 select_moe_comm_method at commit 182b75ea); the MC2 limits quote torch_npu's
@@ -93,11 +93,15 @@ def unusable_reason(comm: MoEComm, layout: MoELayout) -> str | None:
     if k > MC2_MAX_TOP_K or e > MC2_MAX_EXPERTS:
         return f"mc2 takes top-k <= {MC2_MAX_TOP_K} and <= {MC2_MAX_EXPERTS} experts (model: top-k {k}, {e})"
     if layout.soc == "A2" and (ep not in A2_MC2_EP_SIZES or h > A2_MC2_MAX_HIDDEN or h % 32):
-        return (f"mc2 on Atlas A2 needs an EP size in {sorted(A2_MC2_EP_SIZES)} and hidden size <= "
-                f"{A2_MC2_MAX_HIDDEN}, a multiple of 32 (EP {ep}, hidden {h})")
+        return (
+            f"mc2 on Atlas A2 needs an EP size in {sorted(A2_MC2_EP_SIZES)} and hidden size <= "
+            f"{A2_MC2_MAX_HIDDEN}, a multiple of 32 (EP {ep}, hidden {h})"
+        )
     if layout.soc == "A3" and (ep > A3_MC2_MAX_EP or not A3_MC2_HIDDEN[0] <= h <= A3_MC2_HIDDEN[1]):
-        return (f"mc2 on Atlas A3 needs EP <= {A3_MC2_MAX_EP} and hidden size in "
-                f"[{A3_MC2_HIDDEN[0]}, {A3_MC2_HIDDEN[1]}] (EP {ep}, hidden {h})")
+        return (
+            f"mc2 on Atlas A3 needs EP <= {A3_MC2_MAX_EP} and hidden size in "
+            f"[{A3_MC2_HIDDEN[0]}, {A3_MC2_HIDDEN[1]}] (EP {ep}, hidden {h})"
+        )
     if layout.soc == "other":
         return "mc2 is only wired for Atlas A2 and A3"
     return None
@@ -136,5 +140,6 @@ def parse_override(value) -> MoEComm | None:
         return None
     if isinstance(value, str) and value.strip().lower() in CHOICES:
         return MoEComm(value.strip().lower())
-    raise ValueError(f"additional_config moe_comm_method must be one of auto, {', '.join(CHOICES)}; "
-                     f"got {value!r}")
+    raise ValueError(
+        f"additional_config moe_comm_method must be one of auto, {', '.join(CHOICES)}; got {value!r}"
+    )

@@ -36,7 +36,8 @@ def _expert_parallel(vllm_config) -> tuple[bool, int]:
     return bool(pc.enable_expert_parallel) and ep > 1, ep
 
 
-def layout_of(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
+def moe_layout(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
+    """The static inputs of the strategy choice for this config on SoC ``soc``."""
     pc, sc, mc = vllm_config.parallel_config, vllm_config.scheduler_config, vllm_config.model_config
     expert_parallel, ep = _expert_parallel(vllm_config)
     spec = vllm_config.speculative_config
@@ -48,11 +49,17 @@ def layout_of(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
     else:
         capacity = selector.mc2_capacity(sc.max_num_seqs, num_spec, tp, soc)
     return MoELayout(
-        expert_parallel=expert_parallel, ep_size=ep if expert_parallel else 1, tp_size=tp,
-        num_experts=mc.get_num_experts(), top_k=mc.get_num_experts_per_tok(),
-        hidden_size=mc.get_hidden_size(), soc=soc, mc2_capacity=capacity,
+        expert_parallel=expert_parallel,
+        ep_size=ep if expert_parallel else 1,
+        tp_size=tp,
+        num_experts=mc.get_num_experts(),
+        top_k=mc.get_num_experts_per_tok(),
+        hidden_size=mc.get_hidden_size(),
+        soc=soc,
+        mc2_capacity=capacity,
         linear_placement=pc.expert_placement_strategy == "linear" and not pc.enable_eplb,
-        quantized=vllm_config.quant_config is not None)
+        quantized=vllm_config.quant_config is not None,
+    )
 
 
 def _check_forced(choice: MoEComm | None, layout: MoELayout) -> None:
@@ -67,45 +74,52 @@ def validate_config(vllm_config) -> None:
     if choice is None or vllm_config.model_config is None:
         return
     if not vllm_config.model_config.is_moe:
-        logger.warning("additional_config moe_comm_method=%s has no effect: the model has no MoE layers",
-                       choice.value)
+        logger.warning(
+            "additional_config moe_comm_method=%s has no effect: the model has no MoE layers", choice.value
+        )
         return
-    _check_forced(choice, layout_of(vllm_config, "host", choice))
+    _check_forced(choice, moe_layout(vllm_config, "host", choice))
 
 
-_WORKER: tuple[int, MoELayout, MoEComm | None] | None = None
+@dataclass(frozen=True)
+class MoEPlan:
+    """What a process's MoE layers choose their strategy from: the layout and the forced
+    strategy, worked out once. The worker makes it before building the model
+    (``install_plan``); the MoE layers and the forward-context hook read it."""
 
+    layout: MoELayout
+    forced: MoEComm | None
 
-def worker_layout(vllm_config) -> tuple[MoELayout, MoEComm | None]:
-    """This process's layout and forced strategy, worked out once (the SoC comes from the
-    device layer, so SoC limits of a forced strategy are checked here)."""
-    global _WORKER
-    if _WORKER is None or _WORKER[0] != id(vllm_config):
-        from vllm.ascend import device as ascend_device
-
+    @classmethod
+    def from_config(cls, vllm_config, soc: str) -> MoEPlan:
+        """Checks a forced strategy against the SoC's limits (ValueError naming them)."""
         choice = forced(vllm_config)
-        layout = layout_of(vllm_config, ascend_device.current().soc_generation(), choice)
+        layout = moe_layout(vllm_config, soc, choice)
         _check_forced(choice, layout)
-        _WORKER = (id(vllm_config), layout, choice)
-    return _WORKER[1], _WORKER[2]
+        return cls(layout, choice)
 
+    def step(self, max_tokens: int) -> MoEStep:
+        comm = selector.choose(max_tokens, self.layout, self.forced)
+        return MoEStep(comm, max_tokens, selector.mc2_padded_tokens(max_tokens, self.layout.tp_size))
 
-def step_for(vllm_config, max_tokens: int) -> MoEStep:
-    layout, choice = worker_layout(vllm_config)
-    comm = selector.choose(max_tokens, layout, choice)
-    return MoEStep(comm, max_tokens, selector.mc2_padded_tokens(max_tokens, layout.tp_size))
-
-
-def step_for_forward(vllm_config, num_tokens, num_tokens_across_dp) -> MoEStep | None:
-    """The platform hook's part: None for dense models or when no token count is known
-    (the MoE layers then derive the step from their own input, valid without DP)."""
-    model_config = vllm_config.model_config
-    if model_config is None or not model_config.is_moe:
+    def step_for_forward(self, num_tokens, num_tokens_across_dp) -> MoEStep | None:
+        """The step of a forward from its token counts (every DP rank's when known, so
+        every rank agrees); None when no count is known (the layers then use their input's)."""
+        if num_tokens_across_dp is not None:
+            return self.step(int(num_tokens_across_dp.max()))
+        if num_tokens is not None:
+            return self.step(int(num_tokens))
         return None
-    if num_tokens_across_dp is not None:
-        max_tokens = int(num_tokens_across_dp.max())
-    elif num_tokens is not None:
-        max_tokens = int(num_tokens)
-    else:
-        return None
-    return step_for(vllm_config, max_tokens)
+
+
+_installed: MoEPlan | None = None
+
+
+def install_plan(plan: MoEPlan | None) -> None:
+    """The worker's plan for this process (set once, before the model is built)."""
+    global _installed
+    _installed = plan
+
+
+def installed_plan() -> MoEPlan | None:
+    return _installed

@@ -7,24 +7,11 @@ import re
 from contextlib import contextmanager
 
 from vllm.ascend import envs
+from vllm.ascend.errors import AscendStartupError
 
 NPU = "vllm.ascend.platform.npu.NPUPlatform"
 HOST = "vllm.ascend.platform.host.HostEmulationPlatform"
 UNAVAILABLE = "vllm.ascend.platform.unavailable.NoNPUPlatform"
-
-
-class AscendStartupError(RuntimeError):
-    """A configuration this distribution cannot run; the message says what to change.
-    The CLI prints it as one ``error:`` line (hook: patch 0005)."""
-
-
-class NoNPUError(AscendStartupError):
-    """Serving was asked for on a host with no usable NPU and no host-emulation opt-in."""
-
-
-class AscendConfigError(AscendStartupError):
-    """An engine argument the Ascend platform cannot honour. Deliberately not a
-    ValueError: pydantic would fold it into a multi-line validation report."""
 
 
 def detect_platform() -> str:
@@ -56,12 +43,16 @@ def no_npu_message() -> str:
 
     reason = failure_reason() or "torch_npu sees no NPU"
     if reason == "torch_npu is not installed":
-        install = (f"on an Ascend host with CANN, install it with `pip install '{torch_npu_requirement()}'` "
-                   "(or install this wheel with its `npu` extra)")
+        install = (
+            f"on an Ascend host with CANN, install it with `pip install '{torch_npu_requirement()}'` "
+            "(or install this wheel with its `npu` extra)"
+        )
     else:
         install = "on an Ascend host install CANN and check ASCEND_RT_VISIBLE_DEVICES"
-    return (f"no Ascend NPU is available ({reason}); {install}, or set VLLM_ASCEND_EMULATE=1 to run "
-            "on the host CPU (development and CI only)")
+    return (
+        f"no Ascend NPU is available ({reason}); {install}, or set VLLM_ASCEND_EMULATE=1 to run "
+        "on the host CPU (development and CI only)"
+    )
 
 
 @contextmanager

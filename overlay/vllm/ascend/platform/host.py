@@ -41,8 +41,10 @@ class HostEmulationPlatform(NPUPlatform):
 
         if npu_kernels():
             return "host emulation running the NPU kernels: the torch_npu attention block size"
-        return ("host emulation: small blocks so tiny test prompts exercise block "
-                "boundaries and prefix-cache hits")
+        return (
+            "host emulation: small blocks so tiny test prompts exercise block "
+            "boundaries and prefix-cache hits"
+        )
 
     @classmethod
     def inference_mode(cls):

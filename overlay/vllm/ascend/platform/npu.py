@@ -18,7 +18,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm.ascend import device as ascend_device
-from vllm.ascend.platform.detect import AscendConfigError
+from vllm.ascend.errors import AscendConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,8 +58,10 @@ def _check_block_size(block_size: int, use_mla: bool) -> None:
         ok = block_size % 128 == 0 and 128 <= block_size <= 512
         rule = "a multiple of 128 from 128 to 512 (torch_npu page attention)"
     if not ok:
-        raise AscendConfigError(f"--block-size {block_size} is not supported by the Ascend NPU attention "
-                                f"kernels: use {rule}, e.g. --block-size {NPU_BLOCK_SIZE}")
+        raise AscendConfigError(
+            f"--block-size {block_size} is not supported by the Ascend NPU attention "
+            f"kernels: use {rule}, e.g. --block-size {NPU_BLOCK_SIZE}"
+        )
 
 
 @functools.cache
@@ -100,9 +102,11 @@ class NPUPlatform(Platform):
 
     @classmethod
     def detect_quantization(cls, model: str, revision: str | None) -> str | None:
-        """``ascend`` for an msModelSlim checkpoint (patch 0010 asks when no method is named)."""
-        from vllm.ascend.quantization.description import FILENAME
+        """``ascend`` for an msModelSlim checkpoint (upstream's model config asks when no
+        method is named: patch ``model-config-let-the-platform-recognise-a-quantized-checkpoint``)."""
         from vllm.transformers_utils.repo_utils import file_or_path_exists
+
+        from vllm.ascend.quantization.description import FILENAME
 
         try:
             found = file_or_path_exists(model, FILENAME, revision)
@@ -158,11 +162,15 @@ class NPUPlatform(Platform):
 
         if dtype not in kernel_dtypes():
             names = ", ".join(str(d).removeprefix("torch.") for d in kernel_dtypes())
-            kernels = "the Ascend NPU kernels (torch_npu attention takes float16/bfloat16)" if npu_kernels() \
+            kernels = (
+                "the Ascend NPU kernels (torch_npu attention takes float16/bfloat16)"
+                if npu_kernels()
                 else "the Ascend reference kernels"
+            )
             raise AscendConfigError(
                 f"dtype {str(dtype).removeprefix('torch.')} is not supported by {kernels}; "
-                f"use --dtype with one of: {names}")
+                f"use --dtype with one of: {names}"
+            )
 
     @classmethod
     def import_kernels(cls) -> None:
@@ -214,8 +222,9 @@ class NPUPlatform(Platform):
             raise NotImplementedError("sparse attention is not supported on Ascend yet")
         name = MLA_BACKEND if attn_selector_config.use_mla else ATTENTION_BACKEND
         if selected_backend is not None and getattr(selected_backend, "name", None) != name:
-            logger.info_once("Ascend platform: ignoring attention backend %s, using %s",
-                             selected_backend, name)
+            logger.info_once(
+                "Ascend platform: ignoring attention backend %s, using %s", selected_backend, name
+            )
         return _BACKEND_PATHS[name]
 
     @classmethod
@@ -264,8 +273,10 @@ class NPUPlatform(Platform):
 
         if compilation_config.mode != CompilationMode.NONE:
             compilation_config.mode = CompilationMode.NONE
-            _adjust("torch.compile off (eager execution)",
-                    "graph compilation for Ascend is not wired up in this distribution yet")
+            _adjust(
+                "torch.compile off (eager execution)",
+                "graph compilation for Ascend is not wired up in this distribution yet",
+            )
         if compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             compilation_config.cudagraph_mode = CUDAGraphMode.NONE
             _adjust("graph capture off", "ACL graph capture is not wired up yet")
@@ -288,10 +299,9 @@ class NPUPlatform(Platform):
             parallel_config.all2all_backend = "naive"
             _adjust("sequence-parallel MoE off", "its DP x TP + EP decode is not yet correct on Ascend")
         if model_config is not None:
+            from vllm.ascend.context_parallel.config import validate_context_parallel
             from vllm.ascend.moe.step import validate_config
             from vllm.ascend.spec_decode.config import validate_speculative_config
-
-            from vllm.ascend.context_parallel.config import validate_context_parallel
 
             try:
                 validate_config(vllm_config)
@@ -308,10 +318,14 @@ class NPUPlatform(Platform):
     @classmethod
     def set_additional_forward_context(cls, *args, **kwargs) -> dict:
         # The MoE strategy of this forward, from values every DP/EP rank shares.
-        from vllm.ascend.moe.step import step_for_forward
+        from vllm.ascend.moe.step import installed_plan
 
-        step = step_for_forward(kwargs["vllm_config"], kwargs.get("num_tokens"),
-                                kwargs.get("num_tokens_across_dp"))
+        plan = installed_plan()  # None: not a worker of an MoE model
+        step = (
+            None
+            if plan is None
+            else plan.step_for_forward(kwargs.get("num_tokens"), kwargs.get("num_tokens_across_dp"))
+        )
         return {} if step is None else {"ascend_moe": step}
 
     @classmethod

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm.ascend.platform.detect import NoNPUError, no_npu_message
+from vllm.ascend.errors import NoNPUError
+from vllm.ascend.platform.detect import no_npu_message
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,8 +1,9 @@
 """``--quantization ascend``: msModelSlim checkpoints, each layer as its description says.
 
 vLLM finds ``quant_model_description.json`` in the model directory (``get_config_filenames``)
-and builds this config from it; patch 0010 also selects ``ascend`` by itself when that
-file is there and the user named no method. Per layer:
+and builds this config from it; patch
+``model-config-let-the-platform-recognise-a-quantized-checkpoint`` also selects ``ascend``
+by itself when that file is there and the user named no method. Per layer:
 
 * linear layers: static W8A8, dynamic W8A8 or float (``FLOAT``);
 * MoE routed experts: dynamic W8A8, or float (the Ascend unquantized MoE method);
@@ -17,10 +18,17 @@ from typing import Any
 
 import torch
 
-from vllm.ascend.quantization.description import (FILENAME, FLOAT, W8A8, W8A8_DYNAMIC, DescriptionError,
-                                                  QuantDescription)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from vllm.ascend.quantization.description import (
+    FILENAME,
+    FLOAT,
+    W8A8,
+    W8A8_DYNAMIC,
+    DescriptionError,
+    QuantDescription,
+)
 
 NAME = "ascend"
 
@@ -33,8 +41,10 @@ class AscendQuantConfig(QuantizationConfig):
         # vLLM's DeepSeek MTP module builds eh_proj as a plain float nn.Linear
         quantized_eh = description.quantized_tensors_matching(".eh_proj.")
         if quantized_eh:
-            raise DescriptionError(f"{description.source}: {quantized_eh[0]} is quantized, but vLLM builds the MTP "
-                                   "module's eh_proj unquantized; mark it \"FLOAT\" (and keep its float weight)")
+            raise DescriptionError(
+                f"{description.source}: {quantized_eh[0]} is quantized, but vLLM builds the MTP "
+                'module\'s eh_proj unquantized; mark it "FLOAT" (and keep its float weight)'
+            )
 
     def __repr__(self) -> str:
         return f"AscendQuantConfig({self.description.source}, model_quant_type={self.description.model_quant_type})"
@@ -61,16 +71,19 @@ class AscendQuantConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         # imported here: registering the name (every process, early) needs none of the layers
-        from vllm.ascend.quantization.linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+        from vllm.ascend.quantization.linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
+
         if isinstance(layer, VocabParallelEmbedding):  # embeddings and LM heads
             scheme = self.description.tensor_scheme(f"{prefix}.weight")
             if scheme not in (None, FLOAT):
-                raise DescriptionError(f"{self.description.source}: {prefix} is {scheme}; embeddings and LM heads "
-                                       "are served unquantized (mark them \"FLOAT\")")
+                raise DescriptionError(
+                    f"{self.description.source}: {prefix} is {scheme}; embeddings and LM heads "
+                    'are served unquantized (mark them "FLOAT")'
+                )
             return None
         if isinstance(layer, LinearBase):
             scheme = self.description.layer_scheme(prefix, self.packed_modules_mapping)
@@ -79,16 +92,20 @@ class AscendQuantConfig(QuantizationConfig):
             if scheme == W8A8 and prefix.endswith(".kv_b_proj"):
                 # MLA splits kv_b_proj into its up-projections by applying it to an identity
                 # matrix, which a calibrated per-tensor activation scale cannot pass exactly
-                raise DescriptionError(f"{self.description.source}: {prefix} is static W8A8; MLA's kv_b_proj must "
-                                       "be W8A8_DYNAMIC or FLOAT")
+                raise DescriptionError(
+                    f"{self.description.source}: {prefix} is static W8A8; MLA's kv_b_proj must "
+                    "be W8A8_DYNAMIC or FLOAT"
+                )
             return AscendW8A8LinearMethod() if scheme == W8A8 else AscendW8A8DynamicLinearMethod()
         if isinstance(layer, RoutedExperts):
             scheme = self.description.experts_scheme(prefix)
             if scheme == FLOAT:
                 return None  # upstream builds its unquantized method: the Ascend one replaces it
             if scheme == W8A8:
-                raise DescriptionError(f"{self.description.source}: the experts of {prefix} are static W8A8; "
-                                       "MoE experts take W8A8_DYNAMIC (msModelSlim's MoE scheme) or FLOAT")
+                raise DescriptionError(
+                    f"{self.description.source}: the experts of {prefix} are static W8A8; "
+                    "MoE experts take W8A8_DYNAMIC (msModelSlim's MoE scheme) or FLOAT"
+                )
             assert scheme == W8A8_DYNAMIC
             from vllm.ascend.quantization.moe import AscendW8A8DynamicMoEMethod
 

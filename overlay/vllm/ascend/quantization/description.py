@@ -18,8 +18,19 @@ W8A8_DYNAMIC = "W8A8_DYNAMIC"
 SUPPORTED = (FLOAT, W8A8, W8A8_DYNAMIC)
 FILENAME = "quant_model_description.json"
 # metadata fields msModelSlim writes beside the tensor entries
-METADATA = frozenset({"model_quant_type", "version", "group_size", "metadata", "optional", "kv_quant_type",
-                      "kv_cache_type", "fa_quant_type", "reduce_quant_type"})
+METADATA = frozenset(
+    {
+        "model_quant_type",
+        "version",
+        "group_size",
+        "metadata",
+        "optional",
+        "kv_quant_type",
+        "kv_cache_type",
+        "fa_quant_type",
+        "reduce_quant_type",
+    }
+)
 
 
 class DescriptionError(ValueError):
@@ -37,12 +48,15 @@ class QuantDescription:
             # msModelSlim names the DeepSeek MTP head ``shared_head.head``; vLLM's prefix drops ``shared_head``
             if ".shared_head." in key:
                 self.entries.setdefault(key.replace(".shared_head.", "."), value)
-        unknown = sorted({(v, k) for k, v in self.entries.items() if k.endswith(".weight") and v not in SUPPORTED})
+        unknown = sorted(
+            {(v, k) for k, v in self.entries.items() if k.endswith(".weight") and v not in SUPPORTED}
+        )
         if unknown:
             scheme, tensor = unknown[0]
             raise DescriptionError(
                 f"{source}: {tensor} uses the quantization scheme {scheme!r}, which this build does not support "
-                f"({len(unknown)} tensor(s) in all); supported: {', '.join(SUPPORTED)}")
+                f"({len(unknown)} tensor(s) in all); supported: {', '.join(SUPPORTED)}"
+            )
         self.model_quant_type = entries.get("model_quant_type")
 
     @classmethod
@@ -62,8 +76,10 @@ class QuantDescription:
     def _weight_scheme(self, prefix: str) -> str:
         scheme = self.entries.get(f"{prefix}.weight")
         if scheme is None:
-            raise DescriptionError(f"{self.source} has no entry for the layer {prefix} (expected a key "
-                                   f"'{prefix}.weight'; unquantized layers are listed as \"FLOAT\")")
+            raise DescriptionError(
+                f"{self.source} has no entry for the layer {prefix} (expected a key "
+                f"'{prefix}.weight'; unquantized layers are listed as \"FLOAT\")"
+            )
         return scheme
 
     def layer_scheme(self, prefix: str, packed: dict[str, list[str]] | None = None) -> str:
@@ -75,8 +91,10 @@ class QuantDescription:
         schemes = {shard: self._weight_scheme(f"{parent}.{shard}" if parent else shard) for shard in shards}
         if len(set(schemes.values())) > 1:
             listed = ", ".join(f"{shard}: {scheme}" for shard, scheme in schemes.items())
-            raise DescriptionError(f"{self.source}: vLLM fuses the layers of {prefix} into one, but their schemes "
-                                   f"differ ({listed}); quantize them with one scheme")
+            raise DescriptionError(
+                f"{self.source}: vLLM fuses the layers of {prefix} into one, but their schemes "
+                f"differ ({listed}); quantize them with one scheme"
+            )
         return next(iter(schemes.values()))
 
     def experts_scheme(self, prefix: str) -> str:
@@ -84,17 +102,27 @@ class QuantDescription:
         start = prefix + "."
         schemes = {}
         for key, scheme in self.entries.items():
-            if key.startswith(start) and key.endswith(".weight") and key[len(start):].split(".", 1)[0].isdigit():
+            if (
+                key.startswith(start)
+                and key.endswith(".weight")
+                and key[len(start) :].split(".", 1)[0].isdigit()
+            ):
                 schemes.setdefault(scheme, key)
         if not schemes:
-            raise DescriptionError(f"{self.source} has no entries for the experts of {prefix} "
-                                   f"(expected keys like '{prefix}.0.gate_proj.weight')")
+            raise DescriptionError(
+                f"{self.source} has no entries for the experts of {prefix} "
+                f"(expected keys like '{prefix}.0.gate_proj.weight')"
+            )
         if len(schemes) > 1:
             listed = ", ".join(f"{key}: {scheme}" for scheme, key in schemes.items())
-            raise DescriptionError(f"{self.source}: the experts of {prefix} mix schemes ({listed}); "
-                                   "one MoE layer takes one scheme")
+            raise DescriptionError(
+                f"{self.source}: the experts of {prefix} mix schemes ({listed}); "
+                "one MoE layer takes one scheme"
+            )
         return next(iter(schemes))
 
     def quantized_tensors_matching(self, fragment: str) -> list[str]:
         """Weights whose name contains ``fragment`` and that are not float."""
-        return sorted(k for k, v in self.entries.items() if fragment in k and k.endswith(".weight") and v != FLOAT)
+        return sorted(
+            k for k, v in self.entries.items() if fragment in k and k.endswith(".weight") and v != FLOAT
+        )

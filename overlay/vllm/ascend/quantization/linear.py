@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    RowParallelLinear,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    ModelWeightParameter,
+    PerTensorScaleParameter,
+)
+
 from vllm.ascend.kernels import quant as qk
-from vllm.model_executor.layers.linear import (LinearMethodBase, RowParallelLinear,
-                                               register_weight_loader_v2_supported_method)
-from vllm.model_executor.parameter import (ChannelQuantScaleParameter, ModelWeightParameter,
-                                           PerTensorScaleParameter)
 
 
 def decode_deq_scale(loaded: torch.Tensor) -> torch.Tensor:
@@ -30,20 +37,25 @@ def decode_deq_scale(loaded: torch.Tensor) -> torch.Tensor:
 def _decoding(weight_loader):
     def load(param, loaded_weight, *args, **kwargs):
         return weight_loader(param, decode_deq_scale(loaded_weight), *args, **kwargs)
+
     return load
 
 
 def _int8_weight(output_partition_sizes, input_size_per_partition, weight_loader) -> ModelWeightParameter:
-    return ModelWeightParameter(data=torch.empty(sum(output_partition_sizes), input_size_per_partition,
-                                                 dtype=torch.int8),
-                                input_dim=1, output_dim=0, weight_loader=weight_loader)
+    return ModelWeightParameter(
+        data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=torch.int8),
+        input_dim=1,
+        output_dim=0,
+        weight_loader=weight_loader,
+    )
 
 
 def _per_channel(output_partition_sizes, dtype, weight_loader, columns: int | None = None):
     rows = sum(output_partition_sizes)
     shape = (rows,) if columns is None else (rows, columns)
-    return ChannelQuantScaleParameter(data=torch.empty(shape, dtype=dtype), output_dim=0,
-                                      weight_loader=weight_loader)
+    return ChannelQuantScaleParameter(
+        data=torch.empty(shape, dtype=dtype), output_dim=0, weight_loader=weight_loader
+    )
 
 
 def _transposed_int8(layer) -> None:
@@ -55,18 +67,33 @@ def _transposed_int8(layer) -> None:
 class AscendW8A8LinearMethod(LinearMethodBase):
     """Static W8A8: per-tensor activation scale and offset from calibration."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                       params_dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer,
+        input_size_per_partition,
+        output_partition_sizes,
+        input_size,
+        output_size,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
         loader = extra_weight_attrs["weight_loader"]
         layer.logical_widths = output_partition_sizes
-        layer.register_parameter("weight", _int8_weight(output_partition_sizes, input_size_per_partition, loader))
+        layer.register_parameter(
+            "weight", _int8_weight(output_partition_sizes, input_size_per_partition, loader)
+        )
         # one slot per fused shard, so that shards calibrated apart are caught after loading
         for name in ("input_scale", "input_offset"):
-            layer.register_parameter(name, PerTensorScaleParameter(
-                data=torch.full((len(output_partition_sizes),), float("nan"), dtype=torch.float32),
-                weight_loader=loader))
-        layer.register_parameter("deq_scale", _per_channel(output_partition_sizes, torch.float32,
-                                                           _decoding(loader)))
+            layer.register_parameter(
+                name,
+                PerTensorScaleParameter(
+                    data=torch.full((len(output_partition_sizes),), float("nan"), dtype=torch.float32),
+                    weight_loader=loader,
+                ),
+            )
+        layer.register_parameter(
+            "deq_scale", _per_channel(output_partition_sizes, torch.float32, _decoding(loader))
+        )
         layer.register_parameter("quant_bias", _per_channel(output_partition_sizes, torch.int32, loader))
 
     def process_weights_after_loading(self, layer) -> None:
@@ -76,12 +103,16 @@ class AscendW8A8LinearMethod(LinearMethodBase):
             if torch.isnan(values).any():
                 raise ValueError(f"W8A8 layer {name}: the checkpoint has no {param}")
             if not torch.all(values == values[0]):
-                raise ValueError(f"W8A8 layer {name}: its fused shards were calibrated with different "
-                                 f"{param} values {values.tolist()}; one activation quantization per fused "
-                                 "layer is required (quantize the shards with one scale)")
+                raise ValueError(
+                    f"W8A8 layer {name}: its fused shards were calibrated with different "
+                    f"{param} values {values.tolist()}; one activation quantization per fused "
+                    "layer is required (quantize the shards with one scale)"
+                )
             setattr(layer, param, torch.nn.Parameter(values[:1].clone(), requires_grad=False))
         _transposed_int8(layer)
-        layer.ascend_static_params = qk.static_params(layer.input_scale, layer.input_offset, layer.weight.shape[0])
+        layer.ascend_static_params = qk.static_params(
+            layer.input_scale, layer.input_offset, layer.weight.shape[0]
+        )
         # a row-parallel layer's partial sums are all-reduced: only one rank adds the bias
         layer.ascend_adds_quant_bias = not (isinstance(layer, RowParallelLinear) and layer.tp_rank > 0)
 
@@ -97,20 +128,38 @@ class AscendW8A8LinearMethod(LinearMethodBase):
 class AscendW8A8DynamicLinearMethod(LinearMethodBase):
     """Dynamic W8A8: per-channel symmetric weights, activations quantized per token."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                       params_dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer,
+        input_size_per_partition,
+        output_partition_sizes,
+        input_size,
+        output_size,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
         loader = extra_weight_attrs["weight_loader"]
         layer.logical_widths = output_partition_sizes
-        layer.register_parameter("weight", _int8_weight(output_partition_sizes, input_size_per_partition, loader))
-        layer.register_parameter("weight_scale", _per_channel(output_partition_sizes, torch.float32, loader, 1))
-        layer.register_parameter("weight_offset", _per_channel(output_partition_sizes, torch.float32, loader, 1))
+        layer.register_parameter(
+            "weight", _int8_weight(output_partition_sizes, input_size_per_partition, loader)
+        )
+        layer.register_parameter(
+            "weight_scale", _per_channel(output_partition_sizes, torch.float32, loader, 1)
+        )
+        layer.register_parameter(
+            "weight_offset", _per_channel(output_partition_sizes, torch.float32, loader, 1)
+        )
 
     def process_weights_after_loading(self, layer) -> None:
         if torch.any(layer.weight_offset.data != 0):
             name = getattr(layer, "prefix", "") or type(layer).__name__
-            raise ValueError(f"W8A8_DYNAMIC layer {name} has non-zero weight_offset values: asymmetric "
-                             "per-channel weights are not supported (msModelSlim writes zeros)")
-        layer.weight_scale = torch.nn.Parameter(layer.weight_scale.data.flatten().clone(), requires_grad=False)
+            raise ValueError(
+                f"W8A8_DYNAMIC layer {name} has non-zero weight_offset values: asymmetric "
+                "per-channel weights are not supported (msModelSlim writes zeros)"
+            )
+        layer.weight_scale = torch.nn.Parameter(
+            layer.weight_scale.data.flatten().clone(), requires_grad=False
+        )
         del layer.weight_offset
         _transposed_int8(layer)
 

@@ -16,15 +16,16 @@ from __future__ import annotations
 import torch
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.ascend.kernels.moe import moe_experts_w8a8_dynamic
-from vllm.ascend.moe.experts import AscendExperts
-from vllm.ascend.moe.method import apply_kernel
-from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
+
+from vllm.ascend.kernels.moe import moe_experts_w8a8_dynamic
+from vllm.ascend.moe.experts import AscendExperts
+from vllm.ascend.moe.method import apply_kernel
+from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 
 
 class AscendW8A8DynamicExperts(AscendExperts):
@@ -34,29 +35,64 @@ class AscendW8A8DynamicExperts(AscendExperts):
         super().__init__(moe_config, quant_config)
         self._layer = layer
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input):
-        output.copy_(moe_experts_w8a8_dynamic(
-            hidden_states, w1, w2, self._layer.w13_weight_scale, self._layer.w2_weight_scale, topk_weights,
-            topk_ids, expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input))
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        output.copy_(
+            moe_experts_w8a8_dynamic(
+                hidden_states,
+                w1,
+                w2,
+                self._layer.w13_weight_scale,
+                self._layer.w2_weight_scale,
+                topk_weights,
+                topk_ids,
+                expert_map=expert_map,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+            )
+        )
 
 
 class AscendW8A8DynamicMoEMethod(FusedMoEMethodBase):
-    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
         if self.moe.has_bias:
             raise ValueError("W8A8_DYNAMIC MoE experts with biases are not supported on Ascend")
         gate_up = 2 * intermediate_size_per_partition
         shapes = {"w13": (gate_up, hidden_size), "w2": (hidden_size, intermediate_size_per_partition)}
         channel = {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.CHANNEL.value}
         for name, (rows, cols) in shapes.items():
-            weight = torch.nn.Parameter(torch.empty(num_experts, rows, cols, dtype=torch.int8), requires_grad=False)
+            weight = torch.nn.Parameter(
+                torch.empty(num_experts, rows, cols, dtype=torch.int8), requires_grad=False
+            )
             layer.register_parameter(f"{name}_weight", weight)
             set_weight_attrs(weight, extra_weight_attrs)
             for suffix in ("weight_scale", "weight_offset"):
-                param = torch.nn.Parameter(torch.empty(num_experts, rows, 1, dtype=torch.float32),
-                                           requires_grad=False)
+                param = torch.nn.Parameter(
+                    torch.empty(num_experts, rows, 1, dtype=torch.float32), requires_grad=False
+                )
                 layer.register_parameter(f"{name}_{suffix}", param)
                 set_weight_attrs(param, channel)
 
@@ -73,15 +109,20 @@ class AscendW8A8DynamicMoEMethod(FusedMoEMethodBase):
             raise NotImplementedError(f"Ascend MoE supports SiLU experts only, not {activation}")
         for name in ("w13", "w2"):
             if torch.any(getattr(layer, f"{name}_weight_offset").data != 0):
-                raise ValueError(f"W8A8_DYNAMIC experts of {getattr(layer, 'layer_name', 'a MoE layer')} have "
-                                 "non-zero weight offsets: asymmetric expert weights are not supported")
+                raise ValueError(
+                    f"W8A8_DYNAMIC experts of {getattr(layer, 'layer_name', 'a MoE layer')} have "
+                    "non-zero weight offsets: asymmetric expert weights are not supported"
+                )
             scale = getattr(layer, f"{name}_weight_scale").data.squeeze(-1).contiguous()
             setattr(layer, f"{name}_weight_scale", torch.nn.Parameter(scale, requires_grad=False))
             delattr(layer, f"{name}_weight_offset")
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = mk.FusedMoEKernel(
             AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),
-            AscendW8A8DynamicExperts(self.moe, self.moe_quant_config, layer))
+            AscendW8A8DynamicExperts(self.moe, self.moe_quant_config, layer),
+        )
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return apply_kernel(self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return apply_kernel(
+            self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        )

@@ -22,23 +22,33 @@ def validate_speculative_config(vllm_config) -> None:
         return
     tp = vllm_config.parallel_config.tensor_parallel_size
     if spec.method not in TESTED_METHODS:
-        logger.warning_once("Ascend platform: speculative method %r is not tested on this platform "
-                            "(tested: deepseek_mtp)", spec.method)
+        logger.warning_once(
+            "Ascend platform: speculative method %r is not tested on this platform (tested: deepseek_mtp)",
+            spec.method,
+        )
     draft_tp = spec.draft_tensor_parallel_size
     if draft_tp is not None and draft_tp != tp:
         # Upstream would build a second tensor-parallel group for the drafter; the
         # Ascend groups (MC2, the MoE strategies) are made once per worker.
-        raise ValueError(f"speculative draft_tensor_parallel_size {draft_tp} differs from "
-                         f"--tensor-parallel-size {tp}; the Ascend drafter runs on the target's ranks: "
-                         f"drop draft_tensor_parallel_size or set it to {tp}")
+        raise ValueError(
+            f"speculative draft_tensor_parallel_size {draft_tp} differs from "
+            f"--tensor-parallel-size {tp}; the Ascend drafter runs on the target's ranks: "
+            f"drop draft_tensor_parallel_size or set it to {tp}"
+        )
     if spec.rejection_sample_method == "block":
-        raise ValueError("speculative rejection_sample_method 'block' runs only in upstream's V2 model "
-                         "runner, which the Ascend platform does not use: use 'standard'")
+        raise ValueError(
+            "speculative rejection_sample_method 'block' runs only in upstream's V2 model "
+            "runner, which the Ascend platform does not use: use 'standard'"
+        )
     if spec.parallel_drafting:
-        raise ValueError("speculative parallel_drafting is not supported on Ascend (its input copy is an "
-                         "upstream Triton kernel with no Ascend implementation): drop parallel_drafting")
+        raise ValueError(
+            "speculative parallel_drafting is not supported on Ascend (its input copy is an "
+            "upstream Triton kernel with no Ascend implementation): drop parallel_drafting"
+        )
     quantization = vllm_config.model_config.quantization
     if spec.method in TESTED_METHODS and quantization not in (None, "ascend"):
         # the MTP module follows the checkpoint's description only with the Ascend method
-        raise ValueError(f"speculative decoding with a {quantization}-quantized model is not supported on "
-                         "Ascend: serve an msModelSlim checkpoint (--quantization ascend) or a float one")
+        raise ValueError(
+            f"speculative decoding with a {quantization}-quantized model is not supported on "
+            "Ascend: serve an msModelSlim checkpoint (--quantization ascend) or a float one"
+        )

@@ -5,8 +5,9 @@ collectives mismatch and the server hangs. Upstream's V1 runner all-reduces an
 ``int32[4, dp]`` tensor (tokens, padded tokens, micro-batching, graph mode) in
 ``coordinate_batch_across_dp``, and the MTP drafter calls it again in the same step (once
 more for k=1, twice for k>=2). Everything the drafter will need is known when the
-runner's call is made, so ``StepSync`` (installed through patch 0009's hook) packs the
-whole step into that call's all-reduce and answers the drafter's calls from it:
+runner's call is made, so ``StepSync`` (installed through the hook patch on upstream's
+``dp_utils``: ``set_dp_metadata_exchange``) packs the whole step into that call's
+all-reduce and answers the drafter's calls from it:
 
 * rows 0-3: upstream's (tokens, padded tokens, micro-batching, graph mode);
 * ``has_prefill``: a request of this rank computes more than a decode step's tokens;
@@ -15,7 +16,9 @@ whole step into that call's all-reduce and answers the drafter's calls from it:
 
 The runner arms a step with a ``StepPlan`` (``NPUModelRunner.execute_model`` and
 ``_dummy_run``) and disarms it when the step's last forward is done. Outside an armed
-step the coordinator falls back to upstream's all-reduce.
+step the exchange leaves the all-reduce to upstream. The hook exchanges only the
+table: upstream's own rules (padding, micro-batching, graph mode) run on the answer,
+and each call says whether the model or a drafter asks.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ class StepPlan:
 
     has_prefill: bool
     drafter_passes: int = 0  # forwards of the drafter (0: no drafter this step)
-    drafter_first: int = 0   # tokens of the drafter's first forward
-    drafter_rest: int = 0    # tokens of each later forward
+    drafter_first: int = 0  # tokens of the drafter's first forward
+    drafter_rest: int = 0  # tokens of each later forward
 
 
 @dataclass(frozen=True)
@@ -63,14 +66,14 @@ class StepAgreement:
 
 
 class StepSync:
-    """The coordinator patch 0009 calls instead of ``_synchronize_dp_ranks``."""
+    """The DP metadata exchange upstream's ``dp_utils`` calls (``set_dp_metadata_exchange``)."""
 
     def __init__(self, reduce=None) -> None:
         # reduce(tensor, parallel_config) -> the SUM over the DP ranks (CPU tensor)
         self._reduce = reduce or _sum_over_dp_group
         self._plan: StepPlan | None = None
         self._agreement: StepAgreement | None = None
-        self._calls = 0
+        self._drafter_passes = 0
         self.collectives = 0  # metadata all-reduces issued (for tests and the benchmark)
 
     # -- the runner's side -------------------------------------------------------------
@@ -79,71 +82,92 @@ class StepSync:
         thread is the only caller of arm, disarm and the hook."""
         if self._plan is not None:
             return False
-        self._plan, self._agreement, self._calls = plan, None, 0
+        self._plan, self._agreement, self._drafter_passes = plan, None, 0
         return True
 
     def disarm(self) -> None:
-        self._plan, self._agreement, self._calls = None, None, 0
+        self._plan, self._agreement, self._drafter_passes = None, None, 0
 
     @property
     def agreement(self) -> StepAgreement | None:
-        """This step's agreement once the first call has been made (None before/outside)."""
+        """This step's agreement once the model's call has been made (None before/outside)."""
         return self._agreement
 
     # -- the hook ------------------------------------------------------------------------
-    def __call__(self, num_tokens_unpadded: int, num_tokens_padded: int, should_attempt_ubatching: bool,
-                 cudagraph_mode: int, parallel_config):
-        from vllm.v1.worker import dp_utils
-
+    def __call__(
+        self,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+        should_attempt_ubatching: bool,
+        cudagraph_mode: int,
+        parallel_config,
+        purpose: str,
+    ) -> torch.Tensor | None:
+        """Every DP rank's (tokens, padded tokens, micro-batching, graph mode) as upstream's
+        int32 ``[4, dp]`` table; None: upstream all-reduces it itself."""
         plan = self._plan
         if plan is None:  # not inside a step the runner armed (e.g. a profile run of upstream's)
             self.collectives += 1
-            return dp_utils._synchronize_dp_ranks(num_tokens_unpadded, num_tokens_padded,
-                                                 should_attempt_ubatching, cudagraph_mode, parallel_config)
-        call, self._calls = self._calls, self._calls + 1
-        if call == 0:
-            self._agreement = self._all_reduce(plan, num_tokens_unpadded, num_tokens_padded,
-                                               should_attempt_ubatching, cudagraph_mode, parallel_config)
-            table = self._agreement.table
-            synced_mode = dp_utils._post_process_cudagraph_mode(table)
-            should_ubatch = dp_utils._post_process_ubatch(table[:UPSTREAM_ROWS], parallel_config.num_ubatches)
-            should_pad = synced_mode != 0 or should_ubatch
-            return should_ubatch, dp_utils._post_process_dp_padding(table[:UPSTREAM_ROWS], should_pad), synced_mode
-        # the drafter's forwards: answered from the agreement, no collective
-        row = DRAFTER_FIRST if call == 1 else DRAFTER_REST
-        table = self._agreement.table
-        mine = int(table[row, parallel_config.data_parallel_rank])
-        if num_tokens_padded > mine:
-            raise DPStepError(f"the drafter's forward {call} needs {num_tokens_padded} tokens on DP rank "
-                              f"{parallel_config.data_parallel_rank}, the step agreed on {mine}")
-        return False, self._agreement.across(row), dp_utils._post_process_cudagraph_mode(table)
+            return None
+        if purpose != "drafter":
+            if self._agreement is None:
+                mine = [num_tokens_unpadded, num_tokens_padded, int(should_attempt_ubatching), cudagraph_mode]
+                self._agreement = self._all_reduce(plan, mine, parallel_config)
+            return self._agreement.table[:UPSTREAM_ROWS].clone()
+        if self._agreement is None:
+            raise DPStepError("a drafter asked for the step's DP metadata before the model's forward")
+        # a drafter's forward: answered from the agreement, no collective
+        row = DRAFTER_FIRST if self._drafter_passes == 0 else DRAFTER_REST
+        self._drafter_passes += 1
+        table, rank = self._agreement.table, parallel_config.data_parallel_rank
+        agreed = int(table[row, rank])
+        if num_tokens_padded > agreed:
+            raise DPStepError(
+                f"the drafter's forward {self._drafter_passes} needs {num_tokens_padded} tokens on "
+                f"DP rank {rank}, the step agreed on {agreed}"
+            )
+        answer = torch.zeros_like(table[:UPSTREAM_ROWS])
+        answer[0] = answer[1] = table[row]  # row 2 (micro-batching) stays 0: none for drafters
+        answer[3] = table[3]
+        return answer
 
-    def _all_reduce(self, plan: StepPlan, unpadded: int, padded: int, ubatch: bool, mode: int,
-                    parallel_config) -> StepAgreement:
-        assert padded >= unpadded
+    def _all_reduce(self, plan: StepPlan, upstream_values: list[int], parallel_config) -> StepAgreement:
         dp, rank = parallel_config.data_parallel_size, parallel_config.data_parallel_rank
         column = torch.zeros(ROWS, dp, dtype=torch.int32)
-        column[:, rank] = torch.tensor([unpadded, padded, int(ubatch), mode, int(plan.has_prefill),
-                                        plan.drafter_passes, plan.drafter_first, plan.drafter_rest],
-                                       dtype=torch.int32)
+        column[:, rank] = torch.tensor(
+            [
+                *upstream_values,
+                int(plan.has_prefill),
+                plan.drafter_passes,
+                plan.drafter_first,
+                plan.drafter_rest,
+            ],
+            dtype=torch.int32,
+        )
         table = self._reduce(column, parallel_config)
         self.collectives += 1
         passes = table[DRAFTER_PASSES]
         if bool((passes != passes[0]).any()):
-            raise DPStepError(f"DP ranks would run different numbers of drafter forwards this step "
-                              f"({passes.tolist()}); speculative decoding with data parallelism needs the "
-                              "same number of speculative tokens on every rank (no dynamic speculation)")
+            raise DPStepError(
+                f"DP ranks would run different numbers of drafter forwards this step "
+                f"({passes.tolist()}); speculative decoding with data parallelism needs the "
+                "same number of speculative tokens on every rank (no dynamic speculation)"
+            )
         return StepAgreement(table)
 
 
 def _sum_over_dp_group(tensor: torch.Tensor, parallel_config) -> torch.Tensor:
     """The all-reduce upstream would issue: on the DP group's device group, or its CPU
     group when ``disable_nccl_for_dp_synchronization``."""
-    from vllm.v1.worker import dp_utils
+    from vllm.distributed.parallel_state import get_dp_group
 
-    device, group = dp_utils._get_device_and_group(parallel_config)
+    group = get_dp_group()
+    if parallel_config.disable_nccl_for_dp_synchronization:
+        device, process_group = "cpu", group.cpu_group
+    else:
+        device, process_group = group.device, group.device_group
     tensor = tensor.to(device)
-    dist.all_reduce(tensor, group=group)
+    dist.all_reduce(tensor, group=process_group)
     return tensor.cpu()
 
 
@@ -151,11 +175,11 @@ _sync: StepSync | None = None
 
 
 def install() -> StepSync:
-    """Route upstream's DP coordination through this process's StepSync (idempotent)."""
+    """Route upstream's DP metadata exchange through this process's StepSync (idempotent)."""
     global _sync
     if _sync is None:
         from vllm.v1.worker import dp_utils
 
         _sync = StepSync()
-        dp_utils.set_dp_step_coordinator(_sync)
+        dp_utils.set_dp_metadata_exchange(_sync)
     return _sync

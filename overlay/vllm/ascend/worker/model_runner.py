@@ -18,23 +18,20 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend.attention.kv_layout import connector_addresses_planes
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.worker import dp_step
 
 logger = init_logger(__name__)
 
-# KV connectors that address the Ascend cache planes (attention/kv_layout.py).
-# Upstream's connectors address blocks through vLLM's unsplit per-layer view and
-# would move the wrong bytes.
-ASCEND_KV_CONNECTORS: frozenset[str] = frozenset({"AscendP2PConnector"})
-
 
 @contextmanager
 def _device_streams_and_events():
-    """Inside the block, the stream and event calls upstream's runner names directly
-    (``torch.cuda.Stream``/``Event``/``current_stream``/``stream``, ``torch.Event``) go to
-    the device layer: while the runner builds itself, and around its per-step copies on
-    a side stream (the draft tokens of speculative decoding)."""
+    """While upstream's runner builds itself, the stream and event constructors it names
+    (``torch.cuda.Stream``/``Event``/``current_stream``/``stream``, ``torch.Event``) go
+    to the device layer, as upstream's XPU runner does. Only at construction: inside a
+    step the runner asks ``_current_stream``/``_stream_context`` (the stream
+    hook patch on upstream's V1 runner)."""
     dev = ascend_device.current()
     saved = torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, torch.Event
     torch.cuda.Stream = lambda *a, **kw: dev.stream()  # type: ignore[assignment]
@@ -62,8 +59,11 @@ class NPUModelRunner(GPUModelRunner):
         spec = self.speculative_config
         if spec is None:
             return 0
-        if spec.uses_extract_hidden_states() or is_graph_capturing or getattr(self.drafter, "parallel_drafting",
-                                                                              False):
+        if (
+            spec.uses_extract_hidden_states()
+            or is_graph_capturing
+            or getattr(self.drafter, "parallel_drafting", False)
+        ):
             return 1
         return self.num_spec_tokens if spec.use_eagle() or spec.uses_draft_model() else 0
 
@@ -73,9 +73,14 @@ class NPUModelRunner(GPUModelRunner):
             counts = scheduler_output.num_scheduled_tokens
             passes = self._drafter_passes()
             # the drafter's first forward takes the step's tokens, the later ones one per request
-            armed = self._dp_step.arm(dp_step.StepPlan(
-                has_prefill=any(n > 1 + self.num_spec_tokens for n in counts.values()), drafter_passes=passes,
-                drafter_first=scheduler_output.total_num_scheduled_tokens, drafter_rest=len(counts)))
+            armed = self._dp_step.arm(
+                dp_step.StepPlan(
+                    has_prefill=any(n > 1 + self.num_spec_tokens for n in counts.values()),
+                    drafter_passes=passes,
+                    drafter_first=scheduler_output.total_num_scheduled_tokens,
+                    drafter_rest=len(counts),
+                )
+            )
         try:
             output = super().execute_model(scheduler_output, *args, **kwargs)
         except BaseException:
@@ -96,9 +101,11 @@ class NPUModelRunner(GPUModelRunner):
     def _sync_device(self) -> None:
         self.device_layer.synchronize()
 
-    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
-        with _device_streams_and_events():
-            super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only)
+    def _current_stream(self):
+        return self.device_layer.current_stream()
+
+    def _stream_context(self, stream):
+        return self.device_layer.stream_context(stream)
 
     # -- context parallelism ------------------------------------------------------------
     def _use_context_parallel_slots(self) -> None:
@@ -117,16 +124,19 @@ class NPUModelRunner(GPUModelRunner):
         super().may_reinitialize_input_batch(kv_cache_config)
         self._use_context_parallel_slots()
 
-    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
-                       **model_kwargs):
+    def _model_forward(
+        self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **model_kwargs
+    ):
         step = _pcp_split_step()
         if step is None:
-            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
-                                          **model_kwargs)
+            return super()._model_forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
+            )
         from vllm.distributed.parallel_state import get_pcp_group
 
-        local, order, restore = (step.tensor(n, self.device)
-                                 for n in ("local_index", "gather_order", "restore"))
+        local, order, restore = (
+            step.tensor(n, self.device) for n in ("local_index", "gather_order", "restore")
+        )
         ctx = get_forward_context()
         permuted: dict[int, torch.Tensor] = {}
         for name, slots in ctx.slot_mapping.items():
@@ -138,7 +148,9 @@ class NPUModelRunner(GPUModelRunner):
             None if input_ids is None else input_ids[local],
             None if positions is None else positions[..., local],
             intermediate_tensors,
-            None if inputs_embeds is None else inputs_embeds[local], **model_kwargs)
+            None if inputs_embeds is None else inputs_embeds[local],
+            **model_kwargs,
+        )
         gathered = get_pcp_group().all_gather(hidden.contiguous(), dim=0)
         num_rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         rows = torch.zeros(num_rows, dtype=torch.int64, device=restore.device)  # padding rows: any row
@@ -180,12 +192,16 @@ class NPUModelRunner(GPUModelRunner):
         return super()._to_list(sampled_token_ids)
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
-        if has_kv_transfer_group() and not is_profiling:
+        if (
+            has_kv_transfer_group()
+            and not is_profiling
+            and not connector_addresses_planes(self.vllm_config.kv_transfer_config)
+        ):
             name = type(get_kv_transfer_group()).__name__
-            if name not in ASCEND_KV_CONNECTORS:
-                raise RuntimeError(
-                    f"KV connector {name} is not supported on Ascend: the Ascend KV cache splits each "
-                    "layer into K/V (MLA: latent/rope) planes, which upstream connectors do not address")
+            raise RuntimeError(
+                f"KV connector {name} is not supported on Ascend: the Ascend KV cache splits each "
+                "layer into K/V (MLA: latent/rope) planes, which upstream connectors do not address"
+            )
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)
 
     # -- memory profiling with attention -------------------------------------------------
@@ -198,8 +214,12 @@ class NPUModelRunner(GPUModelRunner):
             return super().profile_run(randomize_inputs)
         self._init_profiling_kv_cache()
         split = self._profile_split(self.max_num_tokens)
-        logger.info("Memory profile with attention: %d tokens in %d requests, %d KV blocks",
-                    sum(split), len(split), self.cache_config.num_gpu_blocks)
+        logger.info(
+            "Memory profile with attention: %d tokens in %d requests, %d KV blocks",
+            sum(split),
+            len(split),
+            self.cache_config.num_gpu_blocks,
+        )
         try:
             self._profiling_with_attention = True
             super().profile_run(randomize_inputs)
@@ -231,10 +251,14 @@ class NPUModelRunner(GPUModelRunner):
         self.cache_config.num_gpu_blocks = config.num_blocks
 
     def _dummy_run(self, num_tokens: int, *args, **kwargs):
-        armed = self._dp_step is not None and self._dp_step.arm(dp_step.StepPlan(
-            has_prefill=bool(kwargs.get("is_profile")),
-            drafter_passes=self._drafter_passes(bool(kwargs.get("is_graph_capturing"))),
-            drafter_first=num_tokens, drafter_rest=num_tokens))
+        armed = self._dp_step is not None and self._dp_step.arm(
+            dp_step.StepPlan(
+                has_prefill=bool(kwargs.get("is_profile")),
+                drafter_passes=self._drafter_passes(bool(kwargs.get("is_graph_capturing"))),
+                drafter_first=num_tokens,
+                drafter_rest=num_tokens,
+            )
+        )
         try:
             return self._npu_dummy_run(num_tokens, *args, **kwargs)
         finally:
@@ -262,4 +286,3 @@ def _pcp_split_step():
         if step is not None and step.split:
             return step
     return None
-

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 from contextlib import AbstractContextManager, nullcontext
 
 from vllm.config import set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.utils import request_memory
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm.ascend import device as ascend_device
@@ -19,23 +22,49 @@ from vllm.ascend.registration import register_runtime_components
 logger = init_logger(__name__)
 
 
-def device_local_rank(parallel_config, local_rank: int) -> int:
-    """The device index of this worker on its node.
+def device_local_rank(parallel_config, local_rank: int, visible: int | None = None) -> int:
+    """The device index of this worker on its node, by upstream's rules for a worker that
+    sees every device of its node (its GPU and XPU workers).
 
-    With data parallelism launched by vLLM's own multiprocessing on one node, every
-    DP rank's workers start counting local ranks at 0; DP rank ``d`` owns devices
-    ``d * (TP x PCP x PP) ...``, as upstream's GPU worker computes it."""
-    if (parallel_config.data_parallel_size <= 1
-            or parallel_config.distributed_executor_backend in ("ray", "external_launcher")
-            or parallel_config.data_parallel_backend == "ray"
-            or parallel_config.nnodes_within_dp != 1):
+    With vLLM's own launcher each DP rank's workers count local ranks from 0, so DP rank
+    ``d`` owns devices ``d x replica ...`` (replica: TP x PCP x PP ranks). With an
+    external load balancer every DP rank is a process of its own that knows only its
+    global DP index: the node holds ``visible // replica`` replicas, filled in DP order.
+    Ray and external launchers assign devices themselves. ``visible``: the devices this
+    process sees (needed with an external load balancer only)."""
+    pc = parallel_config
+    if (
+        pc.data_parallel_size <= 1
+        or pc.distributed_executor_backend in ("ray", "external_launcher")
+        or pc.data_parallel_backend == "ray"
+        or not (pc.data_parallel_external_lb or pc.nnodes_within_dp == 1)
+    ):
         return local_rank
-    dp_local_rank = parallel_config.data_parallel_rank_local
-    if dp_local_rank is None:
-        dp_local_rank = parallel_config.data_parallel_index
-    per_dp_rank = (parallel_config.pipeline_parallel_size * parallel_config.prefill_context_parallel_size
-                   * parallel_config.tensor_parallel_size)
-    return local_rank + dp_local_rank * per_dp_rank
+    replica = pc.world_size
+    if not pc.data_parallel_external_lb:
+        dp_local_rank = pc.data_parallel_rank_local
+        if dp_local_rank is None:
+            dp_local_rank = pc.data_parallel_index
+        return local_rank + dp_local_rank * replica
+    if visible is None:
+        raise ValueError("an external DP load balancer needs the number of visible NPUs")
+    if pc.nnodes_within_dp > 1:
+        replica = pc.local_world_size  # the replica spans nodes: its share on this node
+    if replica > visible:
+        raise RuntimeError(
+            f"one DP replica needs {replica} NPUs on this node (TP x PCP x PP) but {visible} are visible; "
+            "every DP rank must see all NPUs of its node: check ASCEND_RT_VISIBLE_DEVICES"
+        )
+    replicas_on_node = visible // replica
+    if visible % replica:
+        logger.warning(
+            "%d visible NPUs hold %d DP replicas of %d NPUs; %d stay unused",
+            visible,
+            replicas_on_node,
+            replica,
+            visible % replica,
+        )
+    return local_rank + (pc.data_parallel_index % replicas_on_node) * replica
 
 
 class NPUWorker(Worker):
@@ -45,30 +74,56 @@ class NPUWorker(Worker):
 
     def init_device(self) -> None:
         dev = ascend_device.current()
+        index = self.local_rank
         if not envs.emulate():
-            self.local_rank = device_local_rank(self.parallel_config, self.local_rank)
             visible = ascend_device.npu_device_count()
-            if self.local_rank >= visible:
+            self.local_rank = device_local_rank(self.parallel_config, self.local_rank, visible)
+            assigned = self.parallel_config.assigned_physical_gpu_ids
+            if assigned is not None:  # the launcher named this node's devices (upstream's rule)
+                from vllm.platforms.interface import set_assigned_physical_gpu_ids
+
+                set_assigned_physical_gpu_ids(assigned)
+                if self.local_rank >= len(assigned):
+                    raise RuntimeError(
+                        f"worker {self.local_rank} has no NPU among the assigned ids {assigned}"
+                    )
+            elif self.local_rank >= visible:
                 raise RuntimeError(
                     f"worker needs NPU {self.local_rank} but {visible} are visible; check "
-                    "ASCEND_RT_VISIBLE_DEVICES against TP x PCP x PP x local DP ranks")
-        self.device = dev.torch_device(self.local_rank)
-        dev.set_device(self.local_rank)
+                    "ASCEND_RT_VISIBLE_DEVICES against TP x PCP x PP x local DP ranks"
+                )
+            index = current_platform.logical_device_id_to_visible_device_id(self.local_rank)
+        self.device = dev.torch_device(index)
+        dev.set_device(index)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(
-            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
             current_platform.dist_backend,
         )
         from vllm.ascend.distributed.groups import init_context_parallel_group
 
         init_context_parallel_group(self.parallel_config, current_platform.dist_backend)
         if self.model_config.is_moe:
+            # The MoE layout, worked out once before the model is built; its layers and the
+            # forward-context hook read it (a forced strategy is checked against the SoC here).
             from vllm.ascend.distributed.groups import init_mc2_group
-            from vllm.ascend.moe.step import worker_layout
+            from vllm.ascend.moe.step import MoEPlan, install_plan
 
-            if worker_layout(self.vllm_config)[0].expert_parallel:
+            plan = MoEPlan.from_config(self.vllm_config, dev.soc_generation())
+            install_plan(plan)
+            if plan.layout.expert_parallel:
                 init_mc2_group(current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
+        if not envs.emulate():
+            # Upstream's accounting (as its XPU worker does): the snapshot after the
+            # communicators exist is what the utilisation budget applies to.
+            gc.collect()
+            dev.empty_cache()
+            self.init_snapshot = MemorySnapshot(device=self.device)
+            self.requested_memory = request_memory(self.init_snapshot, self.cache_config)
         self._init_workspace_and_model_runner()
 
     def _make_model_runner(self):
@@ -81,32 +136,22 @@ class NPUWorker(Worker):
         return nullcontext()
 
     def determine_available_memory(self) -> int:
-        dev = ascend_device.current()
+        if not envs.emulate():
+            # Upstream's profile (memory snapshots around one forward of the largest batch)
+            # runs this runner's profile_run, which includes attention, so the NPU
+            # attention workspaces count. Not verified on an NPU.
+            return super().determine_available_memory()
         if npu_kernels():
-            # One forward of the largest batch, attention included, inside the config
-            # context the model layers read: it sizes NPU workspaces, and in host
-            # emulation it runs the NPU kernels' shapes through the contract double.
+            # NPU-path mode: the same profile forward runs the NPU kernels' shapes through
+            # the contract double, inside the config context the model layers read.
             with set_current_vllm_config(self.vllm_config):
                 self.model_runner.profile_run()
-            dev.synchronize()
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
             return int(explicit)
-        if envs.emulate():
-            size = envs.host_kv_cache_bytes()
-            logger.info("Host emulation: %d MiB for the KV cache (VLLM_ASCEND_HOST_KV_CACHE_MB)",
-                        size >> 20)
-            return size
-        # NPU: what the utilisation budget leaves after the profile (the caching
-        # allocator keeps the profile's peak reserved). Not verified on an NPU.
-        free, total = dev.mem_get_info(self.local_rank)
-        budget = int(total * self.cache_config.gpu_memory_utilization) - (total - free)
-        if budget <= 0:
-            raise ValueError(
-                f"no NPU memory left for the KV cache ({free >> 20} MiB free of {total >> 20} MiB "
-                f"at gpu_memory_utilization={self.cache_config.gpu_memory_utilization}); raise "
-                "--gpu-memory-utilization or use a smaller model / --max-model-len")
-        return budget
+        size = envs.host_kv_cache_bytes()
+        logger.info("Host emulation: %d MiB for the KV cache (VLLM_ASCEND_HOST_KV_CACHE_MB)", size >> 20)
+        return size
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Eager execution: nothing to compile or capture (see the platform's config log).

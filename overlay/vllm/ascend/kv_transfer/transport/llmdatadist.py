@@ -19,16 +19,17 @@ import zlib
 
 import numpy as np
 
-from vllm.ascend.kv_transfer.transport import Region, TransferError, Transport
+from vllm.ascend.kv_transfer.transport.base import Region, TransferError, Transport
 
 
 def _import():
     try:
         import llm_datadist
     except ImportError as e:
-        raise RuntimeError("the llmdatadist transport needs CANN's llm_datadist Python package (it ships with "
-                           f"CANN; source the CANN environment first), or use transport 'mooncake' ({e})") \
-            from None
+        raise RuntimeError(
+            "the llmdatadist transport needs CANN's llm_datadist Python package (it ships with "
+            f"CANN; source the CANN environment first), or use transport 'mooncake' ({e})"
+        ) from None
     return llm_datadist
 
 
@@ -71,12 +72,16 @@ class LLMDataDistTransport(Transport):
         for model_id, (block_bytes, group) in enumerate(_groups(regions).items()):
             blocks = {r.num_blocks for r in group}
             if len(blocks) != 1:
-                raise RuntimeError(f"llmdatadist needs every KV plane of one size to have the same block count, "
-                                   f"got {sorted(blocks)}")
-            desc = dd.CacheDesc(len(group), [blocks.pop(), block_bytes], dd.DataType.DT_UINT8,
-                                dd.Placement.DEVICE)
+                raise RuntimeError(
+                    f"llmdatadist needs every KV plane of one size to have the same block count, "
+                    f"got {sorted(blocks)}"
+                )
+            desc = dd.CacheDesc(
+                len(group), [blocks.pop(), block_bytes], dd.DataType.DT_UINT8, dd.Placement.DEVICE
+            )
             cache = self._datadist.cache_manager.register_blocks_cache(
-                desc, [r.base for r in group], dd.BlocksCacheKey(self._cluster_id, model_id))
+                desc, [r.base for r in group], dd.BlocksCacheKey(self._cluster_id, model_id)
+            )
             self._caches[block_bytes] = (model_id, cache, group)
 
     def connect(self, peer: str, regions: list[Region]) -> None:
@@ -101,9 +106,11 @@ class LLMDataDistTransport(Transport):
         if theirs is None:
             raise TransferError(f"llmdatadist: read from {peer} before connect")
         if not np.isin(lengths, list(self._caches)).all():
-            raise TransferError("the llmdatadist transport moves whole blocks only: prefill and decode need the "
-                                "same block size, KV heads per rank and context-parallel layout (or use "
-                                "transport 'mooncake')")
+            raise TransferError(
+                "the llmdatadist transport moves whole blocks only: prefill and decode need the "
+                "same block size, KV heads per rank and context-parallel layout (or use "
+                "transport 'mooncake')"
+            )
         for block_bytes, (model_id, cache, mine) in self._caches.items():
             pick = lengths == block_bytes
             pairs = self._block_pairs(local[pick], remote[pick], mine, theirs["groups"].get(block_bytes, []))
@@ -114,8 +121,9 @@ class LLMDataDistTransport(Transport):
             try:
                 self._datadist.cache_manager.pull_blocks(key, cache, src, dst)
             except self._dd.LLMException as e:
-                raise TransferError(f"llmdatadist pull_blocks of {len(src)} blocks from {peer} failed: "
-                                    f"{e.status_code}") from None
+                raise TransferError(
+                    f"llmdatadist pull_blocks of {len(src)} blocks from {peer} failed: {e.status_code}"
+                ) from None
 
     @staticmethod
     def _block_pairs(local, remote, mine: list[Region], theirs: list[Region]):
@@ -124,7 +132,9 @@ class LLMDataDistTransport(Transport):
         if local.size == 0:
             return None
         if len(theirs) != len(mine):
-            raise TransferError(f"the peer registered {len(theirs)} planes of this size, this rank {len(mine)}")
+            raise TransferError(
+                f"the peer registered {len(theirs)} planes of this size, this rank {len(mine)}"
+            )
         pairs = None
         for r_mine, r_theirs in zip(mine, theirs):
             here = (local >= r_mine.base) & (local < r_mine.base + r_mine.length)
@@ -136,7 +146,9 @@ class LLMDataDistTransport(Transport):
             if pairs is None:
                 pairs = plane
             elif plane != pairs:
-                raise TransferError("llmdatadist pulls the same blocks of every layer; this read differs by layer")
+                raise TransferError(
+                    "llmdatadist pulls the same blocks of every layer; this read differs by layer"
+                )
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def close(self) -> None:

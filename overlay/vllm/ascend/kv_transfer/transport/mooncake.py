@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from vllm.ascend.kv_transfer.transport import Region, TransferError, Transport
+from vllm.ascend.kv_transfer.transport.base import Region, TransferError, Transport
 
 
 class MooncakeTransport(Transport):
@@ -29,7 +29,8 @@ class MooncakeTransport(Transport):
             raise RuntimeError(
                 "the mooncake transport needs Mooncake's TransferEngine: install the wheel's 'mooncake' "
                 "extra on Ascend hosts, or its 'mooncake-host' extra on CPU hosts (which also need "
-                f"apt-get install libibverbs1 libnuma1) ({e})") from None
+                f"apt-get install libibverbs1 libnuma1) ({e})"
+            ) from None
         # the data socket binds where the control plane does; the engine reads its timeout
         # and log level from the environment when it is built
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
@@ -39,8 +40,9 @@ class MooncakeTransport(Transport):
         protocol = str(options.get("mooncake_protocol", "tcp"))
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, str(options.get("device_name", "")))
         if rc != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
-                               f"returned {rc}")
+            raise RuntimeError(
+                f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"
+            )
         self._address = f"{host}:{self._engine.get_rpc_port()}"
         self._regions: list[int] = []
         self._lock = threading.Lock()
@@ -73,8 +75,9 @@ class MooncakeTransport(Transport):
                 rc = self._engine.batch_transfer_sync_read(*args)
             if rc == 0:
                 return
-        raise TransferError(f"Mooncake read of {len(lengths)} ranges ({int(lengths.sum())} bytes) from "
-                            f"{peer} returned {rc}")
+        raise TransferError(
+            f"Mooncake read of {len(lengths)} ranges ({int(lengths.sum())} bytes) from {peer} returned {rc}"
+        )
 
     def close(self) -> None:
         if self._engine is None:
