@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
 import tomllib
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 ROOT = Path(__file__).resolve().parent
 BUILDER_ENV = {"PYTHONPATH": str(ROOT / "build")}
@@ -28,7 +31,7 @@ def build(session: nox.Session) -> None:
 
 
 def _install_built_wheel(session: nox.Session) -> Path:
-    """Build the wheel and install it into the session (runtime tests and benchmarks)."""
+    """Build the wheel and install it into the session (the tests and benchmarks)."""
     dist = ROOT / ".work" / "nox-dist"
     _builder(session, "build", "--dist-dir", str(dist))
     [wheel] = sorted(dist.glob("*.whl"))
@@ -39,32 +42,150 @@ def _install_built_wheel(session: nox.Session) -> Path:
 
 
 UPSTREAM_TEST_REQUIREMENTS = str(ROOT / "tests" / "upstream" / "requirements.txt")
+TEST_REQUIREMENTS = str(ROOT / "tests" / "requirements.txt")
+LINT_REQUIREMENTS = str(ROOT / "tests" / "lint-requirements.txt")
+LINT_PATHS = ("overlay", "build", "tests", "benchmarks", "examples", "noxfile.py")
 
 
 def _install_test_requirements(session: nox.Session) -> None:
-    session.install("-r", BUILD_REQUIREMENTS, "-r", str(ROOT / "tests" / "requirements.txt"),
-                    "-r", UPSTREAM_TEST_REQUIREMENTS)
+    session.install("-r", BUILD_REQUIREMENTS, "-r", TEST_REQUIREMENTS, "-r", UPSTREAM_TEST_REQUIREMENTS)
 
 
 def _upstream_conformance(session: nox.Session, *args: str) -> None:
     """Upstream's own tests (unpacked from the pinned sdist) against the installed wheel."""
-    source = session.run("python", "-m", "ascend_builder", "upstream-tests", env=BUILDER_ENV,
-                         silent=True).strip().splitlines()[-1]
+    source = (
+        session.run("python", "-m", "ascend_builder", "upstream-tests", env=BUILDER_ENV, silent=True)
+        .strip()
+        .splitlines()[-1]
+    )
     session.run("python", "-m", "tests.upstream.run", "--source", source, *args)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Builder tests (synthetic upstreams), the real-wheel integration test, the runtime
-    tests (host emulation against Hugging Face transformers, the NPU path under the
-    torch_npu contract), then upstream's fast conformance selection."""
+    """Everything CI runs against the built wheel: the builder tests (synthetic upstreams),
+    the unit tier (tests/unit), the engine tier (tests/engine: host emulation against
+    Hugging Face transformers, the NPU path under the torch_npu contract), the real-wheel
+    integration test and the contract double's own tests, then upstream's fast
+    conformance selection. Args replace the pytest arguments (and skip the conformance)."""
     _install_test_requirements(session)
     wheel = _install_built_wheel(session)
     # the slowest tests are listed so the CI time budget can be kept
-    session.run("python", "-m", "pytest", *(session.posargs or ["tests", "--durations=30"]),
-                env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *(session.posargs or ["tests", "--durations=30"]),
+        env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)},
+    )
     if not session.posargs:
         _upstream_conformance(session, "--selection", "fast")
+
+
+def _default_patch_set() -> tuple[str, str]:
+    """The default patch set (pyproject.toml) and the editable install's version for it."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
+    patch_set = config["patch-set"]
+    upstream = tomllib.loads((ROOT / "patches" / patch_set / "patchset.toml").read_text())["upstream"]
+    return patch_set, f"{upstream['version']}+ascend.{config['build-number']}.dev"
+
+
+def _install_stamp(tree: Path, version: str) -> str:
+    """What an editable install of ``tree`` depends on: its packaging files and requirements
+    (code changes need no reinstall: the install points at the tree)."""
+    digest = hashlib.sha256(f"{tree.resolve()}\0{version}".encode())
+    for path in [tree / "setup.py", tree / "pyproject.toml", *sorted(tree.glob("requirements/*.txt"))]:
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _stale_work_tree(tree: Path, patch_dir: Path) -> str | None:
+    """Why the work tree's patch commits are not the patch set's (by subject, in series
+    order), or None. Catches a tree made before the patches changed."""
+    series = [
+        line.strip()
+        for line in (patch_dir / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    wanted = []
+    for name in series:
+        lines = (patch_dir / name).read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("Subject: "))
+        subject = lines[start].removeprefix("Subject: ").removeprefix("[PATCH] ")
+        for line in lines[start + 1 :]:  # a long subject continues on indented lines
+            if not line.startswith(" "):
+                break
+            subject += line
+        wanted.append(subject.strip())
+    log = subprocess.run(
+        ["git", "-C", str(tree), "log", "--reverse", "--format=%s", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.splitlines()
+    have = log[1:]  # after the pristine commit
+    if have[: len(wanted)] != wanted:
+        return f"{len(have)} patch commits, the series has {len(wanted)} patches"
+    return None
+
+
+@nox.session
+def unit(session: nox.Session) -> None:
+    """The unit tier (tests/unit: no vLLM engine, seconds to minutes) against the maintainer
+    work tree work/<patch-set> installed editable: no wheel build. The tree is made with
+    the builder's `tree` command if it does not exist; an existing one is used as it is
+    (`nox -s tree -- --force` recreates it). Args replace the pytest arguments."""
+    session.install("-r", BUILD_REQUIREMENTS, "-r", TEST_REQUIREMENTS)  # torch first: setup.py imports it
+    patch_set, version = _default_patch_set()
+    tree = ROOT / "work" / patch_set
+    if not tree.exists():
+        _builder(session, "tree")
+    stale = _stale_work_tree(tree, ROOT / "patches" / patch_set)
+    if stale:
+        session.error(
+            f"work tree {tree} does not match patches/{patch_set}/ ({stale}): export commits you "
+            "made there (`nox -s patches -- export`), or recreate it (`nox -s tree -- --force --no-install`)"
+        )
+    stamp = Path(session.virtualenv.location) / "unit-tree.stamp"
+    if not stamp.exists() or stamp.read_text() != _install_stamp(tree, version):
+        # the mooncake-host extra: the KV transport tests move bytes over Mooncake TCP
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--no-build-isolation",
+            "-e",
+            f"{tree}[mooncake-host]",
+            env={
+                "VLLM_TARGET_DEVICE": "empty",
+                "VLLM_VERSION_OVERRIDE": version,
+                "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+            },
+        )
+        stamp.write_text(_install_stamp(tree, version))
+    else:
+        session.log(f"editable install of {tree} is current")
+    session.run("python", "-m", "pytest", *(session.posargs or ["tests/unit", "--durations=10"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """`ruff check` and `ruff format --check` (ruff pinned in tests/lint-requirements.txt,
+    config in pyproject.toml) over overlay/, build/, tests/, benchmarks/, examples/ and
+    this file. Args replace the paths."""
+    session.install("-r", LINT_REQUIREMENTS)
+    paths = session.posargs or LINT_PATHS
+    failed = []
+    # the format check names the files (`ruff format --diff PATH` shows the changes)
+    for command in (["check", "--no-fix"], ["format", "--check", "--output-format", "concise"]):
+        try:
+            session.run("ruff", *command, *paths)
+        except CommandFailed:
+            failed.append("ruff " + " ".join(command))
+    if failed:
+        session.error("failed: " + ", ".join(failed))
 
 
 @nox.session(name="upstream-tests")
@@ -73,8 +194,9 @@ def upstream_tests(session: nox.Session) -> None:
     the patch set's upstream-expectations.toml: `nox -s upstream-tests [-- --selection fast] [-- PATHS]`."""
     _install_test_requirements(session)
     _install_built_wheel(session)
-    _upstream_conformance(session, "--summary", str(ROOT / ".work" / "upstream" / "summary.json"),
-                          *session.posargs)
+    _upstream_conformance(
+        session, "--summary", str(ROOT / ".work" / "upstream" / "summary.json"), *session.posargs
+    )
 
 
 @nox.session
@@ -107,8 +229,17 @@ def tree(session: nox.Session) -> None:
         "VLLM_VERSION_OVERRIDE": f"{upstream['version']}+ascend.{config['build-number']}.dev",
         "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
     }
-    session.run(python, "-m", "pip", "install", "--no-build-isolation", "-e",
-                str(ROOT / "work" / patch_set), external=True, env=env)
+    session.run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-build-isolation",
+        "-e",
+        str(ROOT / "work" / patch_set),
+        external=True,
+        env=env,
+    )
     session.log(f"editable install ready: {venv}/bin/python, {venv}/bin/vllm")
 
 
@@ -140,8 +271,12 @@ def bench(session: nox.Session) -> None:
         return
     _install_built_wheel(session)
     script = session.posargs[0].replace("-", "_")
-    session.run("python", str(ROOT / "benchmarks" / f"{script}.py"), *session.posargs[1:],
-                env={"VLLM_ASCEND_EMULATE": "1"})
+    session.run(
+        "python",
+        str(ROOT / "benchmarks" / f"{script}.py"),
+        *session.posargs[1:],
+        env={"VLLM_ASCEND_EMULATE": "1"},
+    )
 
 
 if os.environ.get("CI"):

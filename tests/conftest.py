@@ -5,6 +5,8 @@ every process the tests start (engines, workers, CLI), through PYTHONPATH.
 So every run of the suite exercises "torch_npu installed, no NPU visible"; tests that
 want the NPU kernels end to end also set VLLM_ASCEND_KERNELS=npu. On an Ascend host
 with a working torch_npu nothing is replaced and the ``npu``-marked tests run for real.
+
+Fixtures shared by the unit and engine tiers live here; plain helpers in tests/support/.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.npu_contract import wheel as npu_wheel
+from tests.support.models import TinyModels
 
 
 def _real_torch_npu_works() -> bool:
@@ -36,3 +41,9 @@ def _install_contract_double() -> None:
 
 
 _install_contract_double()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    """The tiny models (tests/support/models.py) by name, each made on first use."""
+    return TinyModels(tmp_path_factory.mktemp("models"))

@@ -16,12 +16,27 @@ if _DIR:
     import torch.distributed as dist
 
     _lock = threading.Lock()
-    _OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-            "all_to_all", "all_to_all_single", "broadcast", "barrier", "gather", "scatter")
+    _OPS = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "barrier",
+        "gather",
+        "scatter",
+    )
 
     def _group_ranks(group):
         try:
-            return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            return (
+                dist.get_process_group_ranks(group)
+                if group is not None
+                else list(range(dist.get_world_size()))
+            )
         except Exception:  # a group this process is not in, or not initialised yet
             return None
 
@@ -31,9 +46,13 @@ if _DIR:
             group = kwargs.get("group")
             if group is None:
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-            entry = {"op": name, "ranks": _group_ranks(group),
-                     "rank": dist.get_rank() if dist.is_initialized() else None,
-                     "dtype": str(getattr(tensor, "dtype", "")), "shape": list(getattr(tensor, "shape", []))}
+            entry = {
+                "op": name,
+                "ranks": _group_ranks(group),
+                "rank": dist.get_rank() if dist.is_initialized() else None,
+                "dtype": str(getattr(tensor, "dtype", "")),
+                "shape": list(getattr(tensor, "shape", [])),
+            }
             with _lock, open(os.path.join(_DIR, f"{os.getpid()}.jsonl"), "a") as out:
                 out.write(json.dumps(entry) + "\n")
             return fn(*args, **kwargs)

@@ -32,8 +32,13 @@ VERSION = f"{PATCH_SET.pin.version}+ascend.{CONFIG['build-number']}"
 
 def _build(dist: Path) -> Path:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "build"))
-    result = subprocess.run([sys.executable, "-m", "ascend_builder", "build", "--dist-dir", str(dist)],
-                            env=env, capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "ascend_builder", "build", "--dist-dir", str(dist)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     sys.stderr.write(result.stderr)
     assert result.returncode == 0, result.stderr[-3000:]
     [wheel] = dist.glob("*.whl")
@@ -66,8 +71,10 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     assert 'torch-npu==2.13.0; sys_platform == "linux" and extra == "npu"' in requires
     assert not any(r.startswith("torch-npu") and "extra ==" not in r for r in requires)
     assert any(r.startswith("mooncake-transfer-engine-npu") and 'extra == "mooncake"' in r for r in requires)
-    assert any(r.startswith("mooncake-transfer-engine-non-cuda") and 'extra == "mooncake-host"' in r
-               for r in requires)
+    assert any(
+        r.startswith("mooncake-transfer-engine-non-cuda") and 'extra == "mooncake-host"' in r
+        for r in requires
+    )
     # What upstream's code imports for the served model families (docs/conformance.md).
     assert "numba==0.65.0" in requires
     assert 'torchvision==0.28.0; platform_machine == "aarch64"' in requires
@@ -76,8 +83,13 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     assert not any(r.startswith("torch==") and r != "torch==2.13.0" for r in requires)
 
 
-FRESH_ENV_DROP = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "TORCH_NPU_DOUBLE_WHEEL",
-                  "VLLM_ASCEND_EMULATE", "VLLM_ASCEND_KERNELS")
+FRESH_ENV_DROP = (
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "PYTHONPATH",
+    "TORCH_NPU_DOUBLE_WHEEL",
+    "VLLM_ASCEND_EMULATE",
+    "VLLM_ASCEND_KERNELS",
+)
 
 
 def _pip_install(python: str, requirement: str) -> None:
@@ -137,14 +149,17 @@ def test_installs_into_fresh_venv_and_matches_the_pins(fresh_venv, tmp_path):
     assert prov["version"] == VERSION
 
 
-@pytest.mark.parametrize("program", [
-    "import torch; torch.ones(1)",
-    "import transformers; transformers.AutoTokenizer",
-    "import torch, vllm",
-    "import vllm, torch",
-    "import transformers, vllm; transformers.AutoTokenizer",
-    "import vllm, transformers; transformers.AutoTokenizer",
-])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "import torch; torch.ones(1)",
+        "import transformers; transformers.AutoTokenizer",
+        "import torch, vllm",
+        "import vllm, torch",
+        "import transformers, vllm; transformers.AutoTokenizer",
+        "import vllm, transformers; transformers.AutoTokenizer",
+    ],
+)
 def test_torch_and_transformers_import_in_any_order(fresh_venv, program, tmp_path):
     python, env = fresh_venv
     result = subprocess.run([python, "-c", program], capture_output=True, text=True, cwd=tmp_path, env=env)
@@ -159,21 +174,29 @@ def test_host_quick_start_and_npu_install_hint(fresh_venv, tmp_path):
     python, env = fresh_venv
     vllm_cli = str(Path(python).with_name("vllm"))
     model = tmp_path / "tiny-llama"
-    subprocess.run([python, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", "llama",
-                    "--out", str(model)],
-                   check=True, capture_output=True, env=env)
-    refused = subprocess.run([vllm_cli, "serve", str(model), "--port", "1"], capture_output=True, text=True,
-                             env=env, timeout=300)
+    subprocess.run(
+        [python, str(ROOT / "examples" / "make_tiny_model.py"), "--arch", "llama", "--out", str(model)],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
+    refused = subprocess.run(
+        [vllm_cli, "serve", str(model), "--port", "1"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert refused.returncode == 1
     assert "pip install 'torch-npu==2.13.0'" in refused.stderr.strip().splitlines()[-1]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen([vllm_cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                               "--dtype", "float32"], env={**env, "VLLM_ASCEND_EMULATE": "1"},
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115  (the server writes it until it stops)
+    server = subprocess.Popen(
+        [vllm_cli, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"],
+        env={**env, "VLLM_ASCEND_EMULATE": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -185,8 +208,11 @@ def test_host_quick_start_and_npu_install_hint(fresh_venv, tmp_path):
                 pass
             assert time.monotonic() < deadline, "vllm serve not healthy after 300 s"
             time.sleep(1)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
-            "model": str(model), "prompt": "The quick brown fox", "max_tokens": 8})
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": str(model), "prompt": "The quick brown fox", "max_tokens": 8},
+        )
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -197,8 +223,24 @@ def test_npu_extra_brings_the_matching_torch_npu(fresh_venv, wheels, tmp_path):
     """The documented Ascend-host install resolves torch-npu 2.13.0 (dry run: nothing installed)."""
     python, env = fresh_venv
     report = tmp_path / "report.json"
-    subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--dry-run",
-                    "--report", str(report), f"{wheels[0]}[npu]"], check=True, env=env)
-    installs = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
-                for i in json.loads(report.read_text())["install"]}
+    subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "--dry-run",
+            "--report",
+            str(report),
+            f"{wheels[0]}[npu]",
+        ],
+        check=True,
+        env=env,
+    )
+    installs = {
+        i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
     assert installs.get("torch-npu") == "2.13.0"

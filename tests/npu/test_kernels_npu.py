@@ -13,6 +13,7 @@ import pytest
 
 try:
     import vllm  # noqa: F401  (bootstrap: loads torch_npu if it can)
+
     from vllm.ascend.device import npu_device_count
     from vllm.ascend.device.npu_runtime import failure_reason, load_torch_npu
 
@@ -50,7 +51,7 @@ def test_write_kv_cache_and_paged_attention(dev):
     npu_planes, ref_planes = _gqa_planes(dev), _gqa_planes(dev)
     seq_lens, q_lens = [300, 129], [6, 1]
     table = torch.arange(1, 9, device=dev, dtype=torch.int32).reshape(2, 4)
-    for r, (kv, q) in enumerate(zip(seq_lens, q_lens)):
+    for r, (kv, _q) in enumerate(zip(seq_lens, q_lens)):
         key = torch.randn(kv, 2, 64, dtype=torch.bfloat16, device=dev)
         value = torch.randn(kv, 2, 64, dtype=torch.bfloat16, device=dev)
         slots = torch.tensor([int(table[r, p // 128]) * 128 + p % 128 for p in range(kv)], device=dev)

@@ -118,8 +118,9 @@ def extract(wheel: Path, op_plugin: Path | None, op_plugin_commit: str | None) -
             "wheel": wheel.name,
             "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
         },
-        "op_plugin_source": ({"repository": "Ascend/op-plugin", "commit": op_plugin_commit}
-                             if op_plugin else None),
+        "op_plugin_source": (
+            {"repository": "Ascend/op-plugin", "commit": op_plugin_commit} if op_plugin else None
+        ),
         "schemas": {
             "npu": dict(sorted(npu.items())),
             "atb": dict(sorted(atb.items())),
@@ -139,8 +140,20 @@ def main(argv: list[str] | None = None) -> None:
     wheel = args.wheel
     if wheel is None:
         tmp = Path(tempfile.mkdtemp())
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp),
-                        f"torch-npu=={args.version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "-d",
+                str(tmp),
+                f"torch-npu=={args.version}",
+            ],
+            check=True,
+        )
         [wheel] = tmp.glob("*.whl")
     data = extract(wheel, args.op_plugin, args.op_plugin_commit)
     args.out.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

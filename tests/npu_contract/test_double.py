@@ -61,7 +61,7 @@ def test_names_and_schemas_are_torch_npus():
     q = torch.zeros(1, 2, 16, dtype=BF16)
     with pytest.raises(Exception, match="positional argument"):  # num_heads is keyword-only
         torch_npu.npu_fused_infer_attention_score(q, q, q, 2)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (the dispatcher's error type is torch's to choose)
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_head=2)  # a misspelt keyword
     with pytest.raises(NotImplementedError):  # a registered op the project does not call has no kernel
         torch_npu.npu_rms_norm(torch.zeros(2, 4), torch.ones(4))
@@ -78,11 +78,21 @@ def test_meta_comparison_catches_a_wrong_output_shape():
 # -- rules: each documented violation is refused, naming its rule --------------------------
 def _gqa_args(**change):
     nb, kvn, bs, d, n = 4, 2, 128, 16, 4
-    args = dict(query=torch.randn(5, n, d, dtype=BF16), key=torch.randn(nb, kvn, bs, d, dtype=BF16),
-                value=torch.randn(nb, kvn, bs, d, dtype=BF16), num_heads=n, num_key_value_heads=kvn,
-                input_layout="TND", block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-                block_size=bs, actual_seq_lengths=[4, 5], actual_seq_lengths_kv=[200, 130],
-                atten_mask=MASK, sparse_mode=3, scale=0.25)
+    args = dict(
+        query=torch.randn(5, n, d, dtype=BF16),
+        key=torch.randn(nb, kvn, bs, d, dtype=BF16),
+        value=torch.randn(nb, kvn, bs, d, dtype=BF16),
+        num_heads=n,
+        num_key_value_heads=kvn,
+        input_layout="TND",
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        block_size=bs,
+        actual_seq_lengths=[4, 5],
+        actual_seq_lengths_kv=[200, 130],
+        atten_mask=MASK,
+        sparse_mode=3,
+        scale=0.25,
+    )
     args.update(change)
     return args
 
@@ -95,10 +105,16 @@ def _fia(**kw):
 def _mla(heads=32, latent=512, token_major=False, **change):
     """The MLA form of the fused attention op (one decode token, two cache blocks)."""
     cache_shape = (2, 128, 1) if token_major else (2, 1, 128)
-    args = dict(query_rope=torch.randn(1, heads, 1, 64, dtype=BF16),
-                key_rope=torch.randn(*cache_shape, 64, dtype=BF16), num_heads=heads, num_key_value_heads=1,
-                input_layout="BNSD", block_table=torch.zeros(1, 1, dtype=torch.int32), block_size=128,
-                actual_seq_lengths_kv=[5])
+    args = dict(
+        query_rope=torch.randn(1, heads, 1, 64, dtype=BF16),
+        key_rope=torch.randn(*cache_shape, 64, dtype=BF16),
+        num_heads=heads,
+        num_key_value_heads=1,
+        input_layout="BNSD",
+        block_table=torch.zeros(1, 1, dtype=torch.int32),
+        block_size=128,
+        actual_seq_lengths_kv=[5],
+    )
     args.update(change)
     cache = torch.randn(*cache_shape, latent, dtype=BF16)
     query = torch.randn(1, heads, 1, latent, dtype=BF16)
@@ -106,99 +122,195 @@ def _mla(heads=32, latent=512, token_major=False, **change):
 
 
 def _rac(**change):
-    args = dict(key=torch.randn(3, 1, 8, dtype=BF16), value=torch.randn(3, 1, 4, dtype=BF16),
-                key_cache=torch.zeros(2, 16, 1, 8, dtype=BF16),
-                value_cache=torch.zeros(2, 16, 1, 4, dtype=BF16),
-                slot_indices=torch.tensor([0, 17, 31], dtype=torch.int32))
+    args = dict(
+        key=torch.randn(3, 1, 8, dtype=BF16),
+        value=torch.randn(3, 1, 4, dtype=BF16),
+        key_cache=torch.zeros(2, 16, 1, 8, dtype=BF16),
+        value_cache=torch.zeros(2, 16, 1, 4, dtype=BF16),
+        slot_indices=torch.tensor([0, 17, 31], dtype=torch.int32),
+    )
     args.update(change)
     return torch_npu._npu_reshape_and_cache(**args)
 
 
 def _gmm(x_rows=6, group_list=(2, 6), weight=None, **kw):
     weight = torch.randn(2, 8, 4, dtype=BF16) if weight is None else weight
-    return torch_npu.npu_grouped_matmul([torch.randn(x_rows, 8, dtype=BF16)], [weight],
-                                        group_list=torch.tensor(group_list), split_item=2, group_type=0, **kw)
+    return torch_npu.npu_grouped_matmul(
+        [torch.randn(x_rows, 8, dtype=BF16)],
+        [weight],
+        group_list=torch.tensor(group_list),
+        split_item=2,
+        group_type=0,
+        **kw,
+    )
 
 
 VIOLATIONS = {
     "float32 query": ("FIA.query", lambda: _fia(**_gqa_args(query=torch.randn(5, 4, 16)))),
-    "strided key cache": ("FIA.key", lambda: _fia(**_gqa_args(
-        key=torch.randn(4, 128, 2, 16, dtype=BF16).transpose(1, 2)))),
+    "strided key cache": (
+        "FIA.key",
+        lambda: _fia(**_gqa_args(key=torch.randn(4, 128, 2, 16, dtype=BF16).transpose(1, 2))),
+    ),
     "causal mode without the mask": ("FIA.mask_2048", lambda: _fia(**_gqa_args(atten_mask=None))),
     "a 1024 mask": ("FIA.mask_2048", lambda: _fia(**_gqa_args(atten_mask=MASK[:1024, :1024].contiguous()))),
     "a lower-triangle mask": ("FIA.sparse_3", lambda: _fia(**_gqa_args(atten_mask=MASK.T.contiguous()))),
-    "block size 16 in prefill": ("FIA.pa_block_size", lambda: _fia(**_gqa_args(
-        key=torch.randn(40, 2, 16, 16, dtype=BF16), value=torch.randn(40, 2, 16, 16, dtype=BF16),
-        block_size=16, block_table=torch.arange(40, dtype=torch.int32).view(2, 20)))),
-    "per-sequence query lengths in TND": ("FIA.tnd_seq_lengths", lambda: _fia(**_gqa_args(
-        actual_seq_lengths=[4, 1]))),
-    "int64 block table": ("FIA.block_table_dtype", lambda: _fia(**_gqa_args(
-        block_table=torch.tensor([[0, 1], [2, 3]])))),
-    "block table too narrow": ("FIA.block_table_shape", lambda: _fia(**_gqa_args(
-        actual_seq_lengths_kv=[300, 130]))),
-    "too few cache blocks": ("FIA.blocknum", lambda: _fia(**_gqa_args(
-        key=torch.randn(2, 2, 128, 16, dtype=BF16), value=torch.randn(2, 2, 128, 16, dtype=BF16),
-        block_table=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)))),
-    "head dim not 16-aligned": ("FIA.d_align", lambda: _fia(**_gqa_args(
-        query=torch.randn(5, 4, 12, dtype=BF16), key=torch.randn(4, 2, 128, 12, dtype=BF16),
-        value=torch.randn(4, 2, 128, 12, dtype=BF16)))),
-    "5 query heads over 2 KV heads": ("FIA.heads", lambda: _fia(**_gqa_args(
-        query=torch.randn(5, 5, 16, dtype=BF16), num_heads=5))),
+    "block size 16 in prefill": (
+        "FIA.pa_block_size",
+        lambda: _fia(
+            **_gqa_args(
+                key=torch.randn(40, 2, 16, 16, dtype=BF16),
+                value=torch.randn(40, 2, 16, 16, dtype=BF16),
+                block_size=16,
+                block_table=torch.arange(40, dtype=torch.int32).view(2, 20),
+            )
+        ),
+    ),
+    "per-sequence query lengths in TND": (
+        "FIA.tnd_seq_lengths",
+        lambda: _fia(**_gqa_args(actual_seq_lengths=[4, 1])),
+    ),
+    "int64 block table": (
+        "FIA.block_table_dtype",
+        lambda: _fia(**_gqa_args(block_table=torch.tensor([[0, 1], [2, 3]]))),
+    ),
+    "block table too narrow": (
+        "FIA.block_table_shape",
+        lambda: _fia(**_gqa_args(actual_seq_lengths_kv=[300, 130])),
+    ),
+    "too few cache blocks": (
+        "FIA.blocknum",
+        lambda: _fia(
+            **_gqa_args(
+                key=torch.randn(2, 2, 128, 16, dtype=BF16),
+                value=torch.randn(2, 2, 128, 16, dtype=BF16),
+                block_table=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32),
+            )
+        ),
+    ),
+    "head dim not 16-aligned": (
+        "FIA.d_align",
+        lambda: _fia(
+            **_gqa_args(
+                query=torch.randn(5, 4, 12, dtype=BF16),
+                key=torch.randn(4, 2, 128, 12, dtype=BF16),
+                value=torch.randn(4, 2, 128, 12, dtype=BF16),
+            )
+        ),
+    ),
+    "5 query heads over 2 KV heads": (
+        "FIA.heads",
+        lambda: _fia(**_gqa_args(query=torch.randn(5, 5, 16, dtype=BF16), num_heads=5)),
+    ),
     "MLA with 16 query heads": ("FIA.rope_query", lambda: _mla(heads=16)),
     "MLA latent 256": ("FIA.rope_query", lambda: _mla(latent=256)),
-    "MLA key in (blocks, block_size, 1, D) read as KV_N = block_size": ("FIA.rope_key",
-                                                                        lambda: _mla(token_major=True)),
-    "strided MLA query_rope": ("FIA.rope_contiguous", lambda: _mla(
-        query_rope=torch.randn(1, 32, 1, 128, dtype=BF16)[..., :64])),
-    "strided cache for ReshapeAndCache": ("RAC.cache_contiguous", lambda: _rac(
-        key_cache=torch.zeros(2, 16, 2, 8, dtype=BF16)[:, :, :1],
-        value_cache=torch.zeros(2, 16, 1, 4, dtype=BF16))),
+    "MLA key in (blocks, block_size, 1, D) read as KV_N = block_size": (
+        "FIA.rope_key",
+        lambda: _mla(token_major=True),
+    ),
+    "strided MLA query_rope": (
+        "FIA.rope_contiguous",
+        lambda: _mla(query_rope=torch.randn(1, 32, 1, 128, dtype=BF16)[..., :64]),
+    ),
+    "strided cache for ReshapeAndCache": (
+        "RAC.cache_contiguous",
+        lambda: _rac(
+            key_cache=torch.zeros(2, 16, 2, 8, dtype=BF16)[:, :, :1],
+            value_cache=torch.zeros(2, 16, 1, 4, dtype=BF16),
+        ),
+    ),
     "int64 slots for ReshapeAndCache": ("RAC.shapes", lambda: _rac(slot_indices=torch.tensor([0, 1, 2]))),
-    "padding slot -1 for ReshapeAndCache": ("PROJECT.valid_slots", lambda: _rac(
-        slot_indices=torch.tensor([0, -1, 2], dtype=torch.int32))),
+    "padding slot -1 for ReshapeAndCache": (
+        "PROJECT.valid_slots",
+        lambda: _rac(slot_indices=torch.tensor([0, -1, 2], dtype=torch.int32)),
+    ),
     "mixed dtypes for ReshapeAndCache": ("RAC.dtypes", lambda: _rac(key=torch.randn(3, 1, 8))),
-    "scatter into a strided cache": ("PROJECT.no_hidden_cache_copy", lambda: torch_npu.npu_scatter_nd_update_(
-        torch.zeros(4, 3, 2)[:, :2], torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2))),
-    "scatter updates of the wrong shape": ("SNU.updates_shape", lambda: torch_npu.npu_scatter_nd_update_(
-        torch.zeros(4, 3, 2), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 3))),
+    "scatter into a strided cache": (
+        "PROJECT.no_hidden_cache_copy",
+        lambda: torch_npu.npu_scatter_nd_update_(
+            torch.zeros(4, 3, 2)[:, :2], torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2)
+        ),
+    ),
+    "scatter updates of the wrong shape": (
+        "SNU.updates_shape",
+        lambda: torch_npu.npu_scatter_nd_update_(
+            torch.zeros(4, 3, 2), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 3)
+        ),
+    ),
     "grouped matmul groups not covering x": ("GMM.single_tensor", lambda: _gmm(x_rows=7)),
-    "grouped matmul decreasing group list": ("GMM.group_list", lambda: _gmm(group_list=(5, 6), x_rows=6) and
-                                              _gmm(group_list=(6, 2))),
-    "grouped matmul int32 group list": ("GMM.group_list_dtype", lambda: torch_npu.npu_grouped_matmul(
-        [torch.randn(6, 8, dtype=BF16)], [torch.randn(2, 8, 4, dtype=BF16)],
-        group_list=torch.tensor([2, 6], dtype=torch.int32), split_item=2, group_type=0)),
-    "grouped matmul with a permuted weight": ("GMM.weight_transpose", lambda: _gmm(
-        weight=torch.randn(8, 2, 4, dtype=BF16).transpose(0, 1))),
-    "per-token grouped matmul with a float32 scale for bfloat16 output": ("GMM.pertoken_dtypes", lambda: _qgmm(
-        scale_dtype=torch.float32)),
-    "per-token grouped matmul with a scale per group row": ("GMM.pertoken_formula", lambda: _qgmm(scale_cols=1)),
-    "quant matmul of float inputs": ("QMM.x1", lambda: torch_npu.npu_quant_matmul(
-        torch.randn(2, 8, dtype=BF16), torch.randn(8, 4, dtype=BF16), torch.ones(4), output_dtype=BF16)),
+    "grouped matmul decreasing group list": (
+        "GMM.group_list",
+        lambda: _gmm(group_list=(5, 6), x_rows=6) and _gmm(group_list=(6, 2)),
+    ),
+    "grouped matmul int32 group list": (
+        "GMM.group_list_dtype",
+        lambda: torch_npu.npu_grouped_matmul(
+            [torch.randn(6, 8, dtype=BF16)],
+            [torch.randn(2, 8, 4, dtype=BF16)],
+            group_list=torch.tensor([2, 6], dtype=torch.int32),
+            split_item=2,
+            group_type=0,
+        ),
+    ),
+    "grouped matmul with a permuted weight": (
+        "GMM.weight_transpose",
+        lambda: _gmm(weight=torch.randn(8, 2, 4, dtype=BF16).transpose(0, 1)),
+    ),
+    "per-token grouped matmul with a float32 scale for bfloat16 output": (
+        "GMM.pertoken_dtypes",
+        lambda: _qgmm(scale_dtype=torch.float32),
+    ),
+    "per-token grouped matmul with a scale per group row": (
+        "GMM.pertoken_formula",
+        lambda: _qgmm(scale_cols=1),
+    ),
+    "quant matmul of float inputs": (
+        "QMM.x1",
+        lambda: torch_npu.npu_quant_matmul(
+            torch.randn(2, 8, dtype=BF16), torch.randn(8, 4, dtype=BF16), torch.ones(4), output_dtype=BF16
+        ),
+    ),
     "quant matmul with a scale of the wrong length": ("QMM.scale", lambda: _qmm(scale=torch.ones(3))),
-    "quant matmul with a per-token scale per column": ("QMM.pertoken", lambda: _qmm(
-        pertoken_scale=torch.ones(4))),
-    "quant matmul with a float bias for float16 output without per-token scale": ("QMM.combinations", lambda: _qmm(
-        bias=torch.ones(4, dtype=torch.float16), output_dtype=torch.float16)),
+    "quant matmul with a per-token scale per column": (
+        "QMM.pertoken",
+        lambda: _qmm(pertoken_scale=torch.ones(4)),
+    ),
+    "quant matmul with a float bias for float16 output without per-token scale": (
+        "QMM.combinations",
+        lambda: _qmm(bias=torch.ones(4, dtype=torch.float16), output_dtype=torch.float16),
+    ),
     "dynamic quant of float32": ("DQ.x", lambda: torch_npu.npu_dynamic_quant(torch.randn(2, 8))),
-    "quantize with zero points unlike the scales": ("QZ.zero_points", lambda: torch_npu.npu_quantize(
-        torch.randn(2, 8), torch.ones(8), torch.zeros(8, dtype=BF16), torch.qint8, -1, False)),
-    "quantize with scales of the wrong length": ("QZ.scales_shape", lambda: torch_npu.npu_quantize(
-        torch.randn(2, 8), torch.ones(3), None, torch.qint8, -1, False)),
+    "quantize with zero points unlike the scales": (
+        "QZ.zero_points",
+        lambda: torch_npu.npu_quantize(
+            torch.randn(2, 8), torch.ones(8), torch.zeros(8, dtype=BF16), torch.qint8, -1, False
+        ),
+    ),
+    "quantize with scales of the wrong length": (
+        "QZ.scales_shape",
+        lambda: torch_npu.npu_quantize(torch.randn(2, 8), torch.ones(3), None, torch.qint8, -1, False),
+    ),
 }
 
 
 def _qmm(**kw):
     args = dict(scale=torch.ones(4), pertoken_scale=None, bias=None, output_dtype=BF16)
     args.update(kw)
-    return torch_npu.npu_quant_matmul(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8),
-                                      args.pop("scale"), **args)
+    return torch_npu.npu_quant_matmul(
+        torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8), args.pop("scale"), **args
+    )
 
 
 def _qgmm(scale_dtype=BF16, scale_cols=4):
     return torch_npu.npu_grouped_matmul(
-        [torch.ones(6, 8, dtype=torch.int8)], [torch.ones(2, 8, 4, dtype=torch.int8)],
-        scale=[torch.ones(2, scale_cols, dtype=scale_dtype)], per_token_scale=[torch.ones(6)],
-        group_list=torch.tensor([2, 6]), split_item=2, group_type=0, output_dtype=BF16)
+        [torch.ones(6, 8, dtype=torch.int8)],
+        [torch.ones(2, 8, 4, dtype=torch.int8)],
+        scale=[torch.ones(2, scale_cols, dtype=scale_dtype)],
+        per_token_scale=[torch.ones(6)],
+        group_list=torch.tensor([2, 6]),
+        split_item=2,
+        group_type=0,
+        output_dtype=BF16,
+    )
 
 
 @pytest.mark.parametrize("case", VIOLATIONS)
@@ -247,13 +359,26 @@ def test_paged_gqa_attention_semantics(cache_format):
     cum = torch.tensor([q for _, q in seqs]).cumsum(0).tolist()
     # two more blocks than the batch needs are in the cache, so table rows may be short
     out, _ = torch_npu.npu_fused_infer_attention_score(
-        torch.cat(qs), kc, vc, num_heads=n, num_key_value_heads=kvn, input_layout="TND",
-        block_table=table, block_size=bs, actual_seq_lengths=cum,
-        actual_seq_lengths_kv=[L for L, _ in seqs], atten_mask=MASK, sparse_mode=3, scale=0.3)
+        torch.cat(qs),
+        kc,
+        vc,
+        num_heads=n,
+        num_key_value_heads=kvn,
+        input_layout="TND",
+        block_table=table,
+        block_size=bs,
+        actual_seq_lengths=cum,
+        actual_seq_lengths_kv=[L for L, _ in seqs],
+        atten_mask=MASK,
+        sparse_mode=3,
+        scale=0.3,
+    )
     start = 0
     for r, (L, q_len) in enumerate(seqs):
-        expected = _brute_attention(qs[r], keys[r], vals[r], 0.3, lambda i: L - q_len + i + 1)
-        torch.testing.assert_close(out[start:start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
+        expected = _brute_attention(
+            qs[r], keys[r], vals[r], 0.3, lambda i, L=L, q_len=q_len: L - q_len + i + 1
+        )
+        torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
         start += q_len
 
 
@@ -265,8 +390,19 @@ def test_mla_form_semantics():
     table = torch.tensor([[2, 0]], dtype=torch.int32)
     q, q_rope = torch.randn(1, heads, 1, 512, dtype=BF16), torch.randn(1, heads, 1, 64, dtype=BF16)
     out, _ = torch_npu.npu_fused_infer_attention_score(
-        q, latent, latent, query_rope=q_rope, key_rope=rope, num_heads=heads, num_key_value_heads=1,
-        input_layout="BNSD", scale=0.05, block_table=table, block_size=bs, actual_seq_lengths_kv=[seq])
+        q,
+        latent,
+        latent,
+        query_rope=q_rope,
+        key_rope=rope,
+        num_heads=heads,
+        num_key_value_heads=1,
+        input_layout="BNSD",
+        scale=0.05,
+        block_table=table,
+        block_size=bs,
+        actual_seq_lengths_kv=[seq],
+    )
     rows = torch.cat([latent[2, 0], latent[0, 0]])[:seq].double()
     rope_rows = torch.cat([rope[2, 0], rope[0, 0]])[:seq].double()
     for h in range(heads):
@@ -281,21 +417,40 @@ def test_tnd_without_page_attention_semantics():
     q = torch.randn(sum(q_lens), n, d, dtype=BF16)
     k, v = torch.randn(sum(kv_lens), n, d, dtype=BF16), torch.randn(sum(kv_lens), n, d, dtype=BF16)
     out, _ = torch_npu.npu_fused_infer_attention_score(
-        q, k, v, num_heads=n, input_layout="TND", actual_seq_lengths=[2, 5], actual_seq_lengths_kv=[4, 7],
-        atten_mask=MASK, sparse_mode=3, scale=1 / math.sqrt(d))
+        q,
+        k,
+        v,
+        num_heads=n,
+        input_layout="TND",
+        actual_seq_lengths=[2, 5],
+        actual_seq_lengths_kv=[4, 7],
+        atten_mask=MASK,
+        sparse_mode=3,
+        scale=1 / math.sqrt(d),
+    )
     qs = ks = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
-        expected = _brute_attention(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len], 1 / math.sqrt(d),
-                                    lambda i, q_len=q_len, kv_len=kv_len: kv_len - q_len + i + 1)
-        torch.testing.assert_close(out[qs:qs + q_len].double(), expected, rtol=2e-2, atol=2e-2)
+        expected = _brute_attention(
+            q[qs : qs + q_len],
+            k[ks : ks + kv_len],
+            v[ks : ks + kv_len],
+            1 / math.sqrt(d),
+            lambda i, q_len=q_len, kv_len=kv_len: kv_len - q_len + i + 1,
+        )
+        torch.testing.assert_close(out[qs : qs + q_len].double(), expected, rtol=2e-2, atol=2e-2)
         qs, ks = qs + q_len, ks + kv_len
 
 
 def test_cache_write_semantics():
     key, value = torch.randn(3, 1, 8, dtype=BF16), torch.randn(3, 1, 4, dtype=BF16)
     kc, vc = torch.zeros(2, 16, 1, 8, dtype=BF16), torch.zeros(2, 16, 1, 4, dtype=BF16)
-    torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=kc, value_cache=vc,
-                                     slot_indices=torch.tensor([0, 17, 31], dtype=torch.int32))
+    torch_npu._npu_reshape_and_cache(
+        key=key,
+        value=value,
+        key_cache=kc,
+        value_cache=vc,
+        slot_indices=torch.tensor([0, 17, 31], dtype=torch.int32),
+    )
     for row, slot in enumerate([0, 17, 31]):
         assert torch.equal(kc[slot // 16, slot % 16], key[row])
         assert torch.equal(vc[slot // 16, slot % 16], value[row])
@@ -315,8 +470,14 @@ def test_grouped_matmul_and_swiglu_semantics(group_list_type):
     weight = torch.randn(3, 4, 8, dtype=BF16).transpose(1, 2)  # [E, K, N] as a transposed view
     counts = [2, 0, 5]
     groups = counts if group_list_type else torch.tensor(counts).cumsum(0).tolist()
-    [y] = torch_npu.npu_grouped_matmul([x], [weight], group_list=torch.tensor(groups), split_item=2,
-                                       group_type=0, group_list_type=group_list_type)
+    [y] = torch_npu.npu_grouped_matmul(
+        [x],
+        [weight],
+        group_list=torch.tensor(groups),
+        split_item=2,
+        group_type=0,
+        group_list_type=group_list_type,
+    )
     rows = [e for e, c in enumerate(counts) for _ in range(c)]
     for i, e in enumerate(rows):
         torch.testing.assert_close(y[i].float(), x[i].float() @ weight[e].float(), rtol=2e-2, atol=2e-2)
@@ -343,5 +504,6 @@ def test_w8a8_ops_semantics():
     torch.testing.assert_close(out.double(), ((brute + bias.double()) * scale.double()).to(BF16).double())
     per_token = torch.tensor([1.0, 2.0, 0.5])
     out = torch_npu.npu_quant_matmul(x1, x2, scale, pertoken_scale=per_token, output_dtype=torch.float16)
-    torch.testing.assert_close(out.double(),
-                               (brute * scale.double() * per_token.double()[:, None]).to(torch.float16).double())
+    torch.testing.assert_close(
+        out.double(), (brute * scale.double() * per_token.double()[:, None]).to(torch.float16).double()
+    )

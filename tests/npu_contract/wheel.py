@@ -25,7 +25,8 @@ def pinned() -> dict:
 
 def cache_dir() -> Path:
     base = os.environ.get("VLLM_ASCEND_BUILD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-ascend-build")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-ascend-build"
+    )
     return Path(base) / "torch-npu"
 
 
@@ -36,8 +37,22 @@ def fetch() -> Path:
     if target.exists() and hashlib.sha256(target.read_bytes()).hexdigest() == pin["sha256"]:
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                        "-d", tmp, f"torch-npu=={pin['version']}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                tmp,
+                f"torch-npu=={pin['version']}",
+            ],
+            check=True,
+        )
         [got] = Path(tmp).glob("*.whl")
         digest = hashlib.sha256(got.read_bytes()).hexdigest()
         if digest != pin["sha256"]:

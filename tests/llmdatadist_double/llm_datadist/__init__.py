@@ -59,7 +59,9 @@ class DataType(enum.Enum):  # the library takes the values from its native modul
 
     @property
     def size(self) -> int:
-        return {"DT_FLOAT": 4, "DT_FLOAT16": 2, "DT_BF16": 2, "DT_INT8": 1, "DT_UINT8": 1, "DT_INT32": 4}[self.name]
+        return {"DT_FLOAT": 4, "DT_FLOAT16": 2, "DT_BF16": 2, "DT_INT8": 1, "DT_UINT8": 1, "DT_INT32": 4}[
+            self.name
+        ]
 
 
 class LLMStatusCode(enum.Enum):
@@ -116,9 +118,12 @@ class LLMConfig:
         object.__setattr__(self, name, value)
 
     def generate_options(self) -> dict:
-        options = {"ge.exec.deviceId": str(self.device_id), "llm.SyncKvCacheWaitTime": str(self.sync_kv_timeout),
-                   "llm.EnableCacheManager": "1" if self.enable_cache_manager else "0",
-                   "llm.EnableRemoteCacheAccessible": "1" if self.enable_remote_cache_accessible else "0"}
+        options = {
+            "ge.exec.deviceId": str(self.device_id),
+            "llm.SyncKvCacheWaitTime": str(self.sync_kv_timeout),
+            "llm.EnableCacheManager": "1" if self.enable_cache_manager else "0",
+            "llm.EnableRemoteCacheAccessible": "1" if self.enable_remote_cache_accessible else "0",
+        }
         if self.listen_ip_info:
             options["llm.listenIpInfo"] = self.listen_ip_info
         return options
@@ -175,31 +180,45 @@ class _CacheManager:
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs, blocks_cache_key: BlocksCacheKey = None):
         owner = self._owner
         if not isinstance(cache_desc, CacheDesc) or not isinstance(addrs, (list, tuple)):
-            raise TypeError("register_blocks_cache(cache_desc: CacheDesc, addrs: list[int], blocks_cache_key)")
+            raise TypeError(
+                "register_blocks_cache(cache_desc: CacheDesc, addrs: list[int], blocks_cache_key)"
+            )
         if not addrs:
             raise LLMException("addrs must not be empty", status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if len(addrs) != cache_desc.num_tensors or not all(isinstance(a, int) and a > 0 for a in addrs):
             raise LLMException("one non-zero address per tensor", status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if owner._linked:
-            raise LLMException("you can not register remote accessible cache after link",
-                               status_code=LLMStatusCode.LLM_FAILED)
+            raise LLMException(
+                "you can not register remote accessible cache after link",
+                status_code=LLMStatusCode.LLM_FAILED,
+            )
         key = blocks_cache_key or BlocksCacheKey(owner.cluster_id)
         cache = Cache(len(owner._caches), cache_desc, list(addrs))
         owner._caches[key.model_id] = cache
         owner._publish()
         return cache
 
-    def pull_blocks(self, src_cache_key: BlocksCacheKey, dst_cache: Cache, src_blocks=(), dst_blocks=(), **kwargs):
+    def pull_blocks(
+        self, src_cache_key: BlocksCacheKey, dst_cache: Cache, src_blocks=(), dst_blocks=(), **kwargs
+    ):
         owner = self._owner
         if not isinstance(src_cache_key, BlocksCacheKey) or not isinstance(dst_cache, Cache):
-            raise TypeError("pull_blocks(src_cache_key: BlocksCacheKey, dst_cache: Cache, src_blocks, dst_blocks)")
+            raise TypeError(
+                "pull_blocks(src_cache_key: BlocksCacheKey, dst_cache: Cache, src_blocks, dst_blocks)"
+            )
         if not dst_cache.is_blocks_cache or not dst_blocks or not src_blocks:
-            raise LLMException("dst_cache must be a blocks cache and the block lists non-empty",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            raise LLMException(
+                "dst_cache must be a blocks cache and the block lists non-empty",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
         if len(src_blocks) != len(dst_blocks):
-            raise LLMException("src_blocks and dst_blocks differ in length", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            raise LLMException(
+                "src_blocks and dst_blocks differ in length", status_code=LLMStatusCode.LLM_PARAM_INVALID
+            )
         if src_cache_key.cluster_id == owner.cluster_id:
-            raise LLMException("cannot pull from its own cluster", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            raise LLMException(
+                "cannot pull from its own cluster", status_code=LLMStatusCode.LLM_PARAM_INVALID
+            )
         if src_cache_key.cluster_id not in owner._linked:
             raise LLMException("not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
         peer = _read_peer(src_cache_key.cluster_id)
@@ -212,7 +231,9 @@ class _CacheManager:
             raise LLMException("caches differ in shape", status_code=LLMStatusCode.LLM_PARAM_INVALID)
         for s, d in zip(src_blocks, dst_blocks):
             if not (0 <= s < remote["blocks"] and 0 <= d < blocks):
-                raise LLMException(f"block {s}->{d} out of range", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+                raise LLMException(
+                    f"block {s}->{d} out of range", status_code=LLMStatusCode.LLM_PARAM_INVALID
+                )
         for src_base, dst_base in zip(remote["addrs"], dst_cache.tensor_addrs):
             for s, d in zip(src_blocks, dst_blocks):
                 _copy_from(peer["pid"], src_base + s * block, dst_base + d * block, block)
@@ -225,7 +246,9 @@ def _copy_from(pid: int, remote: int, local: int, length: int) -> None:
     here, there = _IoVec(local, length), _IoVec(remote, length)
     got = _libc.process_vm_readv(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
     if got != length:
-        raise LLMException(f"transfer failed (errno {ctypes.get_errno()})", status_code=LLMStatusCode.LLM_TIMEOUT)
+        raise LLMException(
+            f"transfer failed (errno {ctypes.get_errno()})", status_code=LLMStatusCode.LLM_TIMEOUT
+        )
 
 
 def _read_peer(cluster_id: int):
@@ -258,12 +281,14 @@ class LLMDataDist:
     def init(self, options: dict) -> None:
         if self._options is not None:
             return
-        if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                    for k, v in options.items()):
+        if not isinstance(options, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in options.items()
+        ):
             raise TypeError("options must be Dict[str, str]")
         if "ge.exec.deviceId" not in options or options.get("llm.EnableCacheManager") != "1":
-            raise LLMException("device_id and enable_cache_manager are required",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            raise LLMException(
+                "device_id and enable_cache_manager are required", status_code=LLMStatusCode.LLM_PARAM_INVALID
+            )
         if _initialised:
             raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
         self._options = dict(options)
@@ -274,9 +299,18 @@ class LLMDataDist:
         self._publish()
 
     def _publish(self) -> None:
-        data = {"pid": os.getpid(), "listen": self._options.get("llm.listenIpInfo") if self._options else None,
-                "caches": {str(m): {"addrs": c.tensor_addrs, "block_bytes": c.cache_desc.block_bytes,
-                                    "blocks": c.cache_desc.shape[0]} for m, c in self._caches.items()}}
+        data = {
+            "pid": os.getpid(),
+            "listen": self._options.get("llm.listenIpInfo") if self._options else None,
+            "caches": {
+                str(m): {
+                    "addrs": c.tensor_addrs,
+                    "block_bytes": c.cache_desc.block_bytes,
+                    "blocks": c.cache_desc.shape[0],
+                }
+                for m, c in self._caches.items()
+            },
+        }
         (_registry() / f"{self._cluster_id}.json").write_text(json.dumps(data))
 
     @property
@@ -293,8 +327,11 @@ class LLMDataDist:
         results = []
         for info in clusters:
             peer = _read_peer(info.remote_cluster_id)
-            want = f"{info.remote_ip_info_list[0][0]}:{info.remote_ip_info_list[0][1]}" \
-                if info.remote_ip_info_list else None
+            want = (
+                f"{info.remote_ip_info_list[0][0]}:{info.remote_ip_info_list[0][1]}"
+                if info.remote_ip_info_list
+                else None
+            )
             if peer is None or peer["listen"] != want:
                 results.append(LLMStatusCode.LLM_LINK_FAILED)
             else:

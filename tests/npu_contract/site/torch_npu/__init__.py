@@ -15,8 +15,10 @@ import sys
 
 import torch as _torch
 
-from . import npu  # noqa: F401  (device runtime stub)
-from . import _contract
+from . import (
+    _contract,
+    npu,  # noqa: F401  (device runtime stub)
+)
 from ._rules import ContractViolation  # noqa: F401
 
 IS_CONTRACT_DOUBLE = True

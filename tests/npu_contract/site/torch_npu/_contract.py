@@ -50,12 +50,14 @@ def _wheel(expected_sha256: str) -> zipfile.ZipFile:
     if not path:
         raise RuntimeError(
             f"the torch_npu contract double needs the pinned torch_npu wheel for its meta functions: "
-            f"set {WHEEL_VARIABLE} (tests/npu_contract/wheel.py fetches it)")
+            f"set {WHEEL_VARIABLE} (tests/npu_contract/wheel.py fetches it)"
+        )
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if digest != expected_sha256:
         raise RuntimeError(
             f"{path} has sha256 {digest}, but schemas.json was generated from {expected_sha256}; "
-            "regenerate the schemas (tests/npu_contract/extract_schemas.py) or use the pinned wheel")
+            "regenerate the schemas (tests/npu_contract/extract_schemas.py) or use the pinned wheel"
+        )
     return zipfile.ZipFile(path)
 
 
@@ -112,12 +114,14 @@ def _compare_with_meta(qualname: str, overload, schema, full: dict, result) -> N
         expected, got = expected[:1], got[:1]
     if len(expected) != len(got):
         raise AssertionError(
-            f"{qualname}: {len(got)} outputs, torch_npu's meta function gives {len(expected)}")
+            f"{qualname}: {len(got)} outputs, torch_npu's meta function gives {len(expected)}"
+        )
     for i, (e, g) in enumerate(zip(expected, got)):
         if tuple(e.shape) != tuple(g.shape) or e.dtype != g.dtype:
             raise AssertionError(
                 f"{qualname}: output {i} is {tuple(g.shape)} {g.dtype}, torch_npu's meta function says "
-                f"{tuple(e.shape)} {e.dtype}")
+                f"{tuple(e.shape)} {e.dtype}"
+            )
 
 
 def _kernel(namespace: str, name: str, fn):
@@ -158,8 +162,7 @@ def _load_meta_functions(wheel: zipfile.ZipFile) -> None:
 
     files = {
         "torch_npu.op_plugin.meta._meta_registrations": "torch_npu/op_plugin/meta/_meta_registrations.py",
-        "torch_npu.op_plugin.atb._atb_meta_registrations":
-            "torch_npu/op_plugin/atb/_atb_meta_registrations.py",
+        "torch_npu.op_plugin.atb._atb_meta_registrations": "torch_npu/op_plugin/atb/_atb_meta_registrations.py",
     }
     saved = torch_library.Library
     torch_library.Library = _SkipAtenLibrary

@@ -32,10 +32,24 @@ def _contiguous(t: torch.Tensor | None) -> bool:
 
 # -- npu_fused_infer_attention_score -------------------------------------------------------
 _FIA_UNMODELLED = (
-    "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
-    "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
-    "value_antiquant_scale", "value_antiquant_offset", "query_padding_size", "kv_padding_size",
-    "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len", "key_rope_antiquant_scale",
+    "pse_shift",
+    "dequant_scale1",
+    "quant_scale1",
+    "dequant_scale2",
+    "quant_scale2",
+    "quant_offset2",
+    "antiquant_scale",
+    "antiquant_offset",
+    "key_antiquant_scale",
+    "key_antiquant_offset",
+    "value_antiquant_scale",
+    "value_antiquant_offset",
+    "query_padding_size",
+    "kv_padding_size",
+    "key_shared_prefix",
+    "value_shared_prefix",
+    "actual_shared_prefix_len",
+    "key_rope_antiquant_scale",
 )
 
 
@@ -43,11 +57,20 @@ def _check_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
     if sparse_mode not in (2, 3, 4):
         return
     require(mask is not None, FIA, "FIA.mask_2048", f"sparse_mode={sparse_mode} needs atten_mask")
-    require(mask.shape[-2:] == (MASK_SIZE, MASK_SIZE) and all(s == 1 for s in mask.shape[:-2])
-            and mask.dim() in (2, 3, 4), FIA, "FIA.mask_2048",
-            f"atten_mask for sparse_mode={sparse_mode} must be 2048x2048, got {tuple(mask.shape)}")
-    require(mask.dtype in (torch.bool, torch.int8, torch.uint8) and mask.is_contiguous(), FIA,
-            "FIA.mask_dtype", f"atten_mask must be a contiguous bool/int8/uint8 tensor, got {mask.dtype}")
+    require(
+        mask.shape[-2:] == (MASK_SIZE, MASK_SIZE)
+        and all(s == 1 for s in mask.shape[:-2])
+        and mask.dim() in (2, 3, 4),
+        FIA,
+        "FIA.mask_2048",
+        f"atten_mask for sparse_mode={sparse_mode} must be 2048x2048, got {tuple(mask.shape)}",
+    )
+    require(
+        mask.dtype in (torch.bool, torch.int8, torch.uint8) and mask.is_contiguous(),
+        FIA,
+        "FIA.mask_dtype",
+        f"atten_mask must be a contiguous bool/int8/uint8 tensor, got {mask.dtype}",
+    )
     if sparse_mode == 3:
         square = mask.reshape(MASK_SIZE, MASK_SIZE)
         # Fully once per mask tensor (callers build it once), then a sample of rows on
@@ -58,10 +81,15 @@ def _check_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
             verdict = bool(torch.equal(square.to(torch.bool), expected))
             mask._contract_double_causal = verdict
         rows = torch.randint(0, MASK_SIZE, (16,))
-        sample_ok = torch.equal(square[rows].to(torch.bool),
-                                torch.arange(MASK_SIZE).unsqueeze(0) > rows.unsqueeze(1))
-        require(verdict and sample_ok, FIA, "FIA.sparse_3",
-                "the rightDownCausal mask must be 1 exactly above the diagonal (triu(ones(2048, 2048), 1))")
+        sample_ok = torch.equal(
+            square[rows].to(torch.bool), torch.arange(MASK_SIZE).unsqueeze(0) > rows.unsqueeze(1)
+        )
+        require(
+            verdict and sample_ok,
+            FIA,
+            "FIA.sparse_3",
+            "the rightDownCausal mask must be 1 exactly above the diagonal (triu(ones(2048, 2048), 1))",
+        )
 
 
 def _causal_limit(sparse_mode: int, q_len: int, kv_len: int) -> int | None:
@@ -92,8 +120,9 @@ def _attend(q, k, v, scale, limit, q_rope=None, k_rope=None):
     return out, lse.transpose(0, 1)
 
 
-def _paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int, block_size: int,
-                kv_heads: int) -> torch.Tensor:
+def _paged_rows(
+    cache: torch.Tensor, table_row: torch.Tensor, length: int, block_size: int, kv_heads: int
+) -> torch.Tensor:
     """The first ``length`` token rows [L, KVN, D] of one sequence from a paged cache in
     either documented format: (blocknum, blocksize, H) or (blocknum, KV_N, blocksize, D)."""
     blocks = table_row[: -(-length // block_size)].to(torch.int64)
@@ -105,40 +134,77 @@ def _paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int, block
 
 
 def _check_paged(op, key, block_table, block_size, kv_lengths, batch, kv_heads, strict_block):
-    require(block_table.dtype == torch.int32, op, "FIA.block_table_dtype",
-            f"block_table is {block_table.dtype}")
+    require(
+        block_table.dtype == torch.int32, op, "FIA.block_table_dtype", f"block_table is {block_table.dtype}"
+    )
     require(kv_lengths is not None, op, "FIA.pa_kv_lengths", "actual_seq_lengths_kv is missing")
-    require(len(kv_lengths) == batch and all(n >= 0 for n in kv_lengths), op, "FIA.pa_kv_lengths_per_batch",
-            f"need {batch} non-negative per-batch KV lengths, got {list(kv_lengths)}")
+    require(
+        len(kv_lengths) == batch and all(n >= 0 for n in kv_lengths),
+        op,
+        "FIA.pa_kv_lengths_per_batch",
+        f"need {batch} non-negative per-batch KV lengths, got {list(kv_lengths)}",
+    )
     needed = [-(-n // block_size) for n in kv_lengths]
-    require(block_table.dim() == 2 and block_table.shape[0] == batch
-            and block_table.shape[1] >= max(needed, default=0), op, "FIA.block_table_shape",
-            f"block_table {tuple(block_table.shape)} for batch {batch} needing "
-            f"{max(needed, default=0)} blocks")
-    require(key.shape[0] >= sum(needed), op, "FIA.blocknum",
-            f"{key.shape[0]} cache blocks < {sum(needed)} blocks the batch's KV lengths need")
+    require(
+        block_table.dim() == 2
+        and block_table.shape[0] == batch
+        and block_table.shape[1] >= max(needed, default=0),
+        op,
+        "FIA.block_table_shape",
+        f"block_table {tuple(block_table.shape)} for batch {batch} needing {max(needed, default=0)} blocks",
+    )
+    require(
+        key.shape[0] >= sum(needed),
+        op,
+        "FIA.blocknum",
+        f"{key.shape[0]} cache blocks < {sum(needed)} blocks the batch's KV lengths need",
+    )
     if key.dim() == 4:
-        require(key.shape[1] == kv_heads and key.shape[2] == block_size, op, "FIA.pa_kv_layout",
-                f"4-D cache must be (blocknum, KV_N={kv_heads}, blocksize={block_size}, D), "
-                f"got {tuple(key.shape)}")
+        require(
+            key.shape[1] == kv_heads and key.shape[2] == block_size,
+            op,
+            "FIA.pa_kv_layout",
+            f"4-D cache must be (blocknum, KV_N={kv_heads}, blocksize={block_size}, D), "
+            f"got {tuple(key.shape)}",
+        )
     else:
-        require(key.dim() == 3 and key.shape[1] == block_size, op, "FIA.pa_kv_layout",
-                f"3-D cache must be (blocknum, blocksize={block_size}, H), got {tuple(key.shape)}")
+        require(
+            key.dim() == 3 and key.shape[1] == block_size,
+            op,
+            "FIA.pa_kv_layout",
+            f"3-D cache must be (blocknum, blocksize={block_size}, H), got {tuple(key.shape)}",
+        )
     if strict_block:
-        require(128 <= block_size <= 512 and block_size % 128 == 0, op, "FIA.pa_block_size",
-                f"block_size {block_size} with query length > 1")
+        require(
+            128 <= block_size <= 512 and block_size % 128 == 0,
+            op,
+            "FIA.pa_block_size",
+            f"block_size {block_size} with query length > 1",
+        )
     else:
-        require(0 < block_size <= 512 and block_size % 16 == 0, op, "FIA.pa_block_size",
-                f"block_size {block_size} (decode needs 16-aligned, at most 512)")
+        require(
+            0 < block_size <= 512 and block_size % 16 == 0,
+            op,
+            "FIA.pa_block_size",
+            f"block_size {block_size} (decode needs 16-aligned, at most 512)",
+        )
 
 
 def _tnd_cumulative(op, lengths, total, rule) -> list[int]:
     require(lengths is not None, op, rule, "TND needs cumulative sequence lengths")
     lengths = list(lengths)
-    require(all(n >= 0 for n in lengths) and all(b >= a for a, b in zip(lengths, lengths[1:])), op, rule,
-            f"cumulative lengths must be non-negative and non-decreasing, got {lengths}")
-    require(bool(lengths) and lengths[-1] == total, op, rule,
-            f"the last cumulative length {lengths[-1] if lengths else None} must equal the {total} rows")
+    require(
+        all(n >= 0 for n in lengths) and all(b >= a for a, b in zip(lengths, lengths[1:])),
+        op,
+        rule,
+        f"cumulative lengths must be non-negative and non-decreasing, got {lengths}",
+    )
+    require(
+        bool(lengths) and lengths[-1] == total,
+        op,
+        rule,
+        f"the last cumulative length {lengths[-1] if lengths else None} must equal the {total} rows",
+    )
     return lengths
 
 
@@ -151,12 +217,20 @@ def npu_fused_infer_attention_score(**a):
     kv_heads = a["num_key_value_heads"] or num_heads
     block_table, q_rope, k_rope = a["block_table"], a["query_rope"], a["key_rope"]
 
-    require(query.dtype in (*HALF_TYPES, torch.int8) and query.is_contiguous(), FIA, "FIA.query",
-            f"query is {query.dtype}, contiguous={query.is_contiguous()}")
+    require(
+        query.dtype in (*HALF_TYPES, torch.int8) and query.is_contiguous(),
+        FIA,
+        "FIA.query",
+        f"query is {query.dtype}, contiguous={query.is_contiguous()}",
+    )
     require(key.is_contiguous(), FIA, "FIA.key", "key is not contiguous")
     require(value.is_contiguous(), FIA, "FIA.value", "value is not contiguous")
-    require(key.dtype in (*HALF_TYPES, torch.int8) and value.dtype == key.dtype, FIA, "FIA.kv_dtype",
-            f"key/value are {key.dtype}/{value.dtype}")
+    require(
+        key.dtype in (*HALF_TYPES, torch.int8) and value.dtype == key.dtype,
+        FIA,
+        "FIA.kv_dtype",
+        f"key/value are {key.dtype}/{value.dtype}",
+    )
     require(key.shape == value.shape, FIA, "FIA.kv_same_shape", f"{tuple(key.shape)} vs {tuple(value.shape)}")
     require(sparse_mode in (0, 1, 2, 3, 4), FIA, "FIA.sparse_values", f"sparse_mode={sparse_mode}")
     require((q_rope is None) == (k_rope is None), FIA, "FIA.rope_pair", "query_rope and key_rope go together")
@@ -170,10 +244,18 @@ def npu_fused_infer_attention_score(**a):
     if layout != "TND":
         raise unmodelled(FIA, f"input_layout={layout} without query_rope")
     # (The MLA form has its own head rule, 32/64/128 query heads over one KV head.)
-    require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, FIA, "FIA.heads",
-            f"num_heads={num_heads}, num_key_value_heads={kv_heads}")
-    require(query.dim() == 3 and query.shape[1] == num_heads, FIA, "FIA.query",
-            f"TND query must be [T, N={num_heads}, D], got {tuple(query.shape)}")
+    require(
+        num_heads % kv_heads == 0 and num_heads // kv_heads <= 64,
+        FIA,
+        "FIA.heads",
+        f"num_heads={num_heads}, num_key_value_heads={kv_heads}",
+    )
+    require(
+        query.dim() == 3 and query.shape[1] == num_heads,
+        FIA,
+        "FIA.query",
+        f"TND query must be [T, N={num_heads}, D], got {tuple(query.shape)}",
+    )
     t, _, d = query.shape
     require(d % 16 == 0 or query.dtype == torch.int8, FIA, "FIA.d_align", f"D={d}")
     require(num_heads <= 256 and d <= 512, FIA, "FIA.n_d_limits", f"N={num_heads}, D={d}")
@@ -190,32 +272,44 @@ def npu_fused_infer_attention_score(**a):
         _check_paged(FIA, key, block_table, block_size, kv_lens, batch, kv_heads, max(q_lens, default=0) > 1)
 
         def kv_rows(b):
-            return (_paged_rows(key, block_table[b], kv_lens[b], block_size, kv_heads),
-                    _paged_rows(value, block_table[b], kv_lens[b], block_size, kv_heads))
+            return (
+                _paged_rows(key, block_table[b], kv_lens[b], block_size, kv_heads),
+                _paged_rows(value, block_table[b], kv_lens[b], block_size, kv_heads),
+            )
     else:
-        require(key.dim() == 3 and key.shape[1] == kv_heads, FIA, "FIA.key",
-                f"TND key must be [S, KV_N={kv_heads}, D], got {tuple(key.shape)}")
+        require(
+            key.dim() == 3 and key.shape[1] == kv_heads,
+            FIA,
+            "FIA.key",
+            f"TND key must be [S, KV_N={kv_heads}, D], got {tuple(key.shape)}",
+        )
         kv_cum = _tnd_cumulative(FIA, a["actual_seq_lengths_kv"], key.shape[0], "FIA.tnd_kv_lengths")
-        require(len(kv_cum) == batch, FIA, "FIA.tnd_kv_lengths",
-                f"{len(kv_cum)} KV lengths for batch {batch}")
+        require(
+            len(kv_cum) == batch, FIA, "FIA.tnd_kv_lengths", f"{len(kv_cum)} KV lengths for batch {batch}"
+        )
         kv_starts = [0] + kv_cum[:-1]
         kv_lens = [e - s for s, e in zip(kv_starts, kv_cum)]
 
         def kv_rows(b):
-            return key[kv_starts[b]:kv_cum[b]], value[kv_starts[b]:kv_cum[b]]
+            return key[kv_starts[b] : kv_cum[b]], value[kv_starts[b] : kv_cum[b]]
 
     for b in range(batch):
         if q_lens[b] == 0:
             continue
         if sparse_mode == 3:
             # rightDownCausal with fewer keys than queries leaves rows with nothing to see.
-            require(kv_lens[b] >= q_lens[b], FIA, "FIA.sparse_3",
-                    f"batch {b}: {q_lens[b]} queries but only {kv_lens[b]} keys")
+            require(
+                kv_lens[b] >= q_lens[b],
+                FIA,
+                "FIA.sparse_3",
+                f"batch {b}: {q_lens[b]} queries but only {kv_lens[b]} keys",
+            )
         k, v = kv_rows(b)
-        o, row_lse = _attend(query[q_starts[b]:q_cum[b]], k, v, scale,
-                             _causal_limit(sparse_mode, q_lens[b], kv_lens[b]))
-        out[q_starts[b]:q_cum[b]] = o
-        lse[q_starts[b]:q_cum[b], :, 0] = row_lse
+        o, row_lse = _attend(
+            query[q_starts[b] : q_cum[b]], k, v, scale, _causal_limit(sparse_mode, q_lens[b], kv_lens[b])
+        )
+        out[q_starts[b] : q_cum[b]] = o
+        lse[q_starts[b] : q_cum[b], :, 0] = row_lse
     result = out.to(query.dtype)
     if a["softmax_lse_flag"]:
         return result, lse
@@ -227,32 +321,61 @@ def _fia_mla_paged(a, query, key, value, q_rope, k_rope, num_heads, layout, spar
     require(layout in ("BSH", "BSND", "BNSD"), FIA, "FIA.rope_layout", f"input_layout={layout}")
     if layout == "BSH":
         raise unmodelled(FIA, "BSH with query_rope")
-    require(q_rope.is_contiguous() and q_rope.dtype in HALF_TYPES, FIA, "FIA.rope_contiguous",
-            f"query_rope {q_rope.dtype} contiguous={q_rope.is_contiguous()}")
-    require(k_rope.is_contiguous() and k_rope.dtype in HALF_TYPES, FIA, "FIA.key_rope_contiguous",
-            f"key_rope {k_rope.dtype} contiguous={k_rope.is_contiguous()}")
+    require(
+        q_rope.is_contiguous() and q_rope.dtype in HALF_TYPES,
+        FIA,
+        "FIA.rope_contiguous",
+        f"query_rope {q_rope.dtype} contiguous={q_rope.is_contiguous()}",
+    )
+    require(
+        k_rope.is_contiguous() and k_rope.dtype in HALF_TYPES,
+        FIA,
+        "FIA.key_rope_contiguous",
+        f"key_rope {k_rope.dtype} contiguous={k_rope.is_contiguous()}",
+    )
     require(a["block_table"] is not None, FIA, "FIA.rope_block_size", "the MLA form needs page attention")
     bnsd = layout == "BNSD"
-    require(query.dim() == 4, FIA, "FIA.rope_query",
-            f"query must be 4-D in {layout}, got {tuple(query.shape)}")
+    require(
+        query.dim() == 4, FIA, "FIA.rope_query", f"query must be 4-D in {layout}, got {tuple(query.shape)}"
+    )
     batch, s_len = query.shape[0], query.shape[2] if bnsd else query.shape[1]
     n = query.shape[1] if bnsd else query.shape[2]
-    require(1 <= s_len <= 16 and n in (32, 64, 128) and n == num_heads and query.shape[3] == 512, FIA,
-            "FIA.rope_query", f"query {tuple(query.shape)} ({layout}), num_heads={num_heads}")
-    require(q_rope.shape[:3] == query.shape[:3] and q_rope.shape[3] == 64, FIA, "FIA.rope_query",
-            f"query_rope {tuple(q_rope.shape)} for query {tuple(query.shape)}")
+    require(
+        1 <= s_len <= 16 and n in (32, 64, 128) and n == num_heads and query.shape[3] == 512,
+        FIA,
+        "FIA.rope_query",
+        f"query {tuple(query.shape)} ({layout}), num_heads={num_heads}",
+    )
+    require(
+        q_rope.shape[:3] == query.shape[:3] and q_rope.shape[3] == 64,
+        FIA,
+        "FIA.rope_query",
+        f"query_rope {tuple(q_rope.shape)} for query {tuple(query.shape)}",
+    )
     block_size = a["block_size"]
     kv_n = key.shape[1] if key.dim() == 4 else 1
     require(kv_n == 1 and key.shape[-1] == 512, FIA, "FIA.rope_key", f"key {tuple(key.shape)}")
-    require(k_rope.shape[:-1] == key.shape[:-1] and k_rope.shape[-1] == 64, FIA, "FIA.rope_key",
-            f"key_rope {tuple(k_rope.shape)} for key {tuple(key.shape)}")
+    require(
+        k_rope.shape[:-1] == key.shape[:-1] and k_rope.shape[-1] == 64,
+        FIA,
+        "FIA.rope_key",
+        f"key_rope {tuple(k_rope.shape)} for key {tuple(key.shape)}",
+    )
     require(block_size in (16, 128), FIA, "FIA.rope_block_size", f"block_size={block_size}")
     if s_len == 1:
-        require(sparse_mode == 0 and a["atten_mask"] is None or sparse_mode == 4, FIA, "FIA.rope_sparse",
-                f"Q_S=1 with sparse_mode={sparse_mode}")
+        require(
+            sparse_mode == 0 and a["atten_mask"] is None or sparse_mode == 4,
+            FIA,
+            "FIA.rope_sparse",
+            f"Q_S=1 with sparse_mode={sparse_mode}",
+        )
     else:
-        require(sparse_mode in (3, 4) and a["atten_mask"] is not None, FIA, "FIA.rope_sparse",
-                f"Q_S={s_len} with sparse_mode={sparse_mode}")
+        require(
+            sparse_mode in (3, 4) and a["atten_mask"] is not None,
+            FIA,
+            "FIA.rope_sparse",
+            f"Q_S={s_len} with sparse_mode={sparse_mode}",
+        )
     if sparse_mode == 4:
         raise unmodelled(FIA, "sparse_mode=4 in the MLA form")
     kv_lens = list(a["actual_seq_lengths_kv"]) if a["actual_seq_lengths_kv"] is not None else None
@@ -284,42 +407,80 @@ def npu_attention_update(lse, local_out, update_type):
     require(1 <= len(lse) <= 16, op, "AU.sp", f"SP={len(lse)}")
     require(update_type in (0, 1), op, "AU.update_type", f"update_type={update_type}")
     rows = lse[0].shape[0] if lse[0].dim() == 1 else -1
-    require(all(t.dim() == 1 and t.shape[0] == rows and t.dtype == torch.float32 for t in lse), op, "AU.lse",
-            f"lse shapes {[tuple(t.shape) for t in lse]} dtypes {[t.dtype for t in lse]}")
+    require(
+        all(t.dim() == 1 and t.shape[0] == rows and t.dtype == torch.float32 for t in lse),
+        op,
+        "AU.lse",
+        f"lse shapes {[tuple(t.shape) for t in lse]} dtypes {[t.dtype for t in lse]}",
+    )
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    require(all(t.dim() == 2 and t.shape[0] == rows and t.shape == local_out[0].shape and t.dtype in dtypes
-                for t in local_out), op, "AU.local_out",
-            f"local_out shapes {[tuple(t.shape) for t in local_out]} for {rows} lse rows")
+    require(
+        all(
+            t.dim() == 2 and t.shape[0] == rows and t.shape == local_out[0].shape and t.dtype in dtypes
+            for t in local_out
+        ),
+        op,
+        "AU.local_out",
+        f"local_out shapes {[tuple(t.shape) for t in local_out]} for {rows} lse rows",
+    )
     head_dim = local_out[0].shape[1]
     require(8 <= head_dim <= 512 and head_dim % 8 == 0, op, "AU.head_dim", f"head_dim={head_dim}")
     stacked = torch.stack([t.float() for t in lse])  # [SP, N]
     lse_max = stacked.max(dim=0).values
     lse_m = lse_max + torch.log(torch.exp(stacked - lse_max).sum(dim=0))
-    out = sum(o.float() * torch.exp(l - lse_m).unsqueeze(1) for o, l in zip(local_out, stacked))
+    out = sum(o.float() * torch.exp(lse - lse_m).unsqueeze(1) for o, lse in zip(local_out, stacked))
     return out.to(local_out[0].dtype), lse_m
 
 
 # -- _npu_reshape_and_cache (ATB) --------------------------------------------------------------
 def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
     op = "_npu_reshape_and_cache"
-    require(key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2], op, "RAC.shapes",
-            f"key {tuple(key.shape)} / value {tuple(value.shape)} must be [num_tokens, num_head, head_size]")
-    require(key_cache.dim() == 4 and value_cache.dim() == 4 and key_cache.shape[:3] == value_cache.shape[:3]
-            and key_cache.shape[2:] == key.shape[1:] and value_cache.shape[2:] == value.shape[1:], op,
-            "RAC.shapes", f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} must be "
-                          "[num_blocks, block_size, num_head, head_size] matching key/value")
-    require(slot_indices.dim() == 1 and slot_indices.shape[0] == key.shape[0]
-            and slot_indices.dtype == torch.int32, op, "RAC.shapes",
-            f"slot_indices {tuple(slot_indices.shape)} {slot_indices.dtype}")
-    require(len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) == 1
-            and key.dtype in (*HALF_TYPES, torch.int8), op, "RAC.dtypes",
-            f"{key.dtype}/{value.dtype}/{key_cache.dtype}/{value_cache.dtype}")
-    require(key_cache.is_contiguous() and value_cache.is_contiguous(), op, "RAC.cache_contiguous",
-            "key_cache/value_cache must be contiguous")
+    require(
+        key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2],
+        op,
+        "RAC.shapes",
+        f"key {tuple(key.shape)} / value {tuple(value.shape)} must be [num_tokens, num_head, head_size]",
+    )
+    require(
+        key_cache.dim() == 4
+        and value_cache.dim() == 4
+        and key_cache.shape[:3] == value_cache.shape[:3]
+        and key_cache.shape[2:] == key.shape[1:]
+        and value_cache.shape[2:] == value.shape[1:],
+        op,
+        "RAC.shapes",
+        f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} must be "
+        "[num_blocks, block_size, num_head, head_size] matching key/value",
+    )
+    require(
+        slot_indices.dim() == 1
+        and slot_indices.shape[0] == key.shape[0]
+        and slot_indices.dtype == torch.int32,
+        op,
+        "RAC.shapes",
+        f"slot_indices {tuple(slot_indices.shape)} {slot_indices.dtype}",
+    )
+    require(
+        len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) == 1
+        and key.dtype in (*HALF_TYPES, torch.int8),
+        op,
+        "RAC.dtypes",
+        f"{key.dtype}/{value.dtype}/{key_cache.dtype}/{value_cache.dtype}",
+    )
+    require(
+        key_cache.is_contiguous() and value_cache.is_contiguous(),
+        op,
+        "RAC.cache_contiguous",
+        "key_cache/value_cache must be contiguous",
+    )
     capacity = key_cache.shape[0] * key_cache.shape[1]
     slots = slot_indices.to(torch.int64)
-    require(bool(((slots >= 0) & (slots < capacity)).all()), op, "PROJECT.valid_slots",
-            f"slots outside [0, {capacity})")
+    require(
+        bool(((slots >= 0) & (slots < capacity)).all()),
+        op,
+        "PROJECT.valid_slots",
+        f"slots outside [0, {capacity})",
+    )
     key_cache.view(capacity, *key_cache.shape[2:])[slots] = key
     value_cache.view(capacity, *value_cache.shape[2:])[slots] = value
     return None
@@ -328,16 +489,28 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
 # -- npu_scatter_nd_update_ ----------------------------------------------------------------------
 def npu_scatter_nd_update_(input, indices, updates):
     op = "npu_scatter_nd_update_"
-    require(indices.dim() >= 2 and indices.shape[-1] <= input.dim(), op, "SNU.indices",
-            f"indices {tuple(indices.shape)} for input of rank {input.dim()}")
-    require(indices.dtype in (torch.int32, torch.int64), op, "SNU.indices_dtype",
-            f"indices are {indices.dtype}")
+    require(
+        indices.dim() >= 2 and indices.shape[-1] <= input.dim(),
+        op,
+        "SNU.indices",
+        f"indices {tuple(indices.shape)} for input of rank {input.dim()}",
+    )
+    require(
+        indices.dtype in (torch.int32, torch.int64), op, "SNU.indices_dtype", f"indices are {indices.dtype}"
+    )
     depth = indices.shape[-1]
-    require(tuple(updates.shape) == tuple(indices.shape[:-1]) + tuple(input.shape[depth:]), op,
-            "SNU.updates_shape", f"updates {tuple(updates.shape)} for indices {tuple(indices.shape)} "
-                                 f"into {tuple(input.shape)}")
-    require(updates.dtype == input.dtype and 1 <= input.dim() <= 8, op, "SNU.dtype",
-            f"input {input.dtype} rank {input.dim()}, updates {updates.dtype}")
+    require(
+        tuple(updates.shape) == tuple(indices.shape[:-1]) + tuple(input.shape[depth:]),
+        op,
+        "SNU.updates_shape",
+        f"updates {tuple(updates.shape)} for indices {tuple(indices.shape)} into {tuple(input.shape)}",
+    )
+    require(
+        updates.dtype == input.dtype and 1 <= input.dim() <= 8,
+        op,
+        "SNU.dtype",
+        f"input {input.dtype} rank {input.dim()}, updates {updates.dtype}",
+    )
     require(input.is_contiguous(), op, "PROJECT.no_hidden_cache_copy", "the updated tensor is not contiguous")
     flat = indices.reshape(-1, depth).to(torch.int64)
     bounds = torch.tensor(input.shape[:depth])
@@ -347,9 +520,20 @@ def npu_scatter_nd_update_(input, indices, updates):
 
 
 # -- npu_grouped_matmul --------------------------------------------------------------------------
-_GMM_UNMODELLED = ("bias", "offset", "antiquant_scale", "antiquant_offset",
-                   "activation_input", "activation_quant_scale", "activation_quant_offset", "tuning_config",
-                   "x_dtype", "weight_dtype", "scale_dtype", "per_token_scale_dtype")
+_GMM_UNMODELLED = (
+    "bias",
+    "offset",
+    "antiquant_scale",
+    "antiquant_offset",
+    "activation_input",
+    "activation_quant_scale",
+    "activation_quant_offset",
+    "tuning_config",
+    "x_dtype",
+    "weight_dtype",
+    "scale_dtype",
+    "per_token_scale_dtype",
+)
 
 
 def npu_grouped_matmul(**a):
@@ -363,36 +547,61 @@ def npu_grouped_matmul(**a):
         raise unmodelled(op, "anything but one x, one 3-D weight, group_type=0")
     [x], [weight] = a["x"], a["weight"]
     group_list, list_type = a["group_list"], a["group_list_type"]
-    require(a["split_item"] in (2, 3) and weight.dim() == 3 and x.dim() == 2 and group_list is not None, op,
-            "GMM.single_tensor",
-            f"split_item={a['split_item']}, weight {tuple(weight.shape)}, x {tuple(x.shape)}")
+    require(
+        a["split_item"] in (2, 3) and weight.dim() == 3 and x.dim() == 2 and group_list is not None,
+        op,
+        "GMM.single_tensor",
+        f"split_item={a['split_item']}, weight {tuple(weight.shape)}, x {tuple(x.shape)}",
+    )
     require(x.is_contiguous(), op, "GMM.single_tensor", "x is transposed / not contiguous")
     k_dim, n_dim = weight.shape[1], weight.shape[2]
     transposed = weight.stride(1) == 1 and weight.stride(2) == k_dim and weight.stride(0) == k_dim * n_dim
-    require(weight.is_contiguous() or transposed, op, "GMM.weight_transpose",
-            f"weight strides {weight.stride()} are neither contiguous nor a transpose of the last two dims")
-    require(group_list.dtype == torch.int64 and group_list.dim() == 1, op, "GMM.group_list_dtype",
-            f"group_list {group_list.dtype} rank {group_list.dim()}")
-    require(group_list.shape[0] == weight.shape[0] and group_list.shape[0] <= 1024, op, "GMM.single_tensor",
-            f"{group_list.shape[0]} groups for {weight.shape[0]} weights")
+    require(
+        weight.is_contiguous() or transposed,
+        op,
+        "GMM.weight_transpose",
+        f"weight strides {weight.stride()} are neither contiguous nor a transpose of the last two dims",
+    )
+    require(
+        group_list.dtype == torch.int64 and group_list.dim() == 1,
+        op,
+        "GMM.group_list_dtype",
+        f"group_list {group_list.dtype} rank {group_list.dim()}",
+    )
+    require(
+        group_list.shape[0] == weight.shape[0] and group_list.shape[0] <= 1024,
+        op,
+        "GMM.single_tensor",
+        f"{group_list.shape[0]} groups for {weight.shape[0]} weights",
+    )
     values = group_list.tolist()
     if list_type == 0:
-        require(all(v >= 0 for v in values) and all(b >= a_ for a_, b in zip(values, values[1:])), op,
-                "GMM.group_list", f"cumulative group_list {values}")
+        require(
+            all(v >= 0 for v in values) and all(b >= a_ for a_, b in zip(values, values[1:])),
+            op,
+            "GMM.group_list",
+            f"cumulative group_list {values}",
+        )
         ends = values
     else:
         require(all(v >= 0 for v in values), op, "GMM.group_list", f"group_list counts {values}")
         ends = list(torch.tensor(values).cumsum(0).tolist())
-    require(ends[-1] == x.shape[0], op, "GMM.single_tensor",
-            f"groups cover {ends[-1]} rows, x has {x.shape[0]}")
-    require(x.shape[1] == k_dim, op, "GMM.single_tensor",
-            f"x {tuple(x.shape)} @ weight {tuple(weight.shape)}")
+    require(
+        ends[-1] == x.shape[0], op, "GMM.single_tensor", f"groups cover {ends[-1]} rows, x has {x.shape[0]}"
+    )
+    require(
+        x.shape[1] == k_dim, op, "GMM.single_tensor", f"x {tuple(x.shape)} @ weight {tuple(weight.shape)}"
+    )
     require(max(k_dim, n_dim) < 65536, op, "GMM.inner_limit", f"K={k_dim}, N={n_dim}")
     if x.dtype == torch.int8:
         return [_gmm_per_token(op, a, x, weight, ends)]
     _refuse_unmodelled(op, a, ("scale", "per_token_scale", "output_dtype"))
-    require(x.dtype == weight.dtype and x.dtype in (*HALF_TYPES, torch.float32), op, "GMM.single_tensor",
-            f"x {x.dtype}, weight {weight.dtype}")
+    require(
+        x.dtype == weight.dtype and x.dtype in (*HALF_TYPES, torch.float32),
+        op,
+        "GMM.single_tensor",
+        f"x {x.dtype}, weight {weight.dtype}",
+    )
     out = torch.empty(x.shape[0], n_dim, dtype=torch.float32)
     start = 0
     for e, end in enumerate(ends):
@@ -408,17 +617,31 @@ def _gmm_per_token(op, a, x, weight, ends):
     aclnnGroupedMatmul documentation say)."""
     scale, per_token = a["scale"], a["per_token_scale"]
     out_dtype = scalar_type(a["output_dtype"])
-    require(weight.dtype == torch.int8 and scale is not None and per_token is not None and len(scale) == 1
-            and len(per_token) == 1, op, "GMM.pertoken_dtypes",
-            f"int8 x needs int8 weight, one scale and one per_token_scale (weight {weight.dtype})")
+    require(
+        weight.dtype == torch.int8
+        and scale is not None
+        and per_token is not None
+        and len(scale) == 1
+        and len(per_token) == 1,
+        op,
+        "GMM.pertoken_dtypes",
+        f"int8 x needs int8 weight, one scale and one per_token_scale (weight {weight.dtype})",
+    )
     [scale], [per_token] = scale, per_token
     allowed = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
-    require(out_dtype in allowed and scale.dtype == allowed[out_dtype] and per_token.dtype == torch.float32, op,
-            "GMM.pertoken_dtypes", f"output {out_dtype}, scale {scale.dtype}, per_token_scale {per_token.dtype}")
-    require(tuple(scale.shape) == (weight.shape[0], weight.shape[2]) and tuple(per_token.shape) == (x.shape[0],),
-            op, "GMM.pertoken_formula",
-            f"scale {tuple(scale.shape)} for weight {tuple(weight.shape)}, per_token_scale "
-            f"{tuple(per_token.shape)} for x {tuple(x.shape)}")
+    require(
+        out_dtype in allowed and scale.dtype == allowed[out_dtype] and per_token.dtype == torch.float32,
+        op,
+        "GMM.pertoken_dtypes",
+        f"output {out_dtype}, scale {scale.dtype}, per_token_scale {per_token.dtype}",
+    )
+    require(
+        tuple(scale.shape) == (weight.shape[0], weight.shape[2]) and tuple(per_token.shape) == (x.shape[0],),
+        op,
+        "GMM.pertoken_formula",
+        f"scale {tuple(scale.shape)} for weight {tuple(weight.shape)}, per_token_scale "
+        f"{tuple(per_token.shape)} for x {tuple(x.shape)}",
+    )
     out = torch.empty(x.shape[0], weight.shape[2], dtype=torch.float32)
     start = 0
     for e, end in enumerate(ends):
@@ -430,8 +653,12 @@ def _gmm_per_token(op, a, x, weight, ends):
 
 # -- npu_swiglu -----------------------------------------------------------------------------------
 def npu_swiglu(input, dim):
-    require(input.dtype in (*HALF_TYPES, torch.float32) and 1 <= input.dim() <= 8, "npu_swiglu",
-            "SWIGLU.dtype", f"{input.dtype} rank {input.dim()}")
+    require(
+        input.dtype in (*HALF_TYPES, torch.float32) and 1 <= input.dim() <= 8,
+        "npu_swiglu",
+        "SWIGLU.dtype",
+        f"{input.dtype} rank {input.dim()}",
+    )
     a, b = input.float().chunk(2, dim=dim)
     return (F.silu(a) * b).to(input.dtype)
 
@@ -442,10 +669,24 @@ def npu_swiglu(input, dim):
 # hold (source rank, token, k) here; on an NPU the buffer is opaque.
 MC2_DISPATCH = "npu_moe_distribute_dispatch_v2"
 MC2_COMBINE = "npu_moe_distribute_combine_v2"
-_MC2_DISPATCH_UNMODELLED = ("scales", "expert_scales", "elastic_info", "performance_info", "y_dtype",
-                            "x_dtype", "scales_dtype")
-_MC2_COMBINE_UNMODELLED = ("shared_expert_x", "elastic_info", "ori_x", "const_expert_alpha_1",
-                           "const_expert_alpha_2", "const_expert_v", "performance_info")
+_MC2_DISPATCH_UNMODELLED = (
+    "scales",
+    "expert_scales",
+    "elastic_info",
+    "performance_info",
+    "y_dtype",
+    "x_dtype",
+    "scales_dtype",
+)
+_MC2_COMBINE_UNMODELLED = (
+    "shared_expert_x",
+    "elastic_info",
+    "ori_x",
+    "const_expert_alpha_1",
+    "const_expert_alpha_2",
+    "const_expert_v",
+    "performance_info",
+)
 
 
 def _mc2_group(op: str, a: dict):
@@ -455,11 +696,21 @@ def _mc2_group(op: str, a: dict):
     name = a["group_ep"]
     require(isinstance(name, str) and 1 <= len(name) < 128, op, "MC2.group", f"group_ep {name!r}")
     group = _resolve_process_group(name)
-    require(dist.get_world_size(group) == a["ep_world_size"] and dist.get_rank(group) == a["ep_rank_id"], op,
-            "MC2.group", f"ep_world_size={a['ep_world_size']} ep_rank_id={a['ep_rank_id']} for a group of "
-                         f"{dist.get_world_size(group)} where this rank is {dist.get_rank(group)}")
-    for arg in ("shared_expert_rank_num", "expert_shard_type", "global_bs", "zero_expert_num",
-                "copy_expert_num", "const_expert_num"):
+    require(
+        dist.get_world_size(group) == a["ep_world_size"] and dist.get_rank(group) == a["ep_rank_id"],
+        op,
+        "MC2.group",
+        f"ep_world_size={a['ep_world_size']} ep_rank_id={a['ep_rank_id']} for a group of "
+        f"{dist.get_world_size(group)} where this rank is {dist.get_rank(group)}",
+    )
+    for arg in (
+        "shared_expert_rank_num",
+        "expert_shard_type",
+        "global_bs",
+        "zero_expert_num",
+        "copy_expert_num",
+        "const_expert_num",
+    ):
         if a[arg]:
             raise unmodelled(op, f"{arg}={a[arg]}")
     if a["comm_alg"] not in ("",):
@@ -486,20 +737,33 @@ def npu_moe_distribute_dispatch_v2(**a):
     x, ids, mask = a["x"], a["expert_ids"], a["x_active_mask"]
     experts, ep, rank = a["moe_expert_num"], a["ep_world_size"], a["ep_rank_id"]
     require(x.dtype in HALF_TYPES and x.dim() == 2, op, "MC2.dtype", f"x {x.dtype} rank {x.dim()}")
-    require(ids.dtype == torch.int32 and ids.dim() == 2 and ids.shape[0] == x.shape[0], op, "MC2.expert_ids",
-            f"expert_ids {ids.dtype} {tuple(ids.shape)} for x {tuple(x.shape)}")
+    require(
+        ids.dtype == torch.int32 and ids.dim() == 2 and ids.shape[0] == x.shape[0],
+        op,
+        "MC2.expert_ids",
+        f"expert_ids {ids.dtype} {tuple(ids.shape)} for x {tuple(x.shape)}",
+    )
     bs, k = ids.shape
     require(0 < k <= 16, op, "MC2.top_k", f"K={k}")
     require(0 < bs <= 512, op, "MC2.batch", f"BS={bs}")
     flat = ids.to(torch.int64)
-    require(bool(((flat >= 0) & (flat < experts)).all()), op, "MC2.expert_ids",
-            "an expert id is out of range")
-    require(k == 1 or not bool((flat.sort(dim=1).values.diff(dim=1) == 0).any()), op, "MC2.expert_ids",
-            "a row repeats an expert")
+    require(
+        bool(((flat >= 0) & (flat < experts)).all()), op, "MC2.expert_ids", "an expert id is out of range"
+    )
+    require(
+        k == 1 or not bool((flat.sort(dim=1).values.diff(dim=1) == 0).any()),
+        op,
+        "MC2.expert_ids",
+        "a row repeats an expert",
+    )
     if mask is None:
         mask = torch.ones(bs, dtype=torch.bool)
-    require(mask.dtype == torch.bool and tuple(mask.shape) == (bs,), op, "MC2.mask_order",
-            f"x_active_mask {mask.dtype} {tuple(mask.shape)} (only the 1-D form is modelled)")
+    require(
+        mask.dtype == torch.bool and tuple(mask.shape) == (bs,),
+        op,
+        "MC2.mask_order",
+        f"x_active_mask {mask.dtype} {tuple(mask.shape)} (only the 1-D form is modelled)",
+    )
     active = int(mask.sum())
     require(bool(mask[:active].all()), op, "MC2.mask_order", "a False precedes a True")
     sizes = _gather(torch.tensor([bs]), group).flatten()
@@ -517,31 +781,42 @@ def npu_moe_distribute_dispatch_v2(**a):
             hit = (all_ids[src] == rank * local + e) & all_mask[src].unsqueeze(1)
             tokens, slots = torch.nonzero(hit, as_tuple=True)
             n = tokens.numel()
-            expand_x[row: row + n] = all_x[src][tokens]
-            assist[row: row + n, 0] = src
-            assist[row: row + n, 1] = tokens.to(torch.int32)
-            assist[row: row + n, 2] = slots.to(torch.int32)
+            expand_x[row : row + n] = all_x[src][tokens]
+            assist[row : row + n, 0] = src
+            assist[row : row + n, 1] = tokens.to(torch.int32)
+            assist[row : row + n, 2] = slots.to(torch.int32)
             counts[e, src] = n
             row += n
     per_expert = counts.sum(1)
     token_nums = per_expert if a["expert_token_nums_type"] == 1 else per_expert.cumsum(0)
     ep_recv_counts = counts.flatten().cumsum(0).to(torch.int32)
-    return (expand_x, torch.zeros(capacity, dtype=torch.float32), assist.flatten(), token_nums,
-            ep_recv_counts, torch.zeros(a["tp_world_size"], dtype=torch.int32),
-            torch.zeros(0, dtype=torch.float32))
+    return (
+        expand_x,
+        torch.zeros(capacity, dtype=torch.float32),
+        assist.flatten(),
+        token_nums,
+        ep_recv_counts,
+        torch.zeros(a["tp_world_size"], dtype=torch.int32),
+        torch.zeros(0, dtype=torch.float32),
+    )
 
 
 def npu_moe_distribute_combine_v2(**a):
     op = MC2_COMBINE
     _refuse_unmodelled(op, a, _MC2_COMBINE_UNMODELLED)
     if a["comm_quant_mode"] != 0 or a["shared_expert_num"] not in (0, 1):
-        raise unmodelled(op, f"comm_quant_mode={a['comm_quant_mode']}, "
-                             f"shared_expert_num={a['shared_expert_num']}")
+        raise unmodelled(
+            op, f"comm_quant_mode={a['comm_quant_mode']}, shared_expert_num={a['shared_expert_num']}"
+        )
     group = _mc2_group(op, a)
     expand_x, ids, scales, mask = a["expand_x"], a["expert_ids"], a["expert_scales"], a["x_active_mask"]
     bs, k = ids.shape
-    require(scales.dtype == torch.float32 and tuple(scales.shape) == (bs, k), op, "MC2.expert_scales",
-            f"expert_scales {scales.dtype} {tuple(scales.shape)} for expert_ids {tuple(ids.shape)}")
+    require(
+        scales.dtype == torch.float32 and tuple(scales.shape) == (bs, k),
+        op,
+        "MC2.expert_scales",
+        f"expert_scales {scales.dtype} {tuple(scales.shape)} for expert_ids {tuple(ids.shape)}",
+    )
     require(expand_x.dtype in HALF_TYPES, op, "MC2.dtype", f"expand_x {expand_x.dtype}")
     rank = a["ep_rank_id"]
     all_rows = _gather(expand_x, group)
@@ -560,8 +835,15 @@ def npu_moe_distribute_combine_v2(**a):
 
 # -- W8A8: npu_quant_matmul, npu_dynamic_quant, npu_quantize ------------------------------------
 # Schema dtype arguments arrive as c10::ScalarType numbers.
-_SCALAR_TYPES = {1: torch.int8, 3: torch.int32, 5: torch.float16, 6: torch.float32, 12: torch.qint8,
-                 15: torch.bfloat16, 16: torch.quint4x2}
+_SCALAR_TYPES = {
+    1: torch.int8,
+    3: torch.int32,
+    5: torch.float16,
+    6: torch.float32,
+    12: torch.qint8,
+    15: torch.bfloat16,
+    16: torch.quint4x2,
+}
 QMM = "npu_quant_matmul"
 
 
@@ -572,8 +854,11 @@ def scalar_type(value):
 
 
 def npu_quant_matmul(**a):
-    _refuse_unmodelled(QMM, a, ("offset", "x1_dtype", "x2_dtype", "pertoken_scale_dtype", "scale_dtype",
-                                "group_sizes", "y_scale"))
+    _refuse_unmodelled(
+        QMM,
+        a,
+        ("offset", "x1_dtype", "x2_dtype", "pertoken_scale_dtype", "scale_dtype", "group_sizes", "y_scale"),
+    )
     x1, x2, scale, per_token, bias = a["x1"], a["x2"], a["scale"], a["pertoken_scale"], a["bias"]
     out_dtype = scalar_type(a["output_dtype"])
     require(x1.dtype == torch.int8 and x2.dtype == torch.int8, QMM, "QMM.x1", f"x1 {x1.dtype}, x2 {x2.dtype}")
@@ -583,29 +868,45 @@ def npu_quant_matmul(**a):
     n = x2.shape[1]
     require(x2.shape[0] == k, QMM, "QMM.x1", f"x1 {tuple(x1.shape)} @ x2 {tuple(x2.shape)}")
     require(max(k, n) <= 65535, QMM, "QMM.last_dim", f"k={k}, n={n}")
-    require(scale.dim() == 1 and scale.shape[0] in (1, n) and scale.dtype in (torch.float32, torch.int64,
-            torch.bfloat16), QMM, "QMM.scale", f"scale {tuple(scale.shape)} {scale.dtype} for n={n}")
+    require(
+        scale.dim() == 1
+        and scale.shape[0] in (1, n)
+        and scale.dtype in (torch.float32, torch.int64, torch.bfloat16),
+        QMM,
+        "QMM.scale",
+        f"scale {tuple(scale.shape)} {scale.dtype} for n={n}",
+    )
     if scale.dtype == torch.int64:
         raise unmodelled(QMM, "an int64 (npu_trans_quant_param) scale")
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise unmodelled(QMM, f"output_dtype {out_dtype}")
     if per_token is not None:
-        require(per_token.dtype == torch.float32 and tuple(per_token.shape) == (m,), QMM, "QMM.pertoken",
-                f"pertoken_scale {tuple(per_token.shape)} {per_token.dtype} for m={m}")
+        require(
+            per_token.dtype == torch.float32 and tuple(per_token.shape) == (m,),
+            QMM,
+            "QMM.pertoken",
+            f"pertoken_scale {tuple(per_token.shape)} {per_token.dtype} for m={m}",
+        )
     if bias is not None:
         require(tuple(bias.shape) in ((n,), (1, n)), QMM, "QMM.bias", f"bias {tuple(bias.shape)} for n={n}")
     # the documented dtype combinations (Atlas A2/A3 table)
     if out_dtype == torch.bfloat16:
         ok = scale.dtype in (torch.float32, torch.bfloat16) and (
-            bias is None or bias.dtype in (torch.int32, torch.bfloat16, torch.float32))
+            bias is None or bias.dtype in (torch.int32, torch.bfloat16, torch.float32)
+        )
     elif per_token is None:
         ok = scale.dtype == torch.float32 and (bias is None or bias.dtype == torch.int32)
     else:
         ok = scale.dtype == torch.float32 and (
-            bias is None or bias.dtype in (torch.int32, torch.float16, torch.float32))
-    require(ok, QMM, "QMM.combinations",
-            f"output {out_dtype}, scale {scale.dtype}, bias {None if bias is None else bias.dtype}, "
-            f"pertoken_scale {'set' if per_token is not None else 'None'}")
+            bias is None or bias.dtype in (torch.int32, torch.float16, torch.float32)
+        )
+    require(
+        ok,
+        QMM,
+        "QMM.combinations",
+        f"output {out_dtype}, scale {scale.dtype}, bias {None if bias is None else bias.dtype}, "
+        f"pertoken_scale {'set' if per_token is not None else 'None'}",
+    )
     acc = torch.mm(x1.to(torch.int32), x2.to(torch.int32))
     if bias is not None and bias.dtype == torch.int32:
         acc = acc + bias.reshape(n)
@@ -622,8 +923,11 @@ def npu_dynamic_quant(**a):
     _refuse_unmodelled(op, a, ("smooth_scales", "group_index"))
     x = a["input"]
     require(x.dtype in HALF_TYPES and x.dim() > 1, op, "DQ.x", f"x {x.dtype} rank {x.dim()}")
-    if scalar_type(a["dst_type"]) not in (None, torch.int8) or a["quant_mode"] != "pertoken" \
-            or a["dst_type_max"] != 0.0:
+    if (
+        scalar_type(a["dst_type"]) not in (None, torch.int8)
+        or a["quant_mode"] != "pertoken"
+        or a["dst_type_max"] != 0.0
+    ):
         raise unmodelled(op, "anything but per-token int8 output")
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / 127
@@ -641,11 +945,19 @@ def npu_quantize(input, scales, zero_points, dtype, axis, div_mode):
     require(input.dtype in (torch.float32, *HALF_TYPES), op, "QZ.dtype", f"input {input.dtype}")
     if axis == -2 or scales.dim() != 1:
         raise unmodelled(op, "anything but 1-D scales along the last axis")
-    require(scales.shape[0] in (1, input.shape[-1]), op, "QZ.scales_shape",
-            f"scales {tuple(scales.shape)} for input {tuple(input.shape)}")
-    require(zero_points is None or (zero_points.shape == scales.shape and zero_points.dtype == scales.dtype), op,
-            "QZ.zero_points", f"zero_points {None if zero_points is None else (tuple(zero_points.shape), zero_points.dtype)}"
-            f" vs scales {tuple(scales.shape)} {scales.dtype}")
+    require(
+        scales.shape[0] in (1, input.shape[-1]),
+        op,
+        "QZ.scales_shape",
+        f"scales {tuple(scales.shape)} for input {tuple(input.shape)}",
+    )
+    require(
+        zero_points is None or (zero_points.shape == scales.shape and zero_points.dtype == scales.dtype),
+        op,
+        "QZ.zero_points",
+        f"zero_points {None if zero_points is None else (tuple(zero_points.shape), zero_points.dtype)}"
+        f" vs scales {tuple(scales.shape)} {scales.dtype}",
+    )
     y = input.float() * scales.float()
     if zero_points is not None:
         y = y + zero_points.float()

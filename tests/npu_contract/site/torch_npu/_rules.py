@@ -16,14 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DOCS = "torch_npu/_op_plugin_docs.py"
-ATB_DOC_RESHAPE = ("https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/ascendtbapi/"
-                   "ascendtb_01_0073.html (CANN ATB ReshapeAndCacheOperation)")
-MC2_DISPATCH_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_dispatch_v2.md "
-                    "(commit 517f2e7d)")
-MC2_COMBINE_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_combine_v2.md "
-                   "(commit 517f2e7d)")
-ATTENTION_UPDATE_DOC = ("Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md "
-                        "(commit 517f2e7d)")
+ATB_DOC_RESHAPE = (
+    "https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/ascendtbapi/"
+    "ascendtb_01_0073.html (CANN ATB ReshapeAndCacheOperation)"
+)
+MC2_DISPATCH_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_dispatch_v2.md "
+    "(commit 517f2e7d)"
+)
+MC2_COMBINE_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_combine_v2.md "
+    "(commit 517f2e7d)"
+)
+ATTENTION_UPDATE_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md (commit 517f2e7d)"
+)
 OP_PLUGIN_ATB_COMMON = "Ascend/op-plugin op_plugin/utils/custom_functions/atb/AtbCommon.cpp"
 
 
@@ -35,156 +42,357 @@ class Rule:
     in_wheel: bool = True
 
 
-RULES: dict[str, Rule] = {r.id: r for r in [
-    # -- npu_fused_infer_attention_score ---------------------------------------------------
-    Rule("FIA.query", DOCS, "query: Tensor类型, attention结构的Query输入, 数据类型支持float16、bfloat16、int8, "
-                            "不支持非连续的Tensor, 数据格式支持ND."),
-    Rule("FIA.key", DOCS, "key: Tensor类型, attention结构的Key输入, 不支持非连续的Tensor, 数据格式支持ND."),
-    Rule("FIA.value", DOCS, "value: Tensor类型, attention结构的Value输入, 不支持非连续的Tensor, 数据格式支持ND."),
-    Rule("FIA.kv_dtype", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float16、bfloat16、int8、int4(int32)."),
-    Rule("FIA.kv_same_shape", DOCS, "参数key、value中对应tensor的shape需要完全一致"),
-    Rule("FIA.mask_dtype", DOCS, "atten_mask: Tensor类型, 对QK的结果进行mask, 用于指示是否计算Token间的相关性, "
-                                 "数据类型支持bool、int8和uint8. 不支持非连续的Tensor"),
-    Rule("FIA.mask_2048", DOCS, "sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)或(1, S, S)或(1, 1, S, S), "
-                                "其中S的值需要固定为2048, 且需要用户保证传入的atten_mask为下三角, "
-                                "不传入atten_mask或者传入的shape不正确报错."),
-    Rule("FIA.sparse_3", DOCS, "sparse_mode为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景, "
-                               "需要传入优化后的atten_mask矩阵(2048*2048)."),
-    Rule("FIA.sparse_values", DOCS, "参数sparse_mode当前仅支持值为0、1、2、3、4的场景, 取其它值时会报错."),
-    Rule("FIA.tnd_seq_lengths", DOCS, "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. "
-                                      "该入参中每个元素的值表示当前Batch与之前所有Batch的seqlen和, "
-                                      "因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值."),
-    Rule("FIA.tnd_kv_lengths", DOCS, "当key/value的input_layout为TND时, 该入参必须传入, 且该入参元素的数量等于Batch值. "
-                                     "该入参中每个元素的值表示当前Batch与之前所有Batch的seqlenKv和, "
-                                     "因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值."),
-    Rule("FIA.heads", DOCS, "需要满足num_heads整除num_key_value_heads, num_heads与num_key_value_heads的比值不能大于64."),
-    Rule("FIA.n_d_limits", DOCS, "支持N轴小于等于256, 支持D轴小于等于512"),
-    Rule("FIA.d_align", DOCS, "输入类型全为float16、bfloat16时, D轴需16对齐."),
-    Rule("FIA.pa_block_size", DOCS, "在使能page attention场景下, block_size最小为128, 最大为512, 且要求是128的倍数."),
-    Rule("FIA.pa_kv_layout", DOCS, "当query的input_layout为BNSD、TND时, kv cache排布支持(blocknum, blocksize, H)和"
-                                   "(blocknum, KV_N, blocksize, D)两种格式, 当query的input_layout为BSH、BSND时, "
-                                   "kv cache排布只支持(blocknum, blocksize, H)一种格式."),
-    Rule("FIA.pa_kv_lengths", DOCS, "page attention场景下, 必须传入actual_seq_lengths_kv."),
-    Rule("FIA.pa_kv_lengths_per_batch", DOCS, "在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch的实际长度, "
-                                              "值不大于KV_S."),
-    Rule("FIA.block_table_dtype", DOCS, "block_table: Tensor类型, 数据类型支持int32."),
-    Rule("FIA.block_table_shape", DOCS, "page attention场景下, block_table必须为二维, 第一维长度需等于B, "
-                                        "第二维长度不能小于maxBlockNumPerSeq"),
-    Rule("FIA.blocknum", DOCS, "blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和."),
-    Rule("FIA.pa_no_int8_query", DOCS, "ntion场景下, 不支持输入query为int8的场景."),
-    Rule("FIA.rope_pair", DOCS, "query_rope和key_rope要求同时配置或同时不配置, 不支持只配置其中一个."),
-    Rule("FIA.rope_query", DOCS, "query_rope配置时要求query的S为1-16、N为32、64、128, D为512, "
-                                 "shape中B、N、S与query一致, D为64."),
-    Rule("FIA.rope_key", DOCS, "key_rope配置时要求key的N为1, D为512, key_rope的shape中B、N、S与key一致, D为64."),
-    Rule("FIA.rope_sparse", DOCS, "sparse: Q_S等于1时支持sparse=0且不传mask或sparse=4且传入mask, "
-                                  "Q_S大于1时支持sparse=3或sparse=4且传入mask;"),
-    Rule("FIA.rope_block_size", DOCS, "该场景下, 必须开启PageAttention, 此时block_size支持16、128"),
-    Rule("FIA.rope_contiguous", DOCS, "query_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的query的"
-                                      "rope信息, 数据类型支持float16、bfloat16, 不支持非连续的Tensor, 数据格式支持ND."),
-    Rule("FIA.key_rope_contiguous", DOCS, "key_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的key的"
-                                          "rope信息, 数据类型支持float16、bfloat16, 不支持非连续的Tensor, 数据格式支持ND."),
-    Rule("FIA.rope_layout", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: input_layout形状支持BSH、BSND、BNSD, "
-                                  "当数据格式为NZ时input_layout不支持BNSD."),
-    # -- _npu_reshape_and_cache (ATB ReshapeAndCacheOperation) -----------------------------
-    Rule("RAC.shapes", ATB_DOC_RESHAPE, "keyCache [num_blocks, block_size, num_head, k_head_size] ND/NZ; "
-                                        "key [num_tokens, num_head, k_head_size]; slotMapping [num_tokens] int32",
-         in_wheel=False),
-    Rule("RAC.dtypes", ATB_DOC_RESHAPE, "key、value、keyCache、valueCache、keyCacheOut 、valueCacheOut的数据类型都必须完全一致。",
-         in_wheel=False),
-    Rule("RAC.cache_contiguous", OP_PLUGIN_ATB_COMMON,
-         'ParamSetter::Output passes the cache to AtTensor2AtbTensor, which does '
-         'TORCH_CHECK(at_tensor.is_contiguous(), "at_tensor is not contiguous")', in_wheel=False),
-    # -- npu_scatter_nd_update_ ------------------------------------------------------------------
-    Rule("SNU.indices", DOCS, "indices至少是2维，其最后1维的大小不能超过input的维度大小。"),
-    Rule("SNU.updates_shape", DOCS, "假设indices最后1维的大小是a，则updates的shape等于indices除最后1维外的shape"
-                                    "加上input除前a维外的shape。"),
-    Rule("SNU.dtype", DOCS, "input：Tensor类型，必选输入，源数据张量，数据格式支持ND，支持非连续的Tensor，"
-                            "数据类型需要与updates一致，维度只能是1~8维。"),
-    Rule("SNU.indices_dtype", DOCS, "indices：Tensor类型，必选输入，索引张量，数据类型支持int32、int64，数据格式支持ND，"
-                                    "支持非连续的Tensor，indices中的索引数据不支持越界。"),
-    # -- npu_grouped_matmul -------------------------------------------------------------------
-    Rule("GMM.single_tensor", DOCS, "0: 仅支持split_item为2或3. weight中tensor需为3维, x、y中tensor需为2维. "
-                                    "必须传group_list, 且当group_list_type为0时, 最后一个值与x中tensor的第一维相等, "
-                                    "当group_list_type为1时, 数值的总和与x中tensor的第一维相等. "
-                                    "group_list第1维最大支持1024, 即最多支持1024个group. 支持weight转置. x不支持转置."),
-    Rule("GMM.group_list", DOCS, "当group_list_type为0时, group_list必须为非负单调非递减数列."),
-    Rule("GMM.group_list_dtype", DOCS, "group_list (List[int]/torch.Tensor): 用于指定分组的索引, "
-                                       "表示x的第0维矩阵乘法的索引情况. 数据类型支持torch.int64."),
-    Rule("GMM.group_type", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 当前支持取-1、0."),
-    Rule("GMM.weight_transpose", DOCS, "tensor转置: 指若tensor shape为[M,K]时, 则stride为[1,M],数据排布为[K,M]的场景, "
-                                       "即非连续tensor."),
-    Rule("GMM.inner_limit", DOCS, "x和weight中每一组tensor的最后一维大小都应小于InnerLimit."),
-    # the wheel's docstrings end lines with CRLF
-    Rule("GMM.pertoken_formula", DOCS, "per-token量化场景 (公式3):\r\ny_{i}=(x_{i}×weight_{i}+bias_{i})×scale_{i}"
-                                       "+pertokenscale_{i}"),
-    Rule("GMM.pertoken_dtypes", DOCS, "per-token量化\r\nx: torch.int8, torch.int8\r\nweight: torch.int8, torch.int8\r\n"
-                                      "bias: torch.int32, torch.int32\r\nscale: torch.bfloat16, torch.float32\r\n"
-                                      "antiquant_scale: 无需赋值, 无需赋值\r\nantiquant_offset: 无需赋值, 无需赋值\r\n"
-                                      "per_token_scale: torch.float32, torch.float32\r\n"
-                                      "output_dtype: torch.bfloat16, torch.float16"),
-    # -- npu_quant_matmul ---------------------------------------------------------------------------
-    Rule("QMM.x1", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持int8和int32. "
-                         "其中int32表示int4类型矩阵乘计算, 每个int32数据存放8个int4数据."),
-    Rule("QMM.scale", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float32、int64、bfloat16. "
-                            "shape需要是1维(t, ), t=1或n, 其中n与x2的n一致."),
-    Rule("QMM.pertoken", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float32. "
-                               "shape需要是1维(m,), 其中m与x1的m一致."),
-    Rule("QMM.bias", DOCS, "bias: Tensor类型, 可选参数, 数据格式支持ND, shape支持1维(n,)、2维(1, n)或3维(batch, 1, n)"),
-    Rule("QMM.combinations", DOCS, "scale:int64/float32, int64/float32, float32/bfloat16, float32, int64/float32, "
-                                   "float32/bfloat16"),
-    Rule("QMM.last_dim", DOCS, "其他情况, x1与x2最后一维的shape大小不能超过65535."),
-    # -- npu_dynamic_quant --------------------------------------------------------------------------
-    Rule("DQ.x", DOCS, "x: Tensor类型, 需要进行量化的源数据张量, 必选输入, 数据类型支持torch.float16、torch.bfloat16, "
-                       "数据格式支持ND, 支持非连续的Tensor. 输入x的维度必须大于1."),
-    Rule("DQ.formula", DOCS, "scale=rowMax(abs(x))/DTYPE_MAX\r\ny=round(x/scale)"),
-    # -- npu_quantize -------------------------------------------------------------------------------
-    Rule("QZ.formula", DOCS, "如果div_mode为False: result=(input*scales)+zero_points"),
-    Rule("QZ.scales_shape", DOCS, "支持1维或多维(1维时, 对应轴的大小需要与input中第axis维相等或等于1;"),
-    Rule("QZ.zero_points", DOCS, "zero_points的shape和dtype需要和scales一致."),
-    Rule("QZ.dtype", DOCS, "div_mode为False时, 类型支持torch.qint8、torch.quint4x2."),
-    # -- npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) --------------------------------------------
-    Rule("MC2.expert_ids", MC2_DISPATCH_DOC, "shape为\\(BS, K\\)，数据类型支持`int32`，数据格式为$ND$，支持非连续的Tensor。"
-                                             "对应[torch\\_npu.npu\\_moe\\_distribute\\_combine\\_v2]"
-                                             "(torch_npu-npu_moe_distribute_combine_v2.md)的`expert_ids`输入，"
-                                             "张量里value取值范围为\\[0, moe\\_expert\\_num\\)，"
-                                             "且同一行中的K个value不能重复。", in_wheel=False),
-    Rule("MC2.mask_order", MC2_DISPATCH_DOC, "当输入为1维时，参数为true表示对应的token参与通信，true必须排到false之前，"
-                                             "例：{true, false, true} 为非法输入", in_wheel=False),
-    Rule("MC2.uniform_bs", MC2_DISPATCH_DOC, "当每张卡的BS数量不一致时，所有token必须全部有效。", in_wheel=False),
-    Rule("MC2.top_k", MC2_DISPATCH_DOC, "K：表示选取topK个专家，取值范围为0<K≤16", in_wheel=False),
-    Rule("MC2.batch", MC2_DISPATCH_DOC, "`comm_alg`设置为\"\"或\"fullmesh_v1\"时，`BS`的取值范围为0<BS≤512。",
-         in_wheel=False),
-    Rule("MC2.dtype", MC2_DISPATCH_DOC, "表示有BS个token，数据类型支持`bfloat16`、`float16`。", in_wheel=False),
-    Rule("MC2.group", MC2_DISPATCH_DOC, "**group\\_ep** (`str`)：必选参数，EP通信域名称，专家并行的通信域。"
-                                        "字符串长度范围为\\[1,128\\)。", in_wheel=False),
-    Rule("MC2.expert_scales", MC2_COMBINE_DOC, "表示每个token的topK个专家的权重，要求为2维张量，shape为\\(BS, K\\)，"
-                                               "其中共享专家不需要乘权重系数，直接相加即可。数据类型支持`float32`",
-         in_wheel=False),
-    # -- npu_attention_update ------------------------------------------------------------------------
-    Rule("AU.lse", ATTENTION_UPDATE_DOC, "每个Tensor的shape为$(batch \\times seqLen \\times headNum)$。"
-                                         "数据类型支持`float32`", in_wheel=False),
-    Rule("AU.local_out", ATTENTION_UPDATE_DOC, "每个Tensor的shape为$(batch \\times seqLen \\times headNum, "
-                                               "head\\_dim)$。数据类型支持`float32`、`float16`、`bfloat16`",
-         in_wheel=False),
-    Rule("AU.sp", ATTENTION_UPDATE_DOC, "序列并行的并行度SP取值范围[1, 16]。", in_wheel=False),
-    Rule("AU.head_dim", ATTENTION_UPDATE_DOC, "head_dim取值范围[8, 512]且是8的倍数。", in_wheel=False),
-    Rule("AU.same_length", ATTENTION_UPDATE_DOC, "`lse`和`local_out`的tensorList长度必须一致。", in_wheel=False),
-    Rule("AU.update_type", ATTENTION_UPDATE_DOC, "取值为`0`时，仅输出合并后的out；取值为`1`时，"
-                                                 "同时输出合并后的out和lse_out。", in_wheel=False),
-    # -- npu_swiglu ---------------------------------------------------------------------------------
-    Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
-    Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),
-]}
+RULES: dict[str, Rule] = {
+    r.id: r
+    for r in [
+        # -- npu_fused_infer_attention_score ---------------------------------------------------
+        Rule(
+            "FIA.query",
+            DOCS,
+            "query: Tensor类型, attention结构的Query输入, 数据类型支持float16、bfloat16、int8, "
+            "不支持非连续的Tensor, 数据格式支持ND.",
+        ),
+        Rule(
+            "FIA.key", DOCS, "key: Tensor类型, attention结构的Key输入, 不支持非连续的Tensor, 数据格式支持ND."
+        ),
+        Rule(
+            "FIA.value",
+            DOCS,
+            "value: Tensor类型, attention结构的Value输入, 不支持非连续的Tensor, 数据格式支持ND.",
+        ),
+        Rule(
+            "FIA.kv_dtype",
+            DOCS,
+            "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float16、bfloat16、int8、int4(int32).",
+        ),
+        Rule("FIA.kv_same_shape", DOCS, "参数key、value中对应tensor的shape需要完全一致"),
+        Rule(
+            "FIA.mask_dtype",
+            DOCS,
+            "atten_mask: Tensor类型, 对QK的结果进行mask, 用于指示是否计算Token间的相关性, "
+            "数据类型支持bool、int8和uint8. 不支持非连续的Tensor",
+        ),
+        Rule(
+            "FIA.mask_2048",
+            DOCS,
+            "sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)或(1, S, S)或(1, 1, S, S), "
+            "其中S的值需要固定为2048, 且需要用户保证传入的atten_mask为下三角, "
+            "不传入atten_mask或者传入的shape不正确报错.",
+        ),
+        Rule(
+            "FIA.sparse_3",
+            DOCS,
+            "sparse_mode为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景, "
+            "需要传入优化后的atten_mask矩阵(2048*2048).",
+        ),
+        Rule(
+            "FIA.sparse_values", DOCS, "参数sparse_mode当前仅支持值为0、1、2、3、4的场景, 取其它值时会报错."
+        ),
+        Rule(
+            "FIA.tnd_seq_lengths",
+            DOCS,
+            "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. "
+            "该入参中每个元素的值表示当前Batch与之前所有Batch的seqlen和, "
+            "因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值.",
+        ),
+        Rule(
+            "FIA.tnd_kv_lengths",
+            DOCS,
+            "当key/value的input_layout为TND时, 该入参必须传入, 且该入参元素的数量等于Batch值. "
+            "该入参中每个元素的值表示当前Batch与之前所有Batch的seqlenKv和, "
+            "因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值.",
+        ),
+        Rule(
+            "FIA.heads",
+            DOCS,
+            "需要满足num_heads整除num_key_value_heads, num_heads与num_key_value_heads的比值不能大于64.",
+        ),
+        Rule("FIA.n_d_limits", DOCS, "支持N轴小于等于256, 支持D轴小于等于512"),
+        Rule("FIA.d_align", DOCS, "输入类型全为float16、bfloat16时, D轴需16对齐."),
+        Rule(
+            "FIA.pa_block_size",
+            DOCS,
+            "在使能page attention场景下, block_size最小为128, 最大为512, 且要求是128的倍数.",
+        ),
+        Rule(
+            "FIA.pa_kv_layout",
+            DOCS,
+            "当query的input_layout为BNSD、TND时, kv cache排布支持(blocknum, blocksize, H)和"
+            "(blocknum, KV_N, blocksize, D)两种格式, 当query的input_layout为BSH、BSND时, "
+            "kv cache排布只支持(blocknum, blocksize, H)一种格式.",
+        ),
+        Rule("FIA.pa_kv_lengths", DOCS, "page attention场景下, 必须传入actual_seq_lengths_kv."),
+        Rule(
+            "FIA.pa_kv_lengths_per_batch",
+            DOCS,
+            "在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch的实际长度, 值不大于KV_S.",
+        ),
+        Rule("FIA.block_table_dtype", DOCS, "block_table: Tensor类型, 数据类型支持int32."),
+        Rule(
+            "FIA.block_table_shape",
+            DOCS,
+            "page attention场景下, block_table必须为二维, 第一维长度需等于B, "
+            "第二维长度不能小于maxBlockNumPerSeq",
+        ),
+        Rule(
+            "FIA.blocknum",
+            DOCS,
+            "blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和.",
+        ),
+        Rule("FIA.pa_no_int8_query", DOCS, "ntion场景下, 不支持输入query为int8的场景."),
+        Rule("FIA.rope_pair", DOCS, "query_rope和key_rope要求同时配置或同时不配置, 不支持只配置其中一个."),
+        Rule(
+            "FIA.rope_query",
+            DOCS,
+            "query_rope配置时要求query的S为1-16、N为32、64、128, D为512, shape中B、N、S与query一致, D为64.",
+        ),
+        Rule(
+            "FIA.rope_key",
+            DOCS,
+            "key_rope配置时要求key的N为1, D为512, key_rope的shape中B、N、S与key一致, D为64.",
+        ),
+        Rule(
+            "FIA.rope_sparse",
+            DOCS,
+            "sparse: Q_S等于1时支持sparse=0且不传mask或sparse=4且传入mask, "
+            "Q_S大于1时支持sparse=3或sparse=4且传入mask;",
+        ),
+        Rule("FIA.rope_block_size", DOCS, "该场景下, 必须开启PageAttention, 此时block_size支持16、128"),
+        Rule(
+            "FIA.rope_contiguous",
+            DOCS,
+            "query_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的query的"
+            "rope信息, 数据类型支持float16、bfloat16, 不支持非连续的Tensor, 数据格式支持ND.",
+        ),
+        Rule(
+            "FIA.key_rope_contiguous",
+            DOCS,
+            "key_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的key的"
+            "rope信息, 数据类型支持float16、bfloat16, 不支持非连续的Tensor, 数据格式支持ND.",
+        ),
+        Rule(
+            "FIA.rope_layout",
+            DOCS,
+            "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: input_layout形状支持BSH、BSND、BNSD, "
+            "当数据格式为NZ时input_layout不支持BNSD.",
+        ),
+        # -- _npu_reshape_and_cache (ATB ReshapeAndCacheOperation) -----------------------------
+        Rule(
+            "RAC.shapes",
+            ATB_DOC_RESHAPE,
+            "keyCache [num_blocks, block_size, num_head, k_head_size] ND/NZ; "
+            "key [num_tokens, num_head, k_head_size]; slotMapping [num_tokens] int32",
+            in_wheel=False,
+        ),
+        Rule(
+            "RAC.dtypes",
+            ATB_DOC_RESHAPE,
+            "key、value、keyCache、valueCache、keyCacheOut 、valueCacheOut的数据类型都必须完全一致。",
+            in_wheel=False,
+        ),
+        Rule(
+            "RAC.cache_contiguous",
+            OP_PLUGIN_ATB_COMMON,
+            "ParamSetter::Output passes the cache to AtTensor2AtbTensor, which does "
+            'TORCH_CHECK(at_tensor.is_contiguous(), "at_tensor is not contiguous")',
+            in_wheel=False,
+        ),
+        # -- npu_scatter_nd_update_ ------------------------------------------------------------------
+        Rule("SNU.indices", DOCS, "indices至少是2维，其最后1维的大小不能超过input的维度大小。"),
+        Rule(
+            "SNU.updates_shape",
+            DOCS,
+            "假设indices最后1维的大小是a，则updates的shape等于indices除最后1维外的shape"
+            "加上input除前a维外的shape。",
+        ),
+        Rule(
+            "SNU.dtype",
+            DOCS,
+            "input：Tensor类型，必选输入，源数据张量，数据格式支持ND，支持非连续的Tensor，"
+            "数据类型需要与updates一致，维度只能是1~8维。",
+        ),
+        Rule(
+            "SNU.indices_dtype",
+            DOCS,
+            "indices：Tensor类型，必选输入，索引张量，数据类型支持int32、int64，数据格式支持ND，"
+            "支持非连续的Tensor，indices中的索引数据不支持越界。",
+        ),
+        # -- npu_grouped_matmul -------------------------------------------------------------------
+        Rule(
+            "GMM.single_tensor",
+            DOCS,
+            "0: 仅支持split_item为2或3. weight中tensor需为3维, x、y中tensor需为2维. "
+            "必须传group_list, 且当group_list_type为0时, 最后一个值与x中tensor的第一维相等, "
+            "当group_list_type为1时, 数值的总和与x中tensor的第一维相等. "
+            "group_list第1维最大支持1024, 即最多支持1024个group. 支持weight转置. x不支持转置.",
+        ),
+        Rule("GMM.group_list", DOCS, "当group_list_type为0时, group_list必须为非负单调非递减数列."),
+        Rule(
+            "GMM.group_list_dtype",
+            DOCS,
+            "group_list (List[int]/torch.Tensor): 用于指定分组的索引, "
+            "表示x的第0维矩阵乘法的索引情况. 数据类型支持torch.int64.",
+        ),
+        Rule("GMM.group_type", DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 当前支持取-1、0."),
+        Rule(
+            "GMM.weight_transpose",
+            DOCS,
+            "tensor转置: 指若tensor shape为[M,K]时, 则stride为[1,M],数据排布为[K,M]的场景, 即非连续tensor.",
+        ),
+        Rule("GMM.inner_limit", DOCS, "x和weight中每一组tensor的最后一维大小都应小于InnerLimit."),
+        # the wheel's docstrings end lines with CRLF
+        Rule(
+            "GMM.pertoken_formula",
+            DOCS,
+            "per-token量化场景 (公式3):\r\ny_{i}=(x_{i}×weight_{i}+bias_{i})×scale_{i}+pertokenscale_{i}",
+        ),
+        Rule(
+            "GMM.pertoken_dtypes",
+            DOCS,
+            "per-token量化\r\nx: torch.int8, torch.int8\r\nweight: torch.int8, torch.int8\r\n"
+            "bias: torch.int32, torch.int32\r\nscale: torch.bfloat16, torch.float32\r\n"
+            "antiquant_scale: 无需赋值, 无需赋值\r\nantiquant_offset: 无需赋值, 无需赋值\r\n"
+            "per_token_scale: torch.float32, torch.float32\r\n"
+            "output_dtype: torch.bfloat16, torch.float16",
+        ),
+        # -- npu_quant_matmul ---------------------------------------------------------------------------
+        Rule(
+            "QMM.x1",
+            DOCS,
+            "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持int8和int32. "
+            "其中int32表示int4类型矩阵乘计算, 每个int32数据存放8个int4数据.",
+        ),
+        Rule(
+            "QMM.scale",
+            DOCS,
+            "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float32、int64、bfloat16. "
+            "shape需要是1维(t, ), t=1或n, 其中n与x2的n一致.",
+        ),
+        Rule(
+            "QMM.pertoken",
+            DOCS,
+            "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float32. "
+            "shape需要是1维(m,), 其中m与x1的m一致.",
+        ),
+        Rule(
+            "QMM.bias",
+            DOCS,
+            "bias: Tensor类型, 可选参数, 数据格式支持ND, shape支持1维(n,)、2维(1, n)或3维(batch, 1, n)",
+        ),
+        Rule(
+            "QMM.combinations",
+            DOCS,
+            "scale:int64/float32, int64/float32, float32/bfloat16, float32, int64/float32, float32/bfloat16",
+        ),
+        Rule("QMM.last_dim", DOCS, "其他情况, x1与x2最后一维的shape大小不能超过65535."),
+        # -- npu_dynamic_quant --------------------------------------------------------------------------
+        Rule(
+            "DQ.x",
+            DOCS,
+            "x: Tensor类型, 需要进行量化的源数据张量, 必选输入, 数据类型支持torch.float16、torch.bfloat16, "
+            "数据格式支持ND, 支持非连续的Tensor. 输入x的维度必须大于1.",
+        ),
+        Rule("DQ.formula", DOCS, "scale=rowMax(abs(x))/DTYPE_MAX\r\ny=round(x/scale)"),
+        # -- npu_quantize -------------------------------------------------------------------------------
+        Rule("QZ.formula", DOCS, "如果div_mode为False: result=(input*scales)+zero_points"),
+        Rule("QZ.scales_shape", DOCS, "支持1维或多维(1维时, 对应轴的大小需要与input中第axis维相等或等于1;"),
+        Rule("QZ.zero_points", DOCS, "zero_points的shape和dtype需要和scales一致."),
+        Rule("QZ.dtype", DOCS, "div_mode为False时, 类型支持torch.qint8、torch.quint4x2."),
+        # -- npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) --------------------------------------------
+        Rule(
+            "MC2.expert_ids",
+            MC2_DISPATCH_DOC,
+            "shape为\\(BS, K\\)，数据类型支持`int32`，数据格式为$ND$，支持非连续的Tensor。"
+            "对应[torch\\_npu.npu\\_moe\\_distribute\\_combine\\_v2]"
+            "(torch_npu-npu_moe_distribute_combine_v2.md)的`expert_ids`输入，"
+            "张量里value取值范围为\\[0, moe\\_expert\\_num\\)，"
+            "且同一行中的K个value不能重复。",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.mask_order",
+            MC2_DISPATCH_DOC,
+            "当输入为1维时，参数为true表示对应的token参与通信，true必须排到false之前，"
+            "例：{true, false, true} 为非法输入",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.uniform_bs",
+            MC2_DISPATCH_DOC,
+            "当每张卡的BS数量不一致时，所有token必须全部有效。",
+            in_wheel=False,
+        ),
+        Rule("MC2.top_k", MC2_DISPATCH_DOC, "K：表示选取topK个专家，取值范围为0<K≤16", in_wheel=False),
+        Rule(
+            "MC2.batch",
+            MC2_DISPATCH_DOC,
+            '`comm_alg`设置为""或"fullmesh_v1"时，`BS`的取值范围为0<BS≤512。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.dtype",
+            MC2_DISPATCH_DOC,
+            "表示有BS个token，数据类型支持`bfloat16`、`float16`。",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.group",
+            MC2_DISPATCH_DOC,
+            "**group\\_ep** (`str`)：必选参数，EP通信域名称，专家并行的通信域。字符串长度范围为\\[1,128\\)。",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.expert_scales",
+            MC2_COMBINE_DOC,
+            "表示每个token的topK个专家的权重，要求为2维张量，shape为\\(BS, K\\)，"
+            "其中共享专家不需要乘权重系数，直接相加即可。数据类型支持`float32`",
+            in_wheel=False,
+        ),
+        # -- npu_attention_update ------------------------------------------------------------------------
+        Rule(
+            "AU.lse",
+            ATTENTION_UPDATE_DOC,
+            "每个Tensor的shape为$(batch \\times seqLen \\times headNum)$。数据类型支持`float32`",
+            in_wheel=False,
+        ),
+        Rule(
+            "AU.local_out",
+            ATTENTION_UPDATE_DOC,
+            "每个Tensor的shape为$(batch \\times seqLen \\times headNum, "
+            "head\\_dim)$。数据类型支持`float32`、`float16`、`bfloat16`",
+            in_wheel=False,
+        ),
+        Rule("AU.sp", ATTENTION_UPDATE_DOC, "序列并行的并行度SP取值范围[1, 16]。", in_wheel=False),
+        Rule("AU.head_dim", ATTENTION_UPDATE_DOC, "head_dim取值范围[8, 512]且是8的倍数。", in_wheel=False),
+        Rule(
+            "AU.same_length",
+            ATTENTION_UPDATE_DOC,
+            "`lse`和`local_out`的tensorList长度必须一致。",
+            in_wheel=False,
+        ),
+        Rule(
+            "AU.update_type",
+            ATTENTION_UPDATE_DOC,
+            "取值为`0`时，仅输出合并后的out；取值为`1`时，同时输出合并后的out和lse_out。",
+            in_wheel=False,
+        ),
+        # -- npu_swiglu ---------------------------------------------------------------------------------
+        Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
+        Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),
+    ]
+}
 
 # The project's own calling rules (not torch_npu's).
 PROJECT_RULES = {
     "PROJECT.no_hidden_cache_copy": (
         "KV caches are passed to in-place cache-write ops as contiguous tensors: a non-contiguous "
         "cache is copied to a contiguous temporary by the framework (and, for ATB, rejected on output), "
-        "so either the write is lost or every step copies the whole cache."),
+        "so either the write is lost or every step copies the whole cache."
+    ),
     "PROJECT.valid_slots": (
         "Cache-write ops receive only real token slots (no -1 padding): negative slots are not "
-        "documented for these ops."),
+        "documented for these ops."
+    ),
 }
 
 
@@ -206,4 +414,5 @@ def require(condition: bool, op: str, rule_id: str, detail: str) -> None:
 def unmodelled(op: str, what: str) -> NotImplementedError:
     return NotImplementedError(
         f"torch_npu contract double: {op} with {what} is not modelled; add its documented semantics "
-        "and preconditions to tests/npu_contract before calling it")
+        "and preconditions to tests/npu_contract before calling it"
+    )

@@ -1,0 +1,261 @@
+"""DeepSeek MTP speculative decoding in host emulation (float32), on the tiny DeepSeek-V3
+with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equal plain
+greedy decoding token for token (Hugging Face transformers, which test_oracle holds
+vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
+caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
+test_dp_serving.py).
+
+The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
+accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
+each verification step's bonus token must be the target's greedy choice after the
+accepted drafts (a teacher-forced transformers oracle).
+
+One process runs the single-rank engines one after another (module fixture); the TP and
+DP cases start their own ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
+from tests.support.oracle import hf_greedy
+from tests.support.prompts import PREFIX_PROMPTS, PROMPTS
+
+MAX_TOKENS = 16
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "seed": 0,
+    "disable_log_stats": False,
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 32,
+    "max_num_seqs": 8,
+    "enable_prefix_caching": True,
+}
+SINGLES = PROMPTS[:3]  # batch 1: one request at a time
+RANDOM_PROMPT = PROMPTS[4]
+
+
+def mtp(k: int, **extra) -> dict:
+    return {"method": "deepseek_mtp", "num_speculative_tokens": k, **extra}
+
+
+def _tokens(batch: list[dict]) -> list[list[int]]:
+    return [r["token_ids"] for r in batch]
+
+
+# The single-rank engines run IN_PROCESS; the TP=2 test below keeps the engine core apart.
+RUNS = {
+    # Also returns the drafter's parameters (a function sent to the worker needs the
+    # insecure-serialization switch, for this test engine only).
+    "k1": {
+        "engine": {**ENGINE, "speculative_config": mtp(1)},
+        "drafter_parameters": True,
+        "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+    },
+    "k2": {"engine": {**ENGINE, "speculative_config": mtp(2)}},
+    # 12 blocks of 16 tokens for 8 requests of up to ~80 tokens: the scheduler must preempt.
+    "k2_preempted": {
+        "engine": {
+            **ENGINE,
+            "speculative_config": mtp(2),
+            "block_size": 16,
+            "num_gpu_blocks_override": 12,
+            "max_model_len": 160,
+        }
+    },
+    "k2_all_accepted": {
+        "engine": {
+            **ENGINE,
+            "speculative_config": mtp(
+                2, rejection_sample_method="synthetic", synthetic_acceptance_rates=[1.0, 1.0]
+            ),
+        }
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_models):
+    model = tiny_models["deepseek_v3"]
+    runs = []
+    for name, run in RUNS.items():
+        batches = [PROMPTS] if name == "k2_preempted" else [PROMPTS, *([p] for p in SINGLES), PREFIX_PROMPTS]
+        runs.append(
+            {
+                "model": str(model),
+                "batches": batches,
+                "max_tokens": MAX_TOKENS,
+                **run,
+                "env": {**IN_PROCESS, **run.get("env", {})},
+            }
+        )
+    # Random sampling with a fixed seed: the same request twice in one batch, then again.
+    runs.append(
+        {
+            "model": str(model),
+            "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
+            "max_tokens": MAX_TOKENS,
+            "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
+            "engine": {**ENGINE, "speculative_config": mtp(2)},
+            "env": IN_PROCESS,
+        }
+    )
+    result, output = run_spec({"runs": runs}, timeout=1800)
+    clean_shutdown(output)
+    names = [*RUNS, "random"]
+    return model, dict(zip(names, result["runs"])), output
+
+
+def _acceptance(counters: dict) -> tuple[float, float]:
+    drafts = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    steps = counters.get("vllm:spec_decode_num_drafts", 0)
+    return (accepted / drafts if drafts else 0.0), (accepted / steps if steps else 0.0)
+
+
+@pytest.mark.parametrize("run", ["k1", "k2"])
+def test_greedy_mtp_equals_plain_decoding(single_rank, run):
+    model, runs, _ = single_rank
+    batches = runs[run]["batches"]
+    assert _tokens(batches[0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)  # batch 8 (9 requests, 8 at once)
+    assert max(r["prompt_len"] for r in batches[0]) > ENGINE["max_num_batched_tokens"]  # chunked prefill
+    singles = [t for b in batches[1 : 1 + len(SINGLES)] for t in _tokens(b)]
+    assert singles == hf_greedy(model, SINGLES, MAX_TOKENS)
+    prefix = batches[-1]
+    assert _tokens(prefix) == hf_greedy(model, PREFIX_PROMPTS, MAX_TOKENS)
+    assert all(r["num_cached_tokens"] > 0 for r in prefix[1:]), prefix  # prefix-cache hits
+    counters = runs[run]["counters"]
+    assert counters["vllm:spec_decode_num_draft_tokens"] > 0  # speculation really ran
+    rate, per_step = _acceptance(counters)
+    print(f"MTP {run}: acceptance rate {rate:.3f}, accepted tokens per verification step {per_step:.3f}")
+
+
+def test_mtp_layer_weights_load_from_the_checkpoint(single_rank):
+    """The drafter's MTP layer holds the checkpoint's layer ``num_hidden_layers`` tensors
+    (its decoder block under ``mtp_block``; experts fused as upstream's FusedMoE stores
+    them), compared by float64 sums."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model, runs, _ = single_rank
+    got = runs["k1"]["drafter_parameters"]
+    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    saved = {}
+    for path in model.glob("*.safetensors"):
+        saved.update(load_file(str(path)))
+    layer = f"model.layers.{n}."
+
+    def total(*names):
+        return sum(float(saved[name].double().sum()) for name in names)
+
+    experts = sorted({k.split(".")[5] for k in saved if k.startswith(layer + "mlp.experts.")}, key=int)
+    assert experts, "the checkpoint has no MTP experts"
+    expected = {
+        layer + name: total(layer + name)
+        for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+    }
+    for name in (
+        "self_attn.q_proj.weight",
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attn.kv_b_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.shared_experts.down_proj.weight",
+        "input_layernorm.weight",
+    ):
+        expected[layer + "mtp_block." + name] = total(layer + name)
+    expected[layer + "mtp_block.mlp.shared_experts.gate_up_proj.weight"] = total(
+        layer + "mlp.shared_experts.gate_proj.weight", layer + "mlp.shared_experts.up_proj.weight"
+    )
+    expected[layer + "mtp_block.mlp.experts.routed_experts.w13_weight"] = total(
+        *(f"{layer}mlp.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up"))
+    )
+    expected[layer + "mtp_block.mlp.experts.routed_experts.w2_weight"] = total(
+        *(f"{layer}mlp.experts.{e}.down_proj.weight" for e in experts)
+    )
+    for name, value in expected.items():
+        assert name in got, (name, sorted(got))
+        assert abs(got[name][0] - value) <= 1e-6 * max(1.0, abs(value)), (name, got[name][0], value)
+
+
+def test_greedy_mtp_under_preemption(single_rank):
+    model, runs, _ = single_rank
+    run = runs["k2_preempted"]
+    assert run["counters"].get("vllm:num_preemptions", 0) > 0, run["counters"]
+    assert _tokens(run["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+
+
+def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
+    """Transformers' greedy next token after each prefix ``prompt + generated[:j]``."""
+    import torch
+
+    from tests.support.oracle import _HF_CACHE
+
+    hf_greedy(model, [prompt], 1)  # loads and caches the model
+    tok, hf = _HF_CACHE[str(model)]
+    ids = tok(prompt, return_tensors="pt").input_ids
+    full = torch.cat([ids, torch.tensor([generated])], dim=1)
+    with torch.no_grad():
+        logits = hf(full, attention_mask=torch.ones_like(full)).logits[0]
+    return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
+
+
+def test_accepted_drafts_keep_the_target_exact(single_rank):
+    """Every draft accepted (synthetic mode, k = 2): a request emits its first token, then
+    [draft, draft, bonus] per step, so tokens 0, 3, 6, ... are the target's own picks and
+    must equal transformers' greedy token after everything emitted before them."""
+    model, runs, _ = single_rank
+    run = runs["k2_all_accepted"]
+    rate, per_step = _acceptance(run["counters"])
+    assert rate == 1.0 and per_step == 2.0, run["counters"]
+    prompts = PROMPTS + SINGLES + PREFIX_PROMPTS
+    outputs = [r for batch in run["batches"] for r in batch]
+    assert len(outputs) == len(prompts)
+    drafts_unlike_target = 0
+    for prompt, out in zip(prompts, outputs):
+        tokens = out["token_ids"]
+        expected = _hf_next_tokens(model, prompt, tokens)
+        for j in range(MAX_TOKENS):
+            if j % 3 == 0:
+                assert tokens[j] == expected[j], (prompt, j, tokens, expected)
+            else:
+                drafts_unlike_target += tokens[j] != expected[j]
+    # Accepted drafts the target would not have picked: acceptance really was exercised.
+    assert drafts_unlike_target > 0
+
+
+def test_random_sampling_with_seed_is_reproducible(single_rank):
+    _, runs, _ = single_rank
+    first, second = runs["random"]["batches"]
+    assert first[0]["token_ids"] == first[1]["token_ids"] == second[0]["token_ids"]
+    assert len(set(first[0]["token_ids"])) > 1
+    rate, per_step = _acceptance(runs["random"]["counters"])
+    print(f"MTP k2 random sampling: acceptance rate {rate:.3f}, per step {per_step:.3f}")
+
+
+def test_mtp_tp2_expert_parallel(tiny_models):
+    """TP = 2 with expert parallelism and MC2 forced: the drafter's MoE layer runs through
+    the same strategy and groups as the target's (no second group initialisation)."""
+    model = tiny_models["deepseek_v3"]
+    spec = {
+        "model": str(model),
+        "batches": [PROMPTS],
+        "max_tokens": MAX_TOKENS,
+        "engine": {
+            **ENGINE,
+            "tensor_parallel_size": 2,
+            "distributed_executor_backend": "mp",
+            "enable_expert_parallel": True,
+            "additional_config": {"moe_comm_method": "mc2"},
+            "speculative_config": mtp(2),
+        },
+    }
+    result, output = run_spec(spec, timeout=1200)
+    clean_shutdown(output)
+    assert "first step with the mc2 strategy" in output
+    assert _tokens(result["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+    assert result["counters"]["vllm:spec_decode_num_draft_tokens"] > 0

@@ -1,0 +1,318 @@
+"""The NPU platform's start-up rules, checked with the contract double reporting one NPU
+(so the real NPUPlatform is selected), and host emulation's accelerator answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.ascend.worker.worker import device_local_rank
+
+from .test_cli import _vllm
+
+torch_npu = pytest.importorskip("torch_npu")
+if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+    pytest.skip("needs the torch_npu contract double", allow_module_level=True)
+
+NPU_HOST = {"TORCH_NPU_DOUBLE_DEVICES": "1"}  # the double answers "one NPU": NPUPlatform is chosen
+
+
+def _python(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
+    """Building the engine config (what the API server does) asks the platform for the
+    device name and memory; on an NPU host that must not create an NPU context there."""
+    result = _python(
+        f"""
+        import vllm, torch_npu
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        config = EngineArgs(model={str(tiny_models["qwen2"])!r}, dtype="bfloat16").create_engine_config()
+        print("PLATFORM", type(current_platform).__name__, config.cache_config.block_size)
+        print("RUNTIME_CALLS", torch_npu.npu.runtime_calls)
+    """,
+        NPU_HOST,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PLATFORM NPUPlatform 128" in result.stdout
+    assert "RUNTIME_CALLS []" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--dtype", "float32"), "error: dtype float32 is not supported by the Ascend NPU kernels"),
+        (
+            ("--dtype", "bfloat16", "--block-size", "16"),
+            "error: --block-size 16 is not supported by the Ascend NPU attention kernels",
+        ),
+    ],
+)
+def test_npu_start_up_errors_are_one_line(args, message, tiny_models):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
+    env.update(NPU_HOST)
+    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    cmd = [*exe, "serve", str(tiny_models["qwen2"]), "--host", "127.0.0.1", "--port", "1", *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), last
+    assert "Traceback" not in result.stderr
+
+
+def test_float32_in_npu_path_mode_is_refused_too(tiny_models):
+    result = _vllm(
+        "serve",
+        str(tiny_models["qwen2"]),
+        "--dtype",
+        "float32",
+        "--port",
+        "1",
+        emulate="1",
+        extra_env={"VLLM_ASCEND_KERNELS": "npu"},
+    )
+    assert result.returncode == 1 and "use --dtype with one of: bfloat16, float16" in result.stderr
+
+
+def test_data_parallel_ranks_get_their_own_devices():
+    config = SimpleNamespace(
+        data_parallel_size=2,
+        distributed_executor_backend="mp",
+        data_parallel_backend="mp",
+        nnodes_within_dp=1,
+        data_parallel_rank_local=1,
+        data_parallel_index=1,
+        pipeline_parallel_size=1,
+        world_size=2,
+        prefill_context_parallel_size=1,
+        tensor_parallel_size=2,
+        data_parallel_external_lb=False,
+        local_world_size=2,
+    )
+    assert [device_local_rank(config, r) for r in (0, 1)] == [2, 3]
+    config.data_parallel_rank_local = None  # falls back to the DP index, as upstream does
+    assert device_local_rank(config, 1) == 3
+    config.data_parallel_size = 1
+    assert device_local_rank(config, 1) == 1
+    config.data_parallel_size, config.distributed_executor_backend = 2, "ray"  # Ray assigns devices itself
+    assert device_local_rank(config, 1) == 1
+    # an external load balancer: one process per DP rank, replicas packed onto each node's devices
+    config.distributed_executor_backend, config.data_parallel_external_lb = "mp", True
+    config.data_parallel_size, config.data_parallel_index = 8, 5
+    assert device_local_rank(config, 1, visible=8) == 1 + (5 % 4) * 2
+    assert device_local_rank(config, 0, visible=5) == (5 % 2) * 2  # 5 NPUs: two replicas, one unused
+    with pytest.raises(RuntimeError, match="needs 2 NPUs on this node .* but 1 are visible"):
+        device_local_rank(config, 0, visible=1)
+    config.nnodes_within_dp, config.local_world_size = 2, 1  # a replica across two nodes: one NPU here
+    assert device_local_rank(config, 0, visible=4) == 5 % 4
+
+
+def test_upstream_cleanup_helper_works_in_a_test_process():
+    """Upstream's test fixtures call cleanup_dist_env_and_memory(), which empties the
+    accelerator cache; in host emulation that must work in any process importing vllm."""
+    result = _python(
+        """
+        import vllm
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+        import torch
+        torch.accelerator.synchronize()
+        # Upstream's KV connectors ask for the device index and hand it back as an int.
+        from vllm.platforms import current_platform
+        index = torch.accelerator.current_device_index()
+        current_platform.set_device(index)
+        current_platform.set_device(torch.device("cpu", 0))
+        current_platform.check_runner_kv_caches_multi_layer()  # no per-index cache list
+        print("CLEAN", index)
+    """,
+        {"VLLM_ASCEND_EMULATE": "1"},
+    )
+    assert result.returncode == 0 and "CLEAN 0" in result.stdout, result.stderr[-3000:]
+
+
+def test_speculative_settings_the_platform_cannot_run_are_one_line(tiny_models):
+    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}'
+    result = _vllm(
+        "serve",
+        str(tiny_models["deepseek_v3"]),
+        "--dtype",
+        "float32",
+        "--port",
+        "1",
+        "--tensor-parallel-size",
+        "2",
+        "--speculative-config",
+        spec,
+        emulate="1",
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: speculative draft_tensor_parallel_size 1 differs from --tensor-parallel-size 2"
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ({}, None),
+        ({"rejection_sample_method": "block"}, "rejection_sample_method 'block'"),
+        ({"parallel_drafting": True}, "parallel_drafting"),
+        ({"quantization": "fp8"}, "fp8-quantized model"),
+        ({"quantization": "ascend"}, None),  # msModelSlim: the MTP module follows the description
+        ({"draft_tensor_parallel_size": 2}, None),
+    ],
+)
+def test_speculative_config_checks(change, refused):
+    from vllm.ascend.spec_decode.config import validate_speculative_config
+
+    spec = SimpleNamespace(
+        method="mtp",
+        draft_tensor_parallel_size=None,
+        rejection_sample_method="standard",
+        parallel_drafting=False,
+    )
+    for key, value in change.items():
+        if key != "quantization":
+            setattr(spec, key, value)
+    config = SimpleNamespace(
+        speculative_config=spec,
+        parallel_config=SimpleNamespace(tensor_parallel_size=2),
+        model_config=SimpleNamespace(quantization=change.get("quantization")),
+    )
+    if refused is None:
+        validate_speculative_config(config)
+    else:
+        with pytest.raises(ValueError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+            validate_speculative_config(config)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "4"),
+            "error: decode_context_parallel_size 4 must divide tensor_parallel_size 2",
+        ),
+        (
+            ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"),  # upstream's own rule
+            "error: Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater",
+        ),
+        (
+            ("--tensor-parallel-size", "4", "--decode-context-parallel-size", "4"),
+            "error: `--decode-context-parallel-size` (4) exceeds the maximum supported value (2)",
+        ),
+        (
+            (
+                "--prefill-context-parallel-size",
+                "2",
+                "--block-size",
+                "8",
+                "--cp-kv-cache-interleave-size",
+                "3",
+            ),
+            "error: cp_kv_cache_interleave_size 3 must divide the block size 8",
+        ),
+    ],
+)
+def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(args, message, tiny_models):
+    # Qwen2 has 2 KV heads: DCP 2 at TP 2 (or DCP 4 at TP 4) would leave a head's tokens
+    # on fewer ranks than DCP.
+    result = _vllm(
+        "serve", str(tiny_models["qwen2"]), "--dtype", "float32", "--port", "1", *args, emulate="1"
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), last
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ({}, None),
+        ({"speculative_config": object()}, "speculative decoding with context parallelism"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
+        ({"kv_transfer_config": SimpleNamespace(kv_connector="NixlConnector")}, "KV connector NixlConnector"),
+        ({"kv_transfer_config": SimpleNamespace(kv_connector="AscendP2PConnector")}, None),
+        ({"sliding_window": 128}, "full attention only"),
+        ({"enable_expert_parallel": True}, "expert parallelism with prefill context parallelism"),
+        ({"enable_expert_parallel": True, "pcp": 1}, None),  # DCP with EP: tested equal to TP=1
+        ({"pcp": 1, "dcp": 1, "speculative_config": object()}, None),  # no context parallelism: no CP rule
+    ],
+)
+def test_context_parallel_config_checks(change, refused):
+    from vllm.ascend.context_parallel.config import validate_context_parallel
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=2,
+            prefill_context_parallel_size=change.get("pcp", 2),
+            decode_context_parallel_size=change.get("dcp", 2),
+            data_parallel_size=1,
+            cp_kv_cache_interleave_size=1,
+            pipeline_parallel_size=change.get("pipeline_parallel_size", 1),
+            enable_expert_parallel=change.get("enable_expert_parallel", False),
+        ),
+        cache_config=SimpleNamespace(block_size=128),
+        model_config=SimpleNamespace(
+            use_mla=True,
+            get_total_num_kv_heads=lambda: 1,
+            is_hybrid=False,
+            is_moe=True,
+            get_sliding_window=lambda: change.get("sliding_window"),
+        ),
+        speculative_config=change.get("speculative_config"),
+        kv_transfer_config=change.get("kv_transfer_config"),
+    )
+    if refused is None:
+        validate_context_parallel(config)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            validate_context_parallel(config)
+
+
+def test_upstream_parallel_config_accepts_the_production_context_parallel_layouts():
+    """Through upstream's ParallelConfig (patch
+    ``parallel-let-the-platform-define-the-context-parallel-layout`` hands the TP/PCP/DCP
+    rule to the platform): the layouts users run are accepted, where upstream's own rule would refuse
+    e.g. PCP 2 with DCP 4 at TP 8; a DCP that does not divide TP is one clear error."""
+    result = _python(
+        """
+        from vllm.config import ParallelConfig
+        from vllm.ascend.errors import AscendConfigError
+
+        for tp, pcp, dcp, dp in [(8, 2, 8, 1), (8, 1, 4, 2), (8, 2, 4, 1), (4, 1, 2, 4), (8, 2, 1, 1),
+                                 (4, 1, 2, 1), (16, 1, 2, 1), (8, 1, 2, 2)]:
+            config = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                                    decode_context_parallel_size=dcp, data_parallel_size=dp,
+                                    distributed_executor_backend="mp")
+            print("ACCEPTED", tp, pcp, dcp, config.world_size)
+        try:
+            ParallelConfig(tensor_parallel_size=8, prefill_context_parallel_size=2,
+                           decode_context_parallel_size=3, distributed_executor_backend="mp")
+        except AscendConfigError as exc:
+            print("REFUSED", exc)
+    """,
+        {"VLLM_ASCEND_EMULATE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ACCEPTED") == 8
+    assert "ACCEPTED 8 2 4 16" in result.stdout  # PCP x TP ranks per DP rank
+    assert "REFUSED decode_context_parallel_size 3 must divide tensor_parallel_size 8" in result.stdout

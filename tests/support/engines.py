@@ -1,0 +1,139 @@
+"""vLLM engines in host emulation, each in its own process: ``LLM`` runs by
+``tests/support/vllm_runner.py`` (``run_spec``, ``run_vllm``) and ``vllm serve``
+instances (``VllmServer``, ``vllm_server``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .models import ROOT
+from .ports import free_port
+
+# A single-rank engine with its engine core in the runner process (upstream's switch): the
+# same scheduler and model runner without a second Python start. Multi-rank, serving and
+# NPU-kernel engines keep the engine core as its own process.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def run_spec(spec: dict, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
+    """Run tests/support/vllm_runner.py in a fresh process (``env``: added to its
+    environment; a run's own "env" overrides it for that run): (its JSON result, its whole
+    output: vLLM logs to stdout, Python warnings and tracebacks go to stderr)."""
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.vllm_runner", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stdout + proc.stderr
+
+
+def run_vllm(
+    model: Path,
+    batches: list[list[str]],
+    engine: dict | None = None,
+    max_tokens: int = 16,
+    timeout: int = 600,
+    chats: list[list[dict]] | None = None,
+) -> dict:
+    spec = {
+        "model": str(model),
+        "engine": {"dtype": "float32", "max_model_len": 512, "seed": 0, **(engine or {})},
+        "batches": batches,
+        "chats": chats or [],
+        "max_tokens": max_tokens,
+        "env": IN_PROCESS,
+    }
+    return run_spec(spec, timeout)[0]
+
+
+def vllm_cli() -> str:
+    exe = Path(sys.executable).with_name("vllm")
+    return str(exe) if exe.exists() else shutil.which("vllm")
+
+
+class VllmServer:
+    """``vllm serve`` in host emulation on 127.0.0.1, started at once; ``wait`` until healthy."""
+
+    def __init__(self, model: Path, args: list[str], log: Path, env: dict | None = None):
+        self.port, self.log = free_port(), log
+        cmd = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=dict(os.environ, VLLM_ASCEND_EMULATE="1", **(env or {})),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, deadline: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"vllm serve ({self.log.name}) exited with {self.proc.returncode}:\n"
+                    f"{self.log.read_text()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"vllm serve ({self.log.name}) not healthy in time:\n{self.log.read_text()[-4000:]}"
+                )
+            time.sleep(1)
+
+    def stop(self) -> None:
+        # SIGTERM to `vllm serve` alone, as a service manager stops it: its process manager
+        # then stops the API servers and engine cores in order. Signalling the whole group
+        # at once races them (with DP, an API server logs EngineDeadError as its engine
+        # core exits first), so the group only gets SIGKILL for what is left afterwards.
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the instance at once (a crashed host)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, args: list[str], log: Path, timeout: float = 300, env: dict | None = None):
+    """``vllm serve`` in host emulation on 127.0.0.1; yields its base URL once healthy
+    and stops the whole process group afterwards."""
+    server = VllmServer(model, args, log, env)
+    try:
+        server.wait(time.monotonic() + timeout)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def clean_shutdown(output: str) -> None:
+    """Engine processes ended without a traceback or a force-kill."""
+    assert "Traceback" not in output, output[-4000:]
+    assert "force killing" not in output, output[-4000:]

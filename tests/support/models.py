@@ -1,0 +1,74 @@
+"""Tiny random-weight models (examples/make_tiny_model.py) and their msModelSlim W8A8
+checkpoints (examples/quantize_tiny_model.py), made in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCHS = ("llama", "qwen2", "deepseek_v3")
+# The DeepSeek variant whose MLA sizes (latent 512, rope 64) torch_npu's MLA kernel takes.
+MLA512 = "deepseek_v3_mla512"
+# A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
+QWEN2_KV1 = "qwen2_kv1"
+# name: make_tiny_model.py's options
+VARIANTS = {
+    **{arch: ["--arch", arch] for arch in ARCHS},
+    MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
+    QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],
+}
+
+
+def make_model(out: Path, *args: str) -> Path:
+    """A tiny model by examples/make_tiny_model.py (``args``: its options)."""
+    made = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    return out
+
+
+def quantize_model(model: Path, out: Path, scheme: str, *extra: str) -> Path:
+    """An msModelSlim W8A8 checkpoint of ``model`` by examples/quantize_tiny_model.py."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "quantize_tiny_model.py"),
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--scheme",
+            scheme,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+class TinyModels(Mapping[str, Path]):
+    """The tiny models of ``VARIANTS`` by name, each made into ``base`` on first use (a
+    unit test that needs one model does not pay for the others)."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self._made: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self._made:
+            self._made[name] = make_model(self.base / name, *VARIANTS[name])
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(VARIANTS)
+
+    def __len__(self) -> int:
+        return len(VARIANTS)

@@ -1,0 +1,338 @@
+"""Run the Ascend MoE kernel (strategies + local experts) on N real processes over gloo.
+
+    python -m tests.support.moe_ranks '<json case>'
+
+Every rank joins vLLM's own distributed set-up (world, TP, DP, EP groups; the MC2
+group as the Ascend worker creates it), builds the kernel exactly as the Ascend MoE
+method does, and runs it on its own random tokens and routing inside a forward
+context carrying the DP token counts. Each rank then does what upstream's MoE runner
+does after the kernel (the TP all-reduce when the kernel's output is not already
+reduced) and compares its rows with a dense single-process computation of the whole
+batch by ``reference_moe_experts`` on all experts. It prints one ``RESULT`` JSON line
+per rank: max error, strategies run, bytes it sent per forward.
+
+Case: {"tp": T, "dp": D, "ep": bool, "strategy": "allgather"|"alltoall"|"mc2",
+"tokens": [per DP rank, ...] (or "tokens_grid"), "experts": E, "top_k": K, "hidden": H,
+"inter": I, "seed": S, "dtype": "float32", "skew": bool, "env": {...}, "bench": {"repeats": n},
+"quant": "w8a8_dynamic" (int8 experts with per-channel scales; EP layouts only)}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def problem(case: dict, num_tokens: int, dp_rank: int, seed_offset: int = 0):
+    """This DP rank's tokens and routing (identical on its TP ranks), and the weights."""
+    import torch
+
+    e, k, h, inter = case["experts"], case["top_k"], case["hidden"], case["inter"]
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype)
+    g = torch.Generator().manual_seed(1000 * (dp_rank + 1) + case.get("seed", 0) + seed_offset)
+    x = torch.randn(num_tokens, h, generator=g).to(dtype)
+    # Routing: top-k distinct experts per token, skewed so that some experts get no
+    # tokens (only the first half of the experts is used when "skew" is set).
+    pool = e // 2 if case.get("skew") and e // 2 >= k else e
+    scores = torch.rand(num_tokens, pool, generator=g)
+    ids = scores.topk(k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(num_tokens, k, generator=g).softmax(dim=1)
+    return x, weights, ids, w13, w2
+
+
+def quantize_experts(w):
+    """Per expert and output channel symmetric int8 (msModelSlim's W8A8_DYNAMIC weights)."""
+    import torch
+
+    scale = (w.float().abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    return torch.round(w.float() / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
+
+
+def _rank(rank: int, world: int, port: int, case: dict, queue) -> None:
+    os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
+    os.environ.update(case.get("env", {}))  # before vllm is imported: kernels are bound at import
+    for entry in reversed(case.get("env", {}).get("PYTHONPATH", "").split(os.pathsep)):
+        if entry:
+            sys.path.insert(0, entry)  # the spawned interpreter read PYTHONPATH before this
+    try:
+        queue.put(run_rank(rank, world, port, case))
+    except BaseException as exc:  # reported to the parent, which fails the test
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
+    import torch
+
+    import vllm  # noqa: F401  (the Ascend platform is picked up by the import)
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    from vllm.ascend.distributed.groups import init_mc2_group
+    from vllm.ascend.kernels.mc2 import MAX_BATCH
+    from vllm.ascend.moe import selector
+    from vllm.ascend.moe.experts import AscendExperts
+    from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
+
+    tp, dp, use_ep = case["tp"], case["dp"], case.get("ep", True)
+    e, k, h, inter = case["experts"], case["top_k"], case["hidden"], case["inter"]
+    dp_rank, tp_rank = divmod(rank, tp)
+    # What torchrun would set; the external-launcher config derives the DP rank from it.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    pc = ParallelConfig(
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        data_parallel_rank=dp_rank,
+        enable_expert_parallel=use_ep,
+        distributed_executor_backend="external_launcher",
+    )
+    cfg = VllmConfig(parallel_config=pc)
+    with set_current_vllm_config(cfg):
+        ps.init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        ps.initialize_model_parallel(tp, 1)
+        init_workspace_manager(torch.device("cpu"))
+        if use_ep and world > 1:
+            init_mc2_group("gloo")
+        moe_pc = FusedMoEParallelConfig.make(
+            tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1, vllm_parallel_config=pc
+        )
+        ep_size, ep_rank = moe_pc.ep_size, moe_pc.ep_rank
+        local_e, expert_map = e, None
+        if moe_pc.use_ep:
+            local_e, expert_map, _ = determine_expert_map(ep_size, ep_rank, e)
+        moe = FusedMoEConfig(
+            num_experts=e,
+            experts_per_token=k,
+            hidden_dim=h,
+            intermediate_size=inter,
+            num_local_experts=local_e,
+            num_logical_experts=e,
+            activation=MoEActivation.SILU,
+            device="cpu",
+            routing_method=RoutingMethodType.Renormalize,
+            moe_parallel_config=moe_pc,
+            in_dtype=getattr(torch, case.get("dtype", "float32")),
+        )
+        if case.get("quant") == "w8a8_dynamic":  # int8 experts (vllm/ascend/quantization/moe.py)
+            from types import SimpleNamespace
+
+            from vllm.ascend.quantization.moe import AscendW8A8DynamicExperts
+
+            if not moe_pc.use_ep:
+                raise ValueError("quantized cases need EP: per-token scales of a sharded intermediate differ")
+            *_, w13, w2 = problem(case, 0, 0)
+            ids = torch.nonzero(expert_map >= 0).flatten() if expert_map is not None else torch.arange(e)
+            q13, s13 = quantize_experts(w13[ids])
+            q2, s2 = quantize_experts(w2[ids])
+            holder = SimpleNamespace(w13_weight_scale=s13, w2_weight_scale=s2)
+            experts = AscendW8A8DynamicExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG, holder)
+        else:
+            experts = AscendExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
+        kernel = mk.FusedMoEKernel(AscendMoEPrepareAndFinalize(moe, cfg), experts)
+        rounds = case.get("tokens_grid") or [case["tokens"]]
+        repeats = case.get("bench", {}).get("repeats", 1)
+        results = []
+        comms = [selector.MoEComm(name) for name in case.get("strategies") or [case["strategy"]]]
+        for tokens in rounds:
+            # MC2 carries at most MAX_BATCH tokens per rank: larger rounds skip it.
+            usable = [c for c in comms if c is not selector.MoEComm.MC2 or max(tokens) <= MAX_BATCH * tp]
+            results += _one_round(
+                case, cfg, kernel, usable, tokens, dp_rank, tp, e, expert_map, moe_pc, repeats
+            )
+        calls = {}
+        try:
+            import torch_npu  # the contract double when the case runs the NPU kernels
+
+            calls = dict(torch_npu._contract.calls)
+        except ImportError:
+            pass
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    from vllm.ascend.kernels import mc2, moe
+
+    bound = [moe.moe_experts.__name__, mc2.mc2_dispatch.__name__, mc2.mc2_combine.__name__]
+    return {"rank": rank, "results": results, "npu_calls": calls, "kernels": bound}
+
+
+def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe_pc, repeats) -> list[dict]:
+    """Every strategy on the same tokens; with repeats, one warm-up call each, then the
+    strategies take turns so that all see the same machine conditions."""
+    import torch
+    import torch.distributed as dist
+
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed import tensor_model_parallel_all_reduce
+    from vllm.forward_context import get_forward_context, set_forward_context
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from vllm.ascend.kernels.moe import reference_moe_experts
+    from vllm.ascend.moe import selector
+    from vllm.ascend.moe.step import MoEStep
+
+    inter = case["inter"]
+    x, w, ids, w13, w2 = problem(case, tokens[dp_rank], dp_rank)
+    quantized = case.get("quant") == "w8a8_dynamic"
+    if quantized:
+        w13, s13 = quantize_experts(w13)
+        w2, s2 = quantize_experts(w2)
+    if moe_pc.use_ep:
+        global_ids = torch.nonzero(expert_map >= 0).flatten()
+        lw13, lw2 = w13[global_ids], w2[global_ids]
+    else:  # no EP: experts' intermediate dimension is sharded over every rank
+        shard = inter // moe_pc.tp_size
+        rows = slice(moe_pc.tp_rank * shard, (moe_pc.tp_rank + 1) * shard)
+        lw13 = torch.cat([w13[:, :inter][:, rows], w13[:, inter:][:, rows]], dim=1)
+        lw2 = w2[:, :, rows]
+    max_tokens = max(tokens)
+    across = torch.tensor(tokens, dtype=torch.int32)
+    times = {c: [] for c in comms}
+    outs, sent, reduced = {}, {}, {}
+    for repeat in range(repeats + (1 if repeats > 1 else 0)):
+        for comm in comms:
+            step = MoEStep(comm, max_tokens, selector.mc2_padded_tokens(max_tokens, tp))
+            with set_forward_context(None, cfg, num_tokens=tokens[dp_rank], num_tokens_across_dp=across):
+                ctx = get_forward_context()
+                ctx.additional_kwargs["ascend_moe"] = step
+                sizes = ctx.dp_metadata.sp_local_sizes(1, 1, moe_pc.use_ep) if ctx.dp_metadata else None
+                dist.barrier(group=ps.get_world_group().cpu_group)
+                with _count_bytes() as counter:
+                    t0 = time.perf_counter()
+                    with sizes if sizes is not None else _nothing():
+                        out = kernel.apply(x, lw13, lw2, w, ids, MoEActivation.SILU, e, expert_map, False)
+                    reduced[comm] = kernel.output_is_reduced()
+                    if not reduced[comm] and (moe_pc.tp_size > 1 or moe_pc.ep_size > 1):
+                        out = tensor_model_parallel_all_reduce(out)
+                    elapsed = time.perf_counter() - t0
+                if repeats == 1 or repeat > 0:
+                    times[comm].append(elapsed)
+                outs[comm], sent[comm] = out, counter.bytes
+    if quantized:  # all experts in one process, same int8 math
+        from vllm.ascend.kernels.moe import reference_moe_experts_w8a8_dynamic
+
+        expected = reference_moe_experts_w8a8_dynamic(x.float(), w13, w2, s13, s2, w, ids).float()
+    else:
+        expected = reference_moe_experts(x.float(), w13.float(), w2.float(), w, ids)
+    return [
+        {
+            "strategy": comm.value,
+            "tokens": tokens,
+            "reduced": reduced[comm],
+            "error": float((outs[comm].float() - expected).abs().max()) if tokens[dp_rank] else 0.0,
+            "scale": float(expected.abs().max()) if tokens[dp_rank] else 0.0,
+            "median_s": statistics.median(times[comm]),
+            "bytes_sent": sent[comm],
+        }
+        for comm in comms
+    ]
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _count_bytes:
+    """Bytes this rank hands to collectives (what leaves it: an all-gather sends its
+    input to every peer, an all-to-all sends the parts addressed to others)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.bytes = 0
+        self._saved = {}
+
+        def wrap(name, cost):
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def counted(*args, **kwargs):
+                group = kwargs.get("group")
+                peers = dist.get_world_size(group) - 1 if group is not None else 0
+                self.bytes += cost(peers, *args, **kwargs)
+                return original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        wrap("all_gather_into_tensor", lambda peers, out, inp, **kw: nbytes(inp) * peers)
+        wrap("reduce_scatter_tensor", lambda peers, out, inp, **kw: nbytes(inp) * peers // (peers + 1))
+        wrap("all_reduce", lambda peers, t, **kw: 2 * nbytes(t) * peers // (peers + 1))
+
+        def a2a(peers, out, inp, out_splits=None, in_splits=None, **kw):
+            if peers == 0 or inp.numel() == 0:
+                return 0
+            row = nbytes(inp) // inp.shape[0]
+            if in_splits is None:
+                return nbytes(inp) * peers // (peers + 1)
+            group = kw.get("group")
+            me = dist.get_rank(group)
+            return row * (sum(in_splits) - in_splits[me])
+
+        wrap("all_to_all_single", a2a)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def run(case: dict, timeout: float = 600) -> list[dict]:
+    world = case["tp"] * case["dp"]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, case, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = []
+    deadline = time.monotonic() + timeout
+    try:
+        for _ in procs:
+            out.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def main() -> None:
+    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Run vLLM (LLM API) engines in this process and print JSON results.
+
+    python -m tests.support.vllm_runner '<json spec>'
+
+Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
+"chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
+"drafter_parameters": true (also return the drafter's parameter sums; the engine's
+processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "kv_dump": {"prompt": str,
+"dir": DIR} (before the batches, prefill that prompt alone and have every worker save its
+first attention layer's KV planes of the request's blocks to DIR/rank<N>.pt; needs
+VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1), "env": {...}}, or
+{"runs": [spec, ...]} to run several engines one after another in this process (each
+with its own environment overrides, applied before its engine processes start).
+Batches run one after another on the same engine (so later batches can hit the
+prefix cache). Output per run: {"batches": [[{"token_ids": [...], "logprobs": [[[id,
+lp], ...] per step] (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
+"chats": [...], "startup_s": t, "generate_s": t (all batches), "counters": {name: value}}
+(vLLM's counter metrics, when the engine has ``"disable_log_stats": false``); with "runs"
+the output is {"runs": [...]}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+def _run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    saved = {k: os.environ.get(k) for k in spec.get("env", {})}
+    os.environ.update(spec.get("env", {}))
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model=spec["model"], **spec.get("engine", {}))
+        startup = time.perf_counter() - t0
+        params = SamplingParams(
+            **{
+                "max_tokens": spec.get("max_tokens", 16),
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": spec.get("logprobs"),
+                **spec.get("sampling", {}),
+            }
+        )
+        kv_dump = _kv_dump(llm, **spec["kv_dump"]) if "kv_dump" in spec else None
+        results = []
+        t0 = time.perf_counter()
+        for batch in spec["batches"]:
+            outs = llm.generate(batch, params, use_tqdm=False)
+            results.append([_completion(o) for o in outs])
+        generate = time.perf_counter() - t0
+        chats = []
+        for conversation in spec.get("chats", []):
+            [out] = llm.chat(conversation, params, use_tqdm=False)
+            chats.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text})
+        counters = _counters(llm)
+        drafter = llm.collective_rpc(_drafter_parameters)[0] if spec.get("drafter_parameters") else None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {
+        "batches": results,
+        "chats": chats,
+        "startup_s": startup,
+        "generate_s": generate,
+        "counters": counters,
+        "drafter_parameters": drafter,
+        "kv_dump": kv_dump,
+    }
+
+
+def _kv_dump(llm, prompt: str, dir: str) -> dict:
+    """Prefill ``prompt`` alone by stepping the in-process engine core until its prompt is
+    computed (before any decode step writes more KV), then dump every worker's cache."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    engine.add_request("kv-dump", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    scheduler = engine.engine_core.engine_core.scheduler
+    while True:
+        engine.step()
+        [request] = scheduler.requests.values()
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            break
+    block_ids = list(scheduler.kv_cache_manager.get_block_ids(request.request_id)[0])
+    llm.collective_rpc(_save_kv, args=(block_ids, dir))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"prompt_len": request.num_prompt_tokens, "block_ids": block_ids}
+
+
+def _save_kv(worker, block_ids: list[int], directory: str) -> None:
+    """Runs in the worker: the first attention layer's cache planes at ``block_ids``, head-major
+    ``[blocks, heads, block_size, D]`` (MLA: latent | rope; GQA: K | V)."""
+    import torch
+
+    from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
+
+    from vllm.ascend.attention.kv_layout import gqa_planes, mla_planes
+
+    context = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    name = next(n for n in sorted(context) if ".layers.0." in n and hasattr(context[n], "kv_cache"))
+    layer = context[name]
+    impl, cache = layer.impl, layer.kv_cache
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    if hasattr(impl, "kv_lora_rank"):
+        planes = [p[ids].transpose(1, 2) for p in mla_planes(cache, impl.kv_lora_rank)]
+    else:
+        planes = [p[ids] for p in gqa_planes(cache, impl.head_size, cache.shape[-1] - impl.head_size)]
+    torch.save(
+        {
+            "tp_rank": get_tp_group().rank_in_group,
+            "pcp_rank": get_pcp_group().rank_in_group,
+            "planes": torch.cat(planes, dim=-1).clone(),
+        },
+        f"{directory}/rank{worker.rank}.pt",
+    )
+
+
+def _drafter_parameters(worker) -> dict:
+    """Runs in the worker: the speculative drafter's parameters (name -> float64 sum and
+    element count), to compare with the checkpoint it was loaded from."""
+    model = worker.model_runner.drafter.model
+    return {name: [float(p.detach().double().sum()), p.numel()] for name, p in model.named_parameters()}
+
+
+def _counters(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter
+
+    try:
+        metrics = llm.get_metrics()
+    except AssertionError:  # stats logging is off for this engine
+        return {}
+    counters: dict = {}
+    for m in metrics:
+        if isinstance(m, Counter):  # summed over engines (data-parallel ranks)
+            counters[m.name] = counters.get(m.name, 0) + m.value
+    return counters
+
+
+def _completion(o) -> dict:
+    out = {
+        "token_ids": list(o.outputs[0].token_ids),
+        "text": o.outputs[0].text,
+        "num_cached_tokens": o.num_cached_tokens or 0,
+        "prompt_len": len(o.prompt_token_ids),
+    }
+    if o.outputs[0].logprobs is not None:
+        out["logprobs"] = [
+            sorted(([tid, lp.logprob] for tid, lp in step.items()), key=lambda p: -p[1])
+            for step in o.outputs[0].logprobs
+        ]
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
+    if "runs" in spec:
+        result = {"runs": [_run(run) for run in spec["runs"]]}
+    else:
+        result = _run(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

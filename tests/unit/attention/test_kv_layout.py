@@ -1,0 +1,73 @@
+"""The Ascend KV-cache layout: planes are views of the layer's region, and every head
+slice of a block is the one contiguous byte run LayerLayout says it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm.ascend.attention.kv_layout import KVLayoutError, LayerLayout, gqa_planes, mla_planes
+
+
+def _bytes_of(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
+    """(offset, length) in bytes of a contiguous tensor inside ``base``'s storage."""
+    assert t.is_contiguous()
+    return t.data_ptr() - base.data_ptr(), t.numel() * t.element_size()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.integers(1, 6),
+    heads=st.integers(1, 5),
+    block_size=st.sampled_from([1, 4, 16]),
+    head_size=st.sampled_from([2, 8]),
+    head_size_v=st.sampled_from([2, 8]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    data=st.data(),
+)
+def test_gqa_head_slices_are_one_run(blocks, heads, block_size, head_size, head_size_v, dtype, data):
+    region = torch.zeros(blocks, heads, block_size, head_size + head_size_v, dtype=dtype)
+    k, v = gqa_planes(region, head_size, head_size_v)
+    assert k.shape == (blocks, heads, block_size, head_size)
+    assert v.shape == (blocks, heads, block_size, head_size_v)
+    assert k.data_ptr() == region.data_ptr()  # views: no copy, planes back to back
+    layout = LayerLayout.gqa(blocks, heads, block_size, head_size, head_size_v, region.element_size())
+    assert layout.total_bytes == region.numel() * region.element_size()
+    block = data.draw(st.integers(0, blocks - 1))
+    h0 = data.draw(st.integers(0, heads - 1))
+    h1 = data.draw(st.integers(h0 + 1, heads))
+    for index, plane in enumerate((k, v)):
+        assert _bytes_of(plane[block, h0:h1], region) == layout.run(index, block, h0, h1)
+    # Writing through a plane lands exactly in that run of the region's bytes.
+    k[block, h0:h1] = 1
+    raw = region.view(-1).view(torch.uint8)
+    offset, length = layout.run(0, block, h0, h1)
+    touched = (raw != 0).nonzero().flatten()
+    assert touched.min() >= offset and touched.max() < offset + length
+
+
+def test_mla_planes_and_runs():
+    blocks, block_size, rank, rope = 3, 4, 8, 2
+    region = torch.zeros(blocks, block_size, rank + rope)
+    latent, rope_plane = mla_planes(region, rank)
+    assert latent.shape == (blocks, block_size, 1, rank) and rope_plane.shape == (blocks, block_size, 1, rope)
+    layout = LayerLayout.mla(blocks, block_size, rank, rope, region.element_size())
+    for block in range(blocks):
+        assert _bytes_of(latent[block], region) == layout.run(0, block)
+        assert _bytes_of(rope_plane[block], region) == layout.run(1, block)
+
+
+def test_non_contiguous_region_is_refused_with_the_fix():
+    strided = torch.zeros(4, 2, 8, 6).transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(KVLayoutError, match="LBHNC"):
+        gqa_planes(strided, 3, 3)
+
+
+def test_run_bounds_are_checked():
+    layout = LayerLayout.gqa(2, 2, 4, 8, 8, 2)
+    with pytest.raises(IndexError):
+        layout.run(0, 2)
+    with pytest.raises(IndexError):
+        layout.run(1, 0, 1, 1)

@@ -1,0 +1,167 @@
+"""Reference kernels against brute-force computations that share no code with them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm.ascend.kernels import attention, mla, moe, slot_mapping
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 4, 16]))
+def test_slot_mapping_matches_brute_force(data, block_size):
+    max_blocks = 8
+    capacity = max_blocks * block_size
+    lens = data.draw(st.lists(st.integers(0, min(9, capacity)), min_size=1, max_size=5))
+    starts = [data.draw(st.integers(0, capacity - n)) for n in lens]
+    table = torch.tensor(
+        data.draw(
+            st.lists(
+                st.lists(st.integers(0, 50), min_size=max_blocks, max_size=max_blocks),
+                min_size=len(lens),
+                max_size=len(lens),
+            )
+        ),
+        dtype=torch.int32,
+    )
+    positions, expected = [], []
+    for r, (n, s) in enumerate(zip(lens, starts)):
+        for p in range(s, s + n):
+            positions.append(p)
+            expected.append(int(table[r, p // block_size]) * block_size + p % block_size)
+    qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0).tolist()), dtype=torch.int32)
+    out = torch.full((len(positions) + 3,), 777, dtype=torch.int64)
+    slot_mapping.compute_slot_mapping(
+        len(positions),
+        len(positions) + 3,
+        qsl,
+        torch.tensor(positions, dtype=torch.int64),
+        table,
+        max_blocks,
+        out,
+        block_size,
+        1,
+        0,
+        1,
+        -1,
+        1024,
+    )
+    assert out[: len(positions)].tolist() == expected
+    assert out[len(positions) :].tolist() == [-1, -1, -1]
+
+
+def _dense_attention(q, k, v, context, scale):
+    """Textbook softmax(q k^T) v with an explicit loop mask, one head at a time."""
+    q_len, heads, _ = q.shape
+    group = heads // k.shape[1]
+    out = torch.zeros(q_len, heads, v.shape[-1], dtype=torch.float64)
+    for h in range(heads):
+        kh, vh = k[:, h // group].double(), v[:, h // group].double()
+        for i in range(q_len):
+            allowed = context + i + 1
+            scores = (kh[:allowed] @ q[i, h].double()) * scale
+            w = torch.softmax(scores, 0)
+            out[i, h] = w @ vh[:allowed]
+    return out
+
+
+def test_paged_attention_matches_dense_attention():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size, num_blocks = 4, 2, 8, 4, 32
+    k_plane = torch.zeros(num_blocks, kv_heads, block_size, dim)
+    v_plane = torch.zeros(num_blocks, kv_heads, block_size, dim)
+    # Two requests: one with 6 cached tokens + 3 new (chunked prefill / prefix hit), one decode.
+    seqs = [(9, 3), (5, 1)]
+    perm = torch.randperm(num_blocks).tolist()
+    block_table = torch.zeros(2, 8, dtype=torch.int32)
+    ks, vs, qs = [], [], []
+    for r, (seq_len, q_len) in enumerate(seqs):
+        blocks = perm[r * 8 : r * 8 + 8]
+        block_table[r] = torch.tensor(blocks)
+        k, v = torch.randn(seq_len, kv_heads, dim), torch.randn(seq_len, kv_heads, dim)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)])
+        attention.reference_write_kv_cache(k, v, k_plane, v_plane, slots)
+        ks.append(k), vs.append(v), qs.append(torch.randn(q_len, heads, dim))
+    # Head-major planes: token p of head h sits at [block, h, offset].
+    b0, off = block_table[0, 5 // block_size], 5 % block_size
+    torch.testing.assert_close(k_plane[b0, :, off], ks[0][5])
+    query = torch.cat(qs)
+    out = torch.zeros_like(query)
+    attention.reference_paged_attention(
+        query, k_plane, v_plane, block_table, [0, 3, 4], [9, 5], 1 / math.sqrt(dim), out
+    )
+    qsl = [0, 3, 4]
+    for r, (seq_len, q_len) in enumerate(seqs):
+        expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim))
+        torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_write_skips_padding_slots():
+    k_plane = torch.zeros(2, 1, 2, 1)
+    v_plane = torch.zeros(2, 1, 2, 1)
+    k = torch.tensor([[[1.0]], [[2.0]], [[3.0]]])
+    attention.reference_write_kv_cache(k, -k, k_plane, v_plane, torch.tensor([3, -1, 0]))
+    assert k_plane.flatten().tolist() == [3.0, 0.0, 0.0, 1.0]
+    assert v_plane.flatten().tolist() == [-3.0, 0.0, 0.0, -1.0]
+
+
+def test_mla_decode_matches_expanded_attention():
+    """Absorbed MLA decode equals ordinary attention over the expanded keys/values."""
+    torch.manual_seed(1)
+    heads, rank, rope, block_size = 3, 16, 4, 4
+    seq_len = 7
+    latent, rope_plane = torch.zeros(4, block_size, 1, rank), torch.zeros(4, block_size, 1, rope)
+    c, pe = torch.randn(seq_len, rank), torch.randn(seq_len, 1, rope)
+    block_row = torch.tensor([2, 0], dtype=torch.int32)
+    slots = torch.tensor(
+        [int(block_row[p // block_size]) * block_size + p % block_size for p in range(seq_len)]
+    )
+    mla.reference_write_latent_cache(c, pe, latent, rope_plane, slots)
+    q_nope, q_pe = torch.randn(1, heads, rank), torch.randn(1, heads, rope)
+    out = mla.reference_mla_decode(q_nope, q_pe, latent, rope_plane, block_row.unsqueeze(0), [seq_len], 0.3)
+    keys = torch.cat([c, pe.squeeze(1)], dim=-1)  # per-token key shared by all heads
+    q = torch.cat([q_nope[0], q_pe[0]], dim=-1)
+    expected = torch.softmax(q @ keys.t() * 0.3, dim=-1) @ c
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_prefill_attention_matches_dense_attention():
+    torch.manual_seed(3)
+    heads, dqk, dv = 2, 8, 4
+    q_lens, kv_lens = [3, 0, 2], [5, 4, 2]
+    q = torch.randn(sum(q_lens), heads, dqk)
+    k, v = torch.randn(sum(kv_lens), heads, dqk), torch.randn(sum(kv_lens), heads, dv)
+    out = mla.reference_prefill_attention(q, k, v, q_lens, kv_lens, 0.5)
+    qs = ks = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        expected = _dense_attention(
+            q[qs : qs + q_len], k[ks : ks + kv_len], v[ks : ks + kv_len], kv_len - q_len, 0.5
+        )
+        torch.testing.assert_close(out[qs : qs + q_len].double(), expected, rtol=1e-5, atol=1e-5)
+        qs, ks = qs + q_len, ks + kv_len
+
+
+def test_moe_experts_match_per_token_loop():
+    torch.manual_seed(2)
+    tokens, hidden, inter, experts, k = 6, 8, 5, 4, 2
+    x = torch.randn(tokens, hidden)
+    w13, w2 = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k)
+    out = moe.reference_moe_experts(x, w13, w2, weights, ids)
+    for t in range(tokens):
+        acc = torch.zeros(hidden)
+        for j in range(k):
+            e = int(ids[t, j])
+            g, u = (w13[e] @ x[t]).split(inter)
+            acc += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
+        torch.testing.assert_close(out[t], acc, rtol=1e-4, atol=1e-4)
+    # With an expert map that drops experts 0 and 1 (held by another rank), only 2 and 3 count.
+    emap = torch.tensor([-1, -1, 0, 1])
+    part = moe.reference_moe_experts(x, w13[2:], w2[2:], weights, ids, expert_map=emap)
+    masked = weights * (ids >= 2)
+    torch.testing.assert_close(part, moe.reference_moe_experts(x, w13, w2, masked, ids), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,486 @@
+"""The distribution's NPU kernels (``npu_*``) run through the torch_npu contract double
+on random shapes: every torch_npu call must pass the contract, and the results must
+equal the reference kernels (bf16, the dtype the NPU kernels take)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch_npu = pytest.importorskip("torch_npu")
+
+from vllm.ascend.kernels import (  # noqa: E402
+    attention,
+    mla,
+    moe,
+    quant,  # noqa: E402
+)
+
+BF16 = torch.bfloat16
+TOL = dict(rtol=3e-2, atol=3e-2)
+
+
+def _requests(data, block_size: int, max_blocks: int):
+    """(kv_len, q_len) per request: prefill, chunked prefill / prefix hit, decode."""
+    n = data.draw(st.integers(1, 4))
+    out = []
+    for _ in range(n):
+        kv = data.draw(st.integers(1, block_size * max_blocks))
+        q = data.draw(st.sampled_from([1, min(kv, 3), kv]))
+        out.append((kv, q))
+    return out
+
+
+def _slots(table, kv_len, q_len, block_size):
+    return [int(table[p // block_size]) * block_size + p % block_size for p in range(kv_len - q_len, kv_len)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    head_size=st.sampled_from([16, 64]),
+    block_size=st.sampled_from([128, 256]),
+)
+def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_size, block_size):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    max_blocks = 3
+    reqs = _requests(data, block_size, max_blocks)
+    num_blocks = 1 + max_blocks * len(reqs)  # block 0 is vLLM's null block
+    table = torch.arange(1, num_blocks, dtype=torch.int32).view(len(reqs), max_blocks)
+    shape = (num_blocks, kv_heads, block_size, head_size)
+    planes = {
+        name: (torch.zeros(shape, dtype=BF16), torch.zeros(shape, dtype=BF16)) for name in ("npu", "ref")
+    }
+    # History first (as earlier steps wrote it), then this step's tokens plus two padding slots.
+    history = [torch.randn(kv - q, kv_heads, head_size, dtype=BF16) for kv, q in reqs]
+    for r, (kv, q) in enumerate(reqs):
+        if kv > q:
+            slots = torch.tensor(_slots(table[r], kv - q, kv - q, block_size))
+            writers = (("npu", attention.npu_write_kv_cache), ("ref", attention.reference_write_kv_cache))
+            for name, write in writers:
+                write(history[r], -history[r], *planes[name], slots)
+    new = sum(q for _, q in reqs)
+    key = torch.randn(new + 2, kv_heads, head_size, dtype=BF16)
+    value = torch.randn(new + 2, kv_heads, head_size, dtype=BF16)
+    slots = sum((_slots(table[r], kv, q, block_size) for r, (kv, q) in enumerate(reqs)), [])
+    slots = torch.tensor(slots + [-1, -1])
+    attention.npu_write_kv_cache(key, value, *planes["npu"], slots)
+    attention.reference_write_kv_cache(key, value, *planes["ref"], slots)
+    for npu_plane, ref_plane in zip(planes["npu"], planes["ref"]):
+        assert torch.equal(npu_plane[1:], ref_plane[1:])  # padding went to the null block only
+    query = torch.randn(new, kv_heads * group, head_size, dtype=BF16)
+    qsl = torch.tensor([0] + [q for _, q in reqs]).cumsum(0).tolist()
+    seq_lens = [kv for kv, _ in reqs]
+    out_npu, out_ref = torch.zeros_like(query), torch.zeros_like(query)
+    attention.npu_paged_attention(query, *planes["npu"], table, qsl, seq_lens, head_size**-0.5, out_npu)
+    scale = head_size**-0.5
+    attention.reference_paged_attention(query, *planes["ref"], table, qsl, seq_lens, scale, out_ref)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), heads=st.sampled_from([4, 32, 100]), block_size=st.sampled_from([16, 128]))
+def test_mla_write_decode_and_prefill_equal_reference(data, heads, block_size):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    rank, rope_dim, max_blocks = 512, 64, 2
+    reqs = _requests(data, block_size, max_blocks)
+    num_blocks = 1 + max_blocks * len(reqs)
+    table = torch.arange(1, num_blocks, dtype=torch.int32).view(len(reqs), max_blocks)
+    planes = {
+        name: (
+            torch.zeros(num_blocks, block_size, 1, rank, dtype=BF16),
+            torch.zeros(num_blocks, block_size, 1, rope_dim, dtype=BF16),
+        )
+        for name in ("npu", "ref")
+    }
+    total = sum(kv for kv, _ in reqs)
+    kv_c = torch.randn(total + 1, rank, dtype=BF16)
+    k_pe = torch.randn(total + 1, 1, rope_dim, dtype=BF16)
+    slots = sum((_slots(table[r], kv, kv, block_size) for r, (kv, _) in enumerate(reqs)), [])
+    slots = torch.tensor(slots + [-1])
+    mla.npu_write_latent_cache(kv_c, k_pe, *planes["npu"], slots)
+    mla.reference_write_latent_cache(kv_c, k_pe, *planes["ref"], slots)
+    for npu_plane, ref_plane in zip(planes["npu"], planes["ref"]):
+        assert torch.equal(npu_plane[1:], ref_plane[1:])
+    seq_lens = [kv for kv, _ in reqs]
+    q_nope = torch.randn(len(reqs), heads, rank, dtype=BF16)
+    q_pe = torch.randn(len(reqs), heads, rope_dim, dtype=BF16)
+    out_npu = mla.npu_mla_decode(q_nope, q_pe, *planes["npu"], table, seq_lens, 0.04)
+    out_ref = mla.reference_mla_decode(q_nope, q_pe, *planes["ref"], table, seq_lens, 0.04)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    # Prefill attention over expanded keys/values (V narrower than Q/K, as in DeepSeek).
+    q_lens = [q for _, q in reqs]
+    q = torch.randn(sum(q_lens), 4, 96, dtype=BF16)
+    k = torch.randn(total, 4, 96, dtype=BF16)
+    v = torch.randn(total, 4, 32, dtype=BF16)
+    torch.testing.assert_close(
+        mla.npu_prefill_attention(q, k, v, q_lens, seq_lens, 0.1).float(),
+        mla.reference_prefill_attention(q, k, v, q_lens, seq_lens, 0.1).float(),
+        **TOL,
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    data=st.data(),
+    tokens=st.integers(1, 9),
+    experts=st.sampled_from([2, 4, 8]),
+    top_k=st.sampled_from([1, 2]),
+    with_map=st.booleans(),
+)
+def test_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    hidden, inter = 16, 8
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    w13 = (torch.randn(experts, 2 * inter, hidden) * 0.2).to(BF16)
+    w2 = (torch.randn(experts, hidden, inter) * 0.2).to(BF16)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    expert_map = None
+    if with_map:  # this rank holds the upper half of the experts (some tokens route to none of them)
+        local = experts // 2
+        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
+        w13, w2 = w13[experts - local :], w2[experts - local :]
+    out_npu = moe.npu_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
+    out_ref = moe.reference_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 9),
+    k=st.sampled_from([16, 48]),
+    n=st.sampled_from([8, 24]),
+    dtype=st.sampled_from([BF16, torch.float16]),
+    with_bias=st.booleans(),
+)
+def test_w8a8_linear_kernels_equal_reference(data, rows, k, n, dtype, with_bias):
+    """Static and dynamic W8A8 through torch_npu's quantize / dynamic-quant / quant-matmul
+    ops: the int8 activations agree with the reference but for ties the reciprocal form
+    may round differently (at most one step), and the outputs agree to the output dtype."""
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    x = (torch.randn(rows, k) * 2).to(dtype)
+    w_q = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    scale, offset = torch.tensor([0.03]), torch.tensor([5.0])
+    xq_npu = quant.npu_quantize_static(x, *quant.npu_static_params(scale, offset, k))
+    xq_ref = quant.reference_quantize_static(x, *quant.reference_static_params(scale, offset, k))
+    assert xq_npu.dtype == torch.int8 and (xq_npu.int() - xq_ref.int()).abs().max() <= 1
+    deq = torch.rand(n) * 1e-3
+    qbias = torch.randint(-1000, 1000, (n,), dtype=torch.int32) if with_bias else None
+    out = quant.npu_matmul_static(xq_ref, w_q, deq, qbias, dtype)
+    torch.testing.assert_close(
+        out.float(), quant.reference_matmul_static(xq_ref, w_q, deq, qbias, dtype).float(), **TOL
+    )
+    xq_d, s_d = quant.npu_quantize_dynamic(x)
+    xq_r, s_r = quant.reference_quantize_dynamic(x)
+    assert torch.equal(xq_d, xq_r) and torch.equal(s_d, s_r)
+    w_scale = torch.rand(n) * 1e-2
+    bias = torch.randn(n).to(dtype) if with_bias else None
+    out = quant.npu_matmul_dynamic(xq_d, w_q, w_scale, s_d, bias, dtype)
+    ref = quant.reference_matmul_dynamic(xq_r, w_q, w_scale, s_r, bias, dtype)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.data(),
+    tokens=st.integers(1, 12),
+    experts=st.sampled_from([4, 8]),
+    top_k=st.sampled_from([1, 2]),
+    with_map=st.booleans(),
+)
+def test_w8a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    hidden, inter = 16, 8
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    w13 = torch.randint(-128, 128, (experts, 2 * inter, hidden), dtype=torch.int8)
+    w2 = torch.randint(-128, 128, (experts, hidden, inter), dtype=torch.int8)
+    s13, s2 = torch.rand(experts, 2 * inter) * 2e-3, torch.rand(experts, hidden) * 2e-3
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    expert_map = None
+    if with_map:
+        local = experts // 2
+        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
+        w13, w2, s13, s2 = (
+            w13[experts - local :],
+            w2[experts - local :],
+            s13[experts - local :],
+            s2[experts - local :],
+        )
+    out_npu = moe.npu_moe_experts_w8a8_dynamic(x, w13, w2, s13, s2, weights, ids, expert_map=expert_map)
+    out_ref = moe.reference_moe_experts_w8a8_dynamic(x, w13, w2, s13, s2, weights, ids, expert_map=expert_map)
+    # the NPU form's scales are bfloat16 (documented for bfloat16 output), the reference's float32
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), rtol=6e-2, atol=6e-2)
+
+
+def test_npu_slots_send_padding_to_the_null_block():
+    """Padding tokens (slot -1) are written to slot 0 (block 0, vLLM's null block) without
+    a host sync; through the double, the write lands there and nowhere else."""
+    slots = attention.npu_slots(torch.tensor([5, -1, 130, 7]), 3)
+    assert slots.dtype == torch.int64 and slots.tolist() == [5, 0, 130]
+    planes = (torch.zeros(3, 2, 128, 16, dtype=BF16), torch.zeros(3, 2, 128, 16, dtype=BF16))
+    key = torch.randn(3, 2, 16, dtype=BF16)
+    attention.npu_write_kv_cache(key, -key, *planes, torch.tensor([5, -1, 130]))
+    k_plane, v_plane = planes
+    assert torch.equal(k_plane[0, :, 0], key[1]) and torch.equal(v_plane[0, :, 0], -key[1])
+    assert torch.equal(k_plane[0, :, 5], key[0]) and torch.equal(k_plane[1, :, 2], key[2])
+    assert int((k_plane != 0).any(dim=-1).sum()) == 3 * 2  # three tokens x two heads, nothing else
+
+
+@pytest.mark.parametrize("heads", [1, 32, 33, 64, 65, 128])
+def test_mla_decode_pads_heads_to_the_documented_counts(heads):
+    padded = mla.npu_padded_heads(heads)
+    assert padded == min(n for n in (32, 64, 128) if n >= heads)
+    torch.manual_seed(heads)
+    latent = torch.randn(2, 16, 1, 512, dtype=BF16)
+    rope = torch.randn(2, 16, 1, 64, dtype=BF16)
+    table = torch.tensor([[1]], dtype=torch.int32)
+    q_nope, q_pe = torch.randn(1, heads, 512, dtype=BF16), torch.randn(1, heads, 64, dtype=BF16)
+    out = mla.npu_mla_decode(q_nope, q_pe, latent, rope, table, [9], 0.04)  # the double checks num_heads
+    assert out.shape == (1, heads, 512)
+    torch.testing.assert_close(
+        out.float(), mla.reference_mla_decode(q_nope, q_pe, latent, rope, table, [9], 0.04).float(), **TOL
+    )
+
+
+def test_mla_decode_refuses_more_heads_than_the_kernel_takes():
+    with pytest.raises(ValueError, match="at most 128 query heads per rank.*tensor-parallel"):
+        mla.npu_padded_heads(129)
+
+
+@pytest.mark.parametrize(
+    "choice, emulate, expect_npu",
+    [("npu", "1", True), ("reference", "1", False), ("auto", "1", False), ("auto", "0", True)],
+)
+def test_npu_kernels_binds_the_facade_once_from_the_kernel_choice(choice, emulate, expect_npu):
+    """``npu_kernels()`` follows VLLM_ASCEND_KERNELS (auto: NPU kernels unless emulating), and
+    the facade binds accordingly: with the NPU kernels a cache write goes through the
+    double's torch_npu op, with the reference kernels no torch_npu op is called."""
+    code = """
+        import torch, torch_npu
+        from torch_npu import _contract
+        from vllm.ascend.kernels import npu_kernels, attention
+        planes = [torch.zeros(2, 1, 128, 8, dtype=torch.bfloat16) for _ in range(2)]
+        token = torch.ones(1, 1, 8, dtype=torch.bfloat16)
+        attention.write_kv_cache(token, token, *planes, torch.tensor([130]))
+        print(npu_kernels(), attention.write_kv_cache is attention.npu_write_kv_cache,
+              _contract.calls["npu::npu_scatter_nd_update_"], float(planes[0][1, 0, 2].sum()))
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ASCEND_KERNELS", "VLLM_ASCEND_EMULATE")}
+    env.update(VLLM_ASCEND_KERNELS=choice, VLLM_ASCEND_EMULATE=emulate)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    on, bound, calls, written = result.stdout.split()[-4:]
+    assert (on, bound) == (str(expect_npu), str(expect_npu))
+    assert int(calls) == (2 if expect_npu else 0)  # K and V planes
+    assert float(written) == 8.0  # either way the token reached block 1, offset 2
+
+
+def test_spec_decode_npu_kernels_make_no_torch_npu_call_and_equal_reference():
+    """torch_npu has no rejection-sampling or drafter op, so the speculative-decoding
+    kernels' NPU forms are torch ops on the device: through the double they must call no
+    torch_npu op at all, and write exactly what the reference forms write."""
+    from torch_npu import _contract
+
+    from vllm.ascend.kernels import spec_decode as sd
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, counts = 9, [2, 0, 3]
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+    n, batch = int(cu[-1]), len(counts)
+    draft = torch.tensor([4, 1, 8, -1, 2], dtype=torch.int32)
+    target = torch.rand(n, vocab, generator=gen).softmax(-1)
+    draft_probs = torch.rand(n, vocab, generator=gen).softmax(-1)
+    argmax = target.argmax(-1)
+    argmax[0] = 4  # request 0 keeps its first draft
+    bonus = torch.tensor([[5], [6], [7]])
+    uniform = torch.rand(n, generator=gen, dtype=torch.float64)
+    inv_q = 1 / torch.empty(batch, vocab).exponential_(generator=gen)
+    recovered = torch.tensor([3, 3, 0, 1, 2], dtype=torch.int32)
+    greedy = torch.tensor([True, False, False])
+    table = torch.arange(20, dtype=torch.int32).view(4, 5)[:3]
+    sampled = torch.tensor([[3, -1, -1], [2, 9, -1], [1, 4, 6]], dtype=torch.int32)
+
+    def rows():
+        return torch.full((batch, 4), -1, dtype=torch.int32)
+
+    # name -> (NPU form, reference form, fresh arguments, indices of the arguments written)
+    cases = {
+        "rejection_greedy_sample": (
+            sd.npu_rejection_greedy_sample,
+            sd.reference_rejection_greedy_sample,
+            lambda: [rows(), cu, draft, argmax, bonus, greedy, 3, None, None, False],
+            [0],
+        ),
+        "rejection_random_sample": (
+            sd.npu_rejection_random_sample,
+            sd.reference_rejection_random_sample,
+            lambda: [
+                rows(),
+                cu,
+                draft,
+                draft_probs,
+                target,
+                bonus,
+                recovered,
+                uniform,
+                greedy,
+                3,
+                vocab,
+                None,
+                False,
+                False,
+            ],
+            [0],
+        ),
+        "sample_recovered_tokens": (
+            sd.npu_sample_recovered_tokens,
+            sd.reference_sample_recovered_tokens,
+            lambda: [
+                torch.zeros(n, dtype=torch.int32),
+                cu,
+                draft,
+                None,
+                target,
+                inv_q,
+                vocab,
+                8192,
+                True,
+                False,
+            ],
+            [0],
+        ),
+        "expand": (
+            sd.npu_expand,
+            sd.reference_expand,
+            lambda: [torch.zeros(n), torch.tensor([0.0, 0.7, 0.0]), cu, 0, 1, 128],
+            [0],
+        ),
+        "eagle_step_slot_mapping_metadata": (
+            sd.npu_eagle_step_slot_mapping_metadata,
+            sd.reference_eagle_step_slot_mapping_metadata,
+            lambda: [
+                torch.tensor([3, 15, 40]),
+                table,
+                table.stride(0),
+                torch.tensor([4, 16, 41], dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int64),
+                torch.zeros(5, dtype=torch.int64),
+                4,
+                41,
+                5,
+                -1,
+                3,
+            ],
+            [3, 4, 5],
+        ),
+        "eagle_prepare_inputs_padded": (
+            sd.npu_eagle_prepare_inputs_padded,
+            sd.reference_eagle_prepare_inputs_padded,
+            lambda: [
+                cu,
+                torch.tensor([2, 0, 1], dtype=torch.int32),
+                torch.tensor([0, 3, 4, 8], dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int32),
+                3,
+            ],
+            [3, 4],
+        ),
+        "eagle_prepare_next_token_padded": (
+            sd.npu_eagle_prepare_next_token_padded,
+            sd.reference_eagle_prepare_next_token_padded,
+            lambda: [
+                sampled,
+                torch.tensor([False, True, False]),
+                torch.tensor([11, 12, 13], dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int32),
+                vocab,
+                3,
+                3,
+                sampled.stride(0),
+                4,
+            ],
+            [3, 4],
+        ),
+    }
+    for name, (npu, reference, make, written) in cases.items():
+        before = sum(_contract.calls.values())
+        got, want = make(), make()
+        npu(*got)
+        assert sum(_contract.calls.values()) == before, f"npu_{name} called torch_npu"
+        reference(*want)
+        for i in written:
+            assert torch.equal(got[i], want[i]), (name, i, got[i], want[i])
+    # The cases are not vacuous: acceptance, rejection and bonus all happened.
+    out = rows()
+    sd.npu_rejection_greedy_sample(out, cu, draft, argmax, bonus, None, 3, None, None, False)
+    assert out[0, 0] == 4 and out[1].tolist() == [6, -1, -1, -1]
+
+
+# -- context parallelism: decode with the log-sum-exp, the cross-rank correction --------------
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.data(),
+    group=st.sampled_from([1, 4, 8]),
+    head_size=st.sampled_from([16, 64]),
+    block_size=st.sampled_from([16, 128]),
+)
+def test_context_parallel_decode_and_combine_equal_reference(data, group, head_size, block_size):
+    """The NPU forms a context-parallel decode runs: paged decode (GQA) and MLA decode with
+    the softmax log-sum-exp (rows with no keys on this rank included), and the correction
+    npu_attention_update that merges ranks' partials."""
+    from torch_npu import _contract
+
+    from vllm.ascend.kernels import context_parallel
+
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    before = dict(_contract.calls)
+    seq_lens = [data.draw(st.integers(0, 2 * block_size)) for _ in range(3)] + [1]
+    table = torch.arange(1, 9, dtype=torch.int32).view(4, 2)
+    k_plane = torch.randn(9, 1, block_size, head_size, dtype=BF16)
+    v_plane = torch.randn(9, 1, block_size, head_size, dtype=BF16)
+    query = torch.randn(4, group, head_size, dtype=BF16)
+    out_npu, lse_npu = attention.npu_paged_decode(query, k_plane, v_plane, table, seq_lens, 0.2)
+    out_ref, lse_ref = attention.reference_paged_decode(query, k_plane, v_plane, table, seq_lens, 0.2)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    torch.testing.assert_close(lse_npu, lse_ref, rtol=1e-2, atol=1e-2)
+
+    latent = torch.randn(9, block_size, 1, 512, dtype=BF16)
+    rope = torch.randn(9, block_size, 1, 64, dtype=BF16)
+    q_nope, q_pe = torch.randn(4, 8, 512, dtype=BF16), torch.randn(4, 8, 64, dtype=BF16)
+    mla_npu = mla.npu_mla_decode(q_nope, q_pe, latent, rope, table, seq_lens, 0.04, return_lse=True)
+    mla_ref = mla.reference_mla_decode(q_nope, q_pe, latent, rope, table, seq_lens, 0.04, return_lse=True)
+    torch.testing.assert_close(mla_npu[0].float(), mla_ref[0].float(), **TOL)
+    torch.testing.assert_close(mla_npu[1], mla_ref[1], rtol=1e-2, atol=1e-2)
+
+    cp = data.draw(st.integers(2, 4))
+    outs = torch.randn(cp, 4, group, head_size, dtype=BF16)
+    lses = torch.randn(cp, 4, group)
+    lses[0, 0] = float("-inf")  # a rank holding none of a row's keys
+    torch.testing.assert_close(
+        context_parallel.npu_combine_partials(outs, lses).float(),
+        context_parallel.reference_combine_partials(outs, lses).float(),
+        **TOL,
+    )
+    for op in ("npu::npu_fused_infer_attention_score", "npu::npu_attention_update"):
+        assert _contract.calls[op] > before.get(op, 0), op

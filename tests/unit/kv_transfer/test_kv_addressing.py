@@ -1,0 +1,174 @@
+"""The byte addressing of a P/D pull, executed on real memory in the Ascend KV layout.
+
+Every rank of both instances gets per-layer buffers laid out as the attention backends
+lay them out (attention/kv_layout.py: head-major planes; MLA: latent then rope). Prefill
+ranks are filled where the placement rule puts each (token, head), with values that
+encode (layer, plane, token, head, element); the plan's reads are turned into byte
+ranges by ``addressing`` (the code the decode worker runs) and copied with memmove.
+Every decode rank must then hold exactly its own placement's values and nothing else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from vllm.ascend.attention.kv_layout import LayerLayout
+from vllm.ascend.context_parallel.placement import CPLayout, place
+from vllm.ascend.kv_transfer import wire
+from vllm.ascend.kv_transfer.addressing import plane_table, read_ranges
+from vllm.ascend.kv_transfer.plan import build_plan
+
+LAYERS = 2
+HEAD, HEAD_V, LORA, ROPE = 4, 3, 6, 2  # elements (int32)
+
+
+def _value(layer, plane, token, head, element):
+    return 1 + layer * 10_000_000 + plane * 1_000_000 + token * 1000 + head * 10 + element
+
+
+class Rank:
+    """One rank's KV cache: a buffer per layer, planes as the backends read them."""
+
+    def __init__(self, layout: CPLayout, tp_rank: int, num_blocks: int):
+        self.heads = layout.heads(tp_rank)
+        if layout.mla:
+            self.layout = LayerLayout.mla(num_blocks, layout.block_size, LORA, ROPE, 4)
+            self.widths = (LORA, ROPE)
+        else:
+            self.layout = LayerLayout.gqa(num_blocks, len(self.heads), layout.block_size, HEAD, HEAD_V, 4)
+            self.widths = (HEAD, HEAD_V)
+        self.block_size = layout.block_size
+        self.buffers = [np.zeros(self.layout.total_bytes // 4, dtype=np.int32) for _ in range(LAYERS)]
+
+    def planes(self, layer: int):
+        out, offset = [], 0
+        for plane, width in zip(self.layout.planes, self.widths):
+            n = self.layout.num_blocks * plane.heads * self.block_size * width
+            out.append(
+                self.buffers[layer][offset : offset + n].reshape(
+                    self.layout.num_blocks, plane.heads, self.block_size, width
+                )
+            )
+            offset += n
+        return out
+
+    def mine(self) -> dict:
+        return {f"layer.{i}": (buf.ctypes.data, self.layout) for i, buf in enumerate(self.buffers)}
+
+    def regions(self) -> list:
+        return [
+            wire.LayerRegion(
+                name, base, layout.num_blocks, [wire.PlaneSpec(p.heads, p.head_bytes) for p in layout.planes]
+            )
+            for name, (base, layout) in self.mine().items()
+        ]
+
+
+def _instance(layout: CPLayout, dp_rank: int, num_blocks: int) -> dict[int, Rank]:
+    return {
+        dp_rank * layout.ranks_per_replica + layout.rank(p, t): Rank(layout, t, num_blocks)
+        for p in range(layout.pcp)
+        for t in range(layout.tp)
+    }
+
+
+def _store(ranks: dict, layout: CPLayout, dp_rank: int, block_ids: list[int], tokens: int) -> None:
+    for t in range(tokens):
+        where = place(layout, t)
+        for holder in where.holders:
+            rank = ranks[dp_rank * layout.ranks_per_replica + holder.rank]
+            for layer in range(LAYERS):
+                for plane_index, plane in enumerate(rank.planes(layer)):
+                    for h in holder.heads:
+                        width = plane.shape[-1]
+                        head = 0 if layout.mla else h - holder.heads.start
+                        plane[block_ids[where.block_index], head, where.offset] = [
+                            _value(layer, plane_index, t, h, e) for e in range(width)
+                        ]
+
+
+CASES = {
+    "gqa4 tp1 -> tp4 (head slices of one block)": (
+        CPLayout(tp=1, kv_heads=4, block_size=8),
+        CPLayout(tp=4, kv_heads=4, block_size=8),
+    ),
+    "gqa4 tp4 -> tp2, block 8 -> 4": (
+        CPLayout(tp=4, kv_heads=4, block_size=8),
+        CPLayout(tp=2, kv_heads=4, block_size=4),
+    ),
+    "gqa2 tp4/dcp2 -> tp1, dp 2 on decode": (
+        CPLayout(tp=4, dcp=2, kv_heads=2, block_size=4),
+        CPLayout(tp=1, dp=2, kv_heads=2, block_size=8),
+    ),
+    "mla tp2/pcp2 interleave 2 -> tp2/dcp2": (
+        CPLayout(tp=2, pcp=2, interleave=2, block_size=4),
+        CPLayout(tp=2, dcp=2, block_size=8),
+    ),
+    "mla tp1 -> tp1": (CPLayout(tp=1, block_size=4), CPLayout(tp=1, block_size=4)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pulled_bytes_are_the_decode_placement(name):
+    prefill, decode = CASES[name]
+    tokens, decode_dp = 45, decode.dp - 1
+    n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
+    p_ids = list(range(n_p + 2, 1, -1))[:n_p]  # not 0..n-1, not in order
+    d_ids = list(range(3, 3 + n_d))
+    src = _instance(prefill, 0, n_p + 3)
+    dst = _instance(decode, decode_dp, n_d + 4)
+    _store(src, prefill, 0, p_ids, tokens)
+    plan = build_plan(prefill, decode, tokens, p_ids, d_ids, 0, decode_dp)
+    for d_rank, rank in dst.items():
+        ids = plan.read_ids_of(d_rank)
+        for p_rank in np.unique(plan.prefill_rank[ids]).tolist():
+            theirs = src[p_rank]
+            table = plane_table(rank.mine(), theirs.regions())
+            local, remote, lengths = read_ranges(
+                plan,
+                ids[plan.prefill_rank[ids] == p_rank],
+                *table,
+                theirs.heads.start,
+                rank.heads.start,
+                (prefill.block_size, decode.block_size),
+            )
+            for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
+                ctypes.memmove(lo, re, n)
+    expected = _instance(decode, decode_dp, n_d + 4)
+    _store(expected, decode, decode_dp, d_ids, tokens)
+    for d_rank, rank in dst.items():
+        for layer in range(LAYERS):
+            assert np.array_equal(rank.buffers[layer], expected[d_rank].buffers[layer]), (d_rank, layer)
+    assert any(rank.buffers[0].any() for rank in dst.values())
+
+
+def test_a_different_model_is_named():
+    layout = CPLayout(tp=1, kv_heads=2, block_size=4)
+    mine, theirs = Rank(layout, 0, 2), Rank(layout, 0, 2)
+    renamed = [wire.LayerRegion("other." + r.name, r.base, r.num_blocks, r.planes) for r in theirs.regions()]
+    with pytest.raises(RuntimeError, match="no KV layer 'layer.0' like this one: not the same model"):
+        plane_table(mine.mine(), renamed)
+
+
+def test_a_run_never_crosses_from_one_read_into_the_next():
+    """Two reads whose slots happen to continue across different blocks stay two ranges."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(
+        token_start=np.array([0, 4]),
+        token_count=np.array([4, 4]),
+        src_offsets=np.arange(8),
+        dst_offsets=np.arange(8),
+        head0=np.array([0, 0]),
+        head1=np.array([1, 1]),
+        src_block=np.array([0, 5]),
+        dst_block=np.array([2, 9]),
+    )
+    # one plane of one head: block b starts at base + b * 80, a slot is 10 bytes
+    local, remote, lengths = read_ranges(plan, [0, 1], [(1000, 80, 80)], [(5000, 80, 80)], 0, 0, (8, 8))
+    assert local.tolist() == [5000 + 2 * 80, 5000 + 9 * 80 + 40]
+    assert remote.tolist() == [1000, 1000 + 5 * 80 + 40]
+    assert lengths.tolist() == [40, 40]

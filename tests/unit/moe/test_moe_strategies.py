@@ -1,0 +1,149 @@
+"""The MoE communication strategies on real processes over gloo, against a dense
+single-process computation of the same batch (``tests/support/moe_ranks.py``).
+
+Each layout is one set of processes running every strategy on several rounds of
+per-DP-rank token counts, including ranks with no tokens, experts no token picks,
+fewer tokens than TP ranks, and top-k 8.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.npu_contract.wheel import double_env
+from tests.support.moe_ranks import run
+
+# float32 sums in another order than the dense reference: a few ulps of the output.
+FLOAT32_TOLERANCE = 1e-5
+# bfloat16 (NPU-path mode): the experts' output is rounded to bf16 (8 mantissa bits)
+# once per expert and once in the sum; allow two ulps of the largest output.
+BF16_RELATIVE = 2 * 2**-8
+
+LAYOUTS = {
+    # name: (tp, dp, expert parallel, experts, top-k, rounds of tokens per DP rank, skewed routing)
+    # DP rank 1 with 1 token on 2 TP ranks: fewer tokens than TP ranks.
+    "ep2_dp2": (1, 2, True, 8, 2, [[5, 0], [1, 1], [17, 3], [0, 9]], False),
+    "ep4_tp2_dp2": (2, 2, True, 8, 2, [[7, 1], [3, 0], [33, 12]], False),
+    # Routing uses only the first half of the experts: two EP ranks get no rows at all.
+    "ep4_dp4_top8_idle_experts": (1, 4, True, 16, 8, [[5, 0, 2, 9], [0, 0, 1, 0], [40, 3, 0, 1]], True),
+    # Without EP the experts are sharded over all 4 ranks (gather/reduce-scatter only).
+    "dp2_tp2_no_ep": (2, 2, False, 8, 2, [[7, 3], [0, 4]], False),
+}
+
+
+def _check(results: list[dict], strategies: list[str], rounds: list[list[int]], tolerance) -> None:
+    for rank in results:
+        assert "error" not in rank, rank.get("error")
+        got = [(r["strategy"], r["tokens"]) for r in rank["results"]]
+        assert got == [(s, t) for t in rounds for s in strategies], got
+        for r in rank["results"]:
+            assert r["error"] <= tolerance(r["scale"]), (rank["rank"], r)
+            # AllToAll and MC2 return the full sum; AllGather leaves it to the runner's all-reduce.
+            assert r["reduced"] == (r["strategy"] != "allgather"), r
+    busy = [r for rank in results for r in rank["results"] if r["scale"] > 0]
+    assert busy, "no rank had tokens: nothing was compared"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strategies_equal_dense_reference(layout):
+    tp, dp, ep, experts, top_k, rounds, skew = LAYOUTS[layout]
+    strategies = ["allgather", "alltoall", "mc2"] if ep else ["allgather"]
+    case = {
+        "tp": tp,
+        "dp": dp,
+        "ep": ep,
+        "strategies": strategies,
+        "tokens_grid": rounds,
+        "experts": experts,
+        "top_k": top_k,
+        "hidden": 32,
+        "inter": 16,
+        "seed": 3,
+        "skew": skew,
+    }
+    results = run(case)
+    assert len(results) == tp * dp
+    _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))
+    assert all(
+        r["kernels"] == ["reference_moe_experts", "reference_mc2_dispatch", "reference_mc2_combine"]
+        for r in results
+    ), results
+
+
+@pytest.mark.parametrize("layout", ["ep4_tp2_dp2"])
+def test_w8a8_dynamic_experts_through_every_strategy(layout):
+    """The quantized MoE layer (int8 experts, per-token activations) through AllGather,
+    AllToAll and MC2 equals all experts computed in one process with the same int8 math:
+    each expert quantizes whole rows, wherever they were sent."""
+    tp, dp, ep, experts, top_k, rounds, skew = LAYOUTS[layout]
+    strategies = ["allgather", "alltoall", "mc2"]
+    case = {
+        "tp": tp,
+        "dp": dp,
+        "ep": ep,
+        "strategies": strategies,
+        "tokens_grid": rounds,
+        "experts": experts,
+        "top_k": top_k,
+        "hidden": 32,
+        "inter": 16,
+        "seed": 4,
+        "skew": skew,
+        "quant": "w8a8_dynamic",
+    }
+    results = run(case)
+    _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))
+
+
+def test_strategies_through_torch_npu_contract(tmp_path):
+    """NPU-path mode: MC2 through npu_moe_distribute_dispatch_v2/combine_v2 and the
+    experts through npu_grouped_matmul/npu_swiglu, all checked by the contract double."""
+    strategies, rounds = ["alltoall", "mc2"], [[6, 0], [3, 11]]
+    case = {
+        "tp": 1,
+        "dp": 2,
+        "strategies": strategies,
+        "tokens_grid": rounds,
+        "experts": 8,
+        "top_k": 2,
+        "hidden": 64,
+        "inter": 32,
+        "seed": 5,
+        "dtype": "bfloat16",
+        "env": {"VLLM_ASCEND_KERNELS": "npu", **double_env()},
+    }
+    results = run(case)
+    _check(results, strategies, rounds, lambda scale: BF16_RELATIVE * max(1.0, scale))
+    for rank in results:
+        assert rank["kernels"] == ["npu_moe_experts", "npu_mc2_dispatch", "npu_mc2_combine"], rank["kernels"]
+        calls = rank["npu_calls"]
+        for op in (
+            "npu::npu_moe_distribute_dispatch_v2",
+            "npu::npu_moe_distribute_combine_v2",
+            "npu::npu_grouped_matmul",
+            "npu::npu_swiglu",
+        ):
+            assert calls.get(op, 0) > 0, (op, calls)
+
+
+def test_reference_mc2_rejects_what_the_op_rejects():
+    """The reference MC2 kernel holds callers to the op's documented preconditions."""
+    import torch
+
+    from vllm.ascend.kernels.mc2 import Mc2Comm, reference_mc2_dispatch
+
+    comm = Mc2Comm(group=None, name="unused", ep_size=2, ep_rank=0, soc="host")
+    x = torch.zeros(3, 8)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    mask = torch.tensor([True, True, False])
+    bad = [
+        (ids.to(torch.int64), mask, 8, "int32"),
+        (torch.tensor([[0, 0], [2, 3], [4, 5]], dtype=torch.int32), mask, 8, "same expert twice"),
+        (ids, torch.tensor([True, False, True]), 8, "every True before every False"),
+        (ids, mask, 7, "do not split"),
+        (torch.tensor([[0, 1], [2, 9], [4, 5]], dtype=torch.int32), mask, 8, "outside"),
+        (ids, mask[:2], 8, "active_mask must be bool"),
+    ]
+    for bad_ids, bad_mask, experts, message in bad:
+        with pytest.raises(ValueError, match=message):
+            reference_mc2_dispatch(x, bad_ids, bad_mask, comm, experts)

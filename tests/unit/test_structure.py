@@ -1,0 +1,169 @@
+"""Rules of the overlay's shape, read from its source (no import of it):
+
+* no import cycle among ``vllm.ascend`` modules, counting imports inside functions too;
+* no assignment to an attribute of the ``torch`` or ``vllm`` modules (nor ``setattr`` on
+  them) except in the few functions that run once while a process or an object is being
+  built, each listed here with its reason. Anything else would be a run-time monkey patch
+  of upstream: give upstream a hook through a build-time patch instead.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+OVERLAY = Path(__file__).resolve().parents[2] / "overlay"
+PACKAGE = OVERLAY / "vllm" / "ascend"
+
+# (module, function) -> why it may assign torch/vllm attributes
+CONSTRUCTION_ONLY = {
+    (
+        "vllm.ascend.worker.model_runner",
+        "_device_streams_and_events",
+    ): "upstream's runner builds its streams and events from torch.cuda names; the swap "
+    "lasts only while the runner is constructed, as upstream's XPU runner does",
+    (
+        "vllm.ascend.device.host",
+        "answer_accelerator_calls",
+    ): "host emulation only: torch.accelerator has no device to answer for; set once "
+    "when the host platform is created",
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(OVERLAY).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), filename=str(path))
+    return out
+
+
+def _resolve(name: str, modules: dict) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, tree: ast.Module, modules: dict) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for name in names:
+            target = _resolve(name, modules) if name.startswith("vllm.ascend") else None
+            if target and target != module:
+                found.add(target)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_the_overlay_has_no_import_cycle():
+    modules = _modules()
+    graph = {name: _imports(name, tree, modules) for name, tree in modules.items()}
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the scan sees the tree
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _module_attribute_writes(tree: ast.Module) -> list[tuple[int, str, str | None]]:
+    """(line, target, enclosing function) of every write to an attribute of an imported
+    ``torch``/``vllm`` module, including ``setattr(module, ...)``."""
+    roots = {"torch", "vllm"}
+    bound = set()  # names bound to torch/vllm modules by imports
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update(
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in roots
+            )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] in roots
+        ):
+            bound.update(a.asname or a.name for a in node.names if a.name[:1].islower())
+    writes = []
+
+    def root_of(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def walk(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            targets = []
+            if isinstance(child, ast.Assign):
+                targets = child.targets
+            elif isinstance(child, ast.AugAssign | ast.AnnAssign):
+                targets = [child.target]
+            for target in targets:
+                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(element, ast.Attribute) and root_of(element) in bound:
+                        writes.append((child.lineno, ast.unparse(element), function))
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Name)
+                and child.func.id == "setattr"
+                and child.args
+                and root_of(child.args[0]) in bound
+            ):
+                writes.append((child.lineno, f"setattr({ast.unparse(child.args[0])}, ...)", function))
+            walk(child, inner)
+
+    walk(tree, None)
+    return writes
+
+
+def test_no_run_time_assignment_to_torch_or_vllm_module_attributes():
+    offenders, allowed_seen = [], set()
+    for name, tree in _modules().items():
+        for line, target, function in _module_attribute_writes(tree):
+            if (name, function) in CONSTRUCTION_ONLY:
+                allowed_seen.add((name, function))
+            else:
+                offenders.append(f"{name}:{line} {target} (in {function or 'module body'})")
+    assert not offenders, "run-time patching of torch/vllm:\n" + "\n".join(offenders)
+    assert allowed_seen == set(CONSTRUCTION_ONLY), "stale entries: " + str(
+        set(CONSTRUCTION_ONLY) - allowed_seen
+    )
+
+
+def test_the_attribute_scan_sees_writes():
+    tree = ast.parse(
+        "import torch\nfrom vllm.v1.worker import dp_utils\n"
+        "def f():\n    torch.cuda.Stream = None\n    setattr(dp_utils, 'x', 1)\n"
+        "def g(obj):\n    obj.torch = 1\n"
+    )
+    assert [(t, f) for _, t, f in _module_attribute_writes(tree)] == [
+        ("torch.cuda.Stream", "f"),
+        ("setattr(dp_utils, ...)", "f"),
+    ]
