@@ -249,8 +249,22 @@ def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(args, mes
         ({}, None),
         ({"speculative_config": object()}, "speculative decoding with context parallelism"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
-        ({"kv_transfer_config": SimpleNamespace(kv_connector="NixlConnector")}, "KV connector NixlConnector"),
-        ({"kv_transfer_config": SimpleNamespace(kv_connector="AscendP2PConnector")}, None),
+        (
+            {
+                "kv_transfer_config": SimpleNamespace(
+                    kv_connector="NixlConnector", kv_connector_module_path=None
+                )
+            },
+            "KV connector NixlConnector",
+        ),
+        (
+            {
+                "kv_transfer_config": SimpleNamespace(
+                    kv_connector="AscendP2PConnector", kv_connector_module_path=None
+                )
+            },
+            None,
+        ),
         ({"sliding_window": 128}, "full attention only"),
         ({"enable_expert_parallel": True}, "expert parallelism with prefill context parallelism"),
         ({"enable_expert_parallel": True, "pcp": 1}, None),  # DCP with EP: tested equal to TP=1

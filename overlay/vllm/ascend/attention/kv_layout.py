@@ -54,7 +54,10 @@ def connector_addresses_planes(kv_transfer_config) -> bool:
     blocks through vLLM's unsplit per-layer view and would move the wrong bytes."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    connector = KVConnectorFactory.get_connector_class(kv_transfer_config)
+    try:
+        connector = KVConnectorFactory.get_connector_class(kv_transfer_config)
+    except Exception:  # a connector that cannot even load (its library missing) is not one of ours
+        return False
     return bool(getattr(connector, "addresses_ascend_kv_planes", False))
 
 
