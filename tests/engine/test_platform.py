@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm.ascend.worker.worker import device_local_rank
-
 from .test_cli import _vllm
 
 torch_npu = pytest.importorskip("torch_npu")
@@ -90,6 +88,10 @@ def test_float32_in_npu_path_mode_is_refused_too(tiny_models):
 
 
 def test_data_parallel_ranks_get_their_own_devices():
+    # imported here: importing the worker resolves vLLM's current platform in this process,
+    # which the unit tests' config checks need to be host emulation
+    from vllm.ascend.worker.worker import device_local_rank
+
     config = SimpleNamespace(
         data_parallel_size=2,
         distributed_executor_backend="mp",
