@@ -2,8 +2,9 @@
 
 * no import cycle among ``vllm.ascend`` modules, counting imports inside functions too;
 * no assignment to an attribute of the ``torch`` or ``vllm`` modules (nor ``setattr`` on
-  them) except in the few functions that run once while a process or an object is being
-  built, each listed here with its reason. Anything else would be a run-time monkey patch
+  them) except in the few functions that run once while a process is being set up, each
+  listed here with its reason (streams and events reach upstream's runner through the
+  stream hook patch, not through a swap). Anything else would be a run-time monkey patch
   of upstream: give upstream a hook through a build-time patch instead.
 """
 
@@ -17,11 +18,6 @@ PACKAGE = OVERLAY / "vllm" / "ascend"
 
 # (module, function) -> why it may assign torch/vllm attributes
 CONSTRUCTION_ONLY = {
-    (
-        "vllm.ascend.worker.model_runner",
-        "_device_streams_and_events",
-    ): "upstream's runner builds its streams and events from torch.cuda names; the swap "
-    "lasts only while the runner is constructed, as upstream's XPU runner does",
     (
         "vllm.ascend.device.host",
         "answer_accelerator_calls",

@@ -74,6 +74,16 @@ def _rows_by_expert(
     return tokens, h, weights, group_list
 
 
+def _scatter_rows(x, tokens, y, weights, apply_router_weight_on_input: bool) -> torch.Tensor:
+    """The expert rows back into ``x``'s shape: weighted (unless the weights went on the
+    input) and summed per token."""
+    if not apply_router_weight_on_input:
+        y = y * weights
+    out = torch.zeros_like(x)
+    out.index_add_(0, tokens, y)
+    return out
+
+
 def npu_moe_experts(
     x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
 ) -> torch.Tensor:
@@ -92,11 +102,7 @@ def npu_moe_experts(
     y = npu.npu_grouped_matmul(
         [act], [w2.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
     )[0]
-    if not apply_router_weight_on_input:
-        y = y * weights
-    out = torch.zeros_like(x)
-    out.index_add_(0, tokens, y)
-    return out
+    return _scatter_rows(x, tokens, y, weights, apply_router_weight_on_input)
 
 
 moe_experts = pick(reference_moe_experts, npu_moe_experts)
@@ -181,11 +187,7 @@ def npu_moe_experts_w8a8_dynamic(
         group_type=0,
         output_dtype=x.dtype,
     )[0]
-    if not apply_router_weight_on_input:
-        y = y * weights
-    out = torch.zeros_like(x)
-    out.index_add_(0, tokens, y)
-    return out
+    return _scatter_rows(x, tokens, y, weights, apply_router_weight_on_input)
 
 
 moe_experts_w8a8_dynamic = pick(reference_moe_experts_w8a8_dynamic, npu_moe_experts_w8a8_dynamic)

@@ -7,8 +7,6 @@ ranks' hidden states are gathered back into the step's order after the model."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -25,31 +23,11 @@ from vllm.ascend.worker import dp_step
 logger = init_logger(__name__)
 
 
-@contextmanager
-def _device_streams_and_events():
-    """While upstream's runner builds itself, the stream and event constructors it names
-    (``torch.cuda.Stream``/``Event``/``current_stream``/``stream``, ``torch.Event``) go
-    to the device layer, as upstream's XPU runner does. Only at construction: inside a
-    step the runner asks ``_current_stream``/``_stream_context`` (the stream
-    hook patch on upstream's V1 runner)."""
-    dev = ascend_device.current()
-    saved = torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, torch.Event
-    torch.cuda.Stream = lambda *a, **kw: dev.stream()  # type: ignore[assignment]
-    torch.cuda.Event = lambda *a, **kw: dev.event(**kw)  # type: ignore[assignment]
-    torch.Event = torch.cuda.Event  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda *a, **kw: dev.current_stream()  # type: ignore[assignment]
-    torch.cuda.stream = dev.stream_context  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, torch.Event = saved
-
-
 class NPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
-        with _device_streams_and_events():
-            super().__init__(vllm_config, device)
+        # the stream/event hooks below run inside upstream's constructor, before this line
         self.device_layer = ascend_device.current()
+        super().__init__(vllm_config, device)
         self._use_context_parallel_slots()
         # DP: one metadata all-reduce per engine step, reused by the drafter (dp_step.py)
         self._dp_step = dp_step.install() if self.parallel_config.data_parallel_size > 1 else None
@@ -100,6 +78,13 @@ class NPUModelRunner(GPUModelRunner):
 
     def _sync_device(self) -> None:
         self.device_layer.synchronize()
+
+    # -- device streams and events (the stream hook patch on upstream's V1 runner) ----------
+    def _new_stream(self):
+        return self.device_layer.stream()
+
+    def _new_event(self, blocking: bool = False):
+        return self.device_layer.event(blocking=blocking)
 
     def _current_stream(self):
         return self.device_layer.current_stream()
