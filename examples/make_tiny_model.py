@@ -3,6 +3,7 @@
     python examples/make_tiny_model.py --arch llama --out /tmp/tiny-llama
     python examples/make_tiny_model.py --arch qwen2 --out /tmp/tiny-qwen2
     python examples/make_tiny_model.py --arch deepseek_v3 --out /tmp/tiny-dsv3
+    python examples/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-qwen3-moe
 
 Nothing is downloaded: the weights are random (seeded), saved as safetensors, and the
 tokenizer is a byte-level BPE trained here with the `tokenizers` library on a small
@@ -16,7 +17,9 @@ torch_npu MLA kernel takes), MoE layers with grouped sigmoid routing
 (`topk_method: noaux_tc`, written into config.json as real V3 checkpoints have it)
 and one MTP layer (`num_nextn_predict_layers: 1`) whose weights are stored as layer
 `num_hidden_layers`, where vLLM's DeepSeek MTP model reads them; transformers
-ignores them.
+ignores them. `qwen3_moe` is a Qwen3-MoE: GQA attention with q/k norms and MoE layers
+with softmax top-k routing (renormalised, `norm_topk_prob`), the routing of Mixtral and
+the Qwen MoE models.
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ def make_model(args, tok: Tokenizer):
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     cfg = base_config(args, tok)
@@ -123,6 +128,18 @@ def make_model(args, tok: Tokenizer):
         return LlamaForCausalLM(LlamaConfig(**cfg, num_key_value_heads=args.kv_heads or args.heads))
     if args.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**cfg, num_key_value_heads=args.kv_heads or args.heads // 2))
+    if args.arch == "qwen3_moe":  # softmax top-k routing, renormalised; every layer MoE, no shared expert
+        config = Qwen3MoeConfig(
+            **cfg,
+            num_key_value_heads=args.kv_heads or args.heads // 2,
+            num_experts=args.experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=args.intermediate_size // 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+        return Qwen3MoeForCausalLM(config)
     config = DeepseekV3Config(
         **cfg,
         num_key_value_heads=args.heads,
@@ -182,7 +199,7 @@ def mtp_layer_weights(
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "deepseek_v3"])
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "deepseek_v3", "qwen3_moe"])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=512)
@@ -190,8 +207,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2)")
-    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3)")
+    p.add_argument(
+        "--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2, qwen3_moe)"
+    )
+    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe)")
     p.add_argument(
         "--kv-lora-rank",
         type=int,

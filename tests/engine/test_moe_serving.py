@@ -12,6 +12,10 @@ the fake-quantized transformers model (``quant_reference.py``), and the TP=1 eng
 the same checkpoint; a divergence at a near-tie of the oracle is reported, not hidden.
 The DP case without expert parallelism serves the float model against transformers.
 
+A tiny Qwen3-MoE (softmax top-k routing, renormalised: the routing of Mixtral and the
+Qwen MoE models, which upstream computes with a CUDA kernel) is served with TP=2 + EP
+under each strategy and with DP=2 + EP, against transformers.
+
 Every engine writes which strategies its MoE layers ran ("Ascend MoE: first step with
 the <name> strategy"), so each test also proves the strategy it forced really ran.
 """
@@ -96,20 +100,7 @@ def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quant
             "env": IN_PROCESS,
         }
     ]
-    runs += [
-        {
-            "model": str(quantized.path),
-            "batches": [PROMPTS],
-            "max_tokens": MAX_TOKENS,
-            "engine": {
-                **ENGINE,
-                "tensor_parallel_size": 2,
-                "enable_expert_parallel": True,
-                "additional_config": {"moe_comm_method": s},
-            },
-        }
-        for s in strategies
-    ]
+    runs += _tp2_ep_runs(quantized.path, strategies)
     result, output = run_spec({"runs": runs}, timeout=1200)
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(runs)
@@ -119,6 +110,32 @@ def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quant
         tied |= quantized.check(f"tp2 ep {strategy}", PROMPTS, got)
         for i, (tp1, tp2) in enumerate(zip(tokens[0], got)):
             assert i in tied or tp1 == tp2, (strategy, PROMPTS[i], tp1, tp2)
+    assert _strategies_used(output) == set(strategies)
+
+
+def _tp2_ep_runs(model, strategies: list[str]) -> list[dict]:
+    """One TP=2 + EP engine run of ``model`` per forced strategy."""
+    engine = {**ENGINE, "tensor_parallel_size": 2, "enable_expert_parallel": True}
+    return [
+        {
+            "model": str(model),
+            "batches": [PROMPTS],
+            "max_tokens": MAX_TOKENS,
+            "engine": {**engine, "additional_config": {"moe_comm_method": s}},
+        }
+        for s in strategies
+    ]
+
+
+def test_softmax_routed_moe_tp2_expert_parallel_each_strategy_equals_transformers(tiny_models):
+    model = tiny_models["qwen3_moe"]
+    strategies = ["allgather", "alltoall", "mc2"]
+    runs = _tp2_ep_runs(model, strategies)
+    expected = hf_greedy(model, PROMPTS, MAX_TOKENS)
+    result, output = run_spec({"runs": runs}, timeout=900)
+    clean_shutdown(output)
+    for strategy, run in zip(strategies, result["runs"]):
+        assert [r["token_ids"] for r in run["batches"][0]] == expected, strategy
     assert _strategies_used(output) == set(strategies)
 
 
@@ -162,6 +179,8 @@ DP_SERVERS = {
         PROMPTS,
         {"mc2"},
     ),
+    # DP 2 with EP 2, the Qwen3-MoE (softmax routing) against transformers.
+    "dp2_ep_qwen3_moe": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
 }
 
 
@@ -169,7 +188,16 @@ DP_SERVERS = {
 def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quantized, tmp_path):
     extra, prompts, must_run = DP_SERVERS[name]
     expert_parallel = "--enable-expert-parallel" in extra
-    model = quantized.path if expert_parallel else tiny_models["deepseek_v3"]
+    softmax_routed = name.endswith("qwen3_moe")
+    quantized_model = expert_parallel and not softmax_routed
+    model = (
+        tiny_models["qwen3_moe"]
+        if softmax_routed
+        else quantized.path
+        if expert_parallel
+        else tiny_models["deepseek_v3"]
+    )
+    tp = int(extra[extra.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in extra else 1
     log = tmp_path / "server.log"
     args = [
         "--dtype",
@@ -182,7 +210,7 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
         "2",
         *extra,
     ]
-    if expert_parallel:  # greedy tokens of the oracle; prompts diverging at its near-ties are checked below
+    if quantized_model:  # greedy tokens of the oracle; prompts diverging at its near-ties are checked below
         expected = dict(zip(prompts, (tokens for tokens, _ in quantized.reference(prompts))))
     else:
         expected = dict(zip(prompts, hf_greedy(model, prompts, MAX_TOKENS)))
@@ -193,7 +221,7 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
         # Then every prompt at once, spread over both ranks.
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             got = dict(zip(prompts, pool.map(lambda p: _complete(base, model, p), prompts)))
-        if expert_parallel:
+        if quantized_model:
             quantized.check(name, prompts, [got[p] for p in prompts])
             alone, _ = compare([first], quantized.reference(prompts)[1:2])
             assert not alone, alone
@@ -204,10 +232,10 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
         # collective per step, the same collectives on both DP ranks (docs/data_parallel.md)
         dp_collectives.settle(recorded)
         steps = dp_collectives.check(recorded, 2)
-        assert len(steps) == 4, steps  # every worker of DP 2 x TP 2 recorded
+        assert len(steps) == 2 * tp, steps  # every worker of DP 2 x TP tp recorded
     text = log.read_text()
     assert must_run <= _strategies_used(text), (must_run, _strategies_used(text))
-    if expert_parallel:
+    if quantized_model:
         assert "quantization=ascend" in text
         assert "sequence-parallel MoE off" in text  # the platform's documented adjustment
     # up to the stop the test sends: a DP API server may log its engine's death while

@@ -5,9 +5,16 @@ For each attention family (GQA: Qwen2; MLA + MoE: DeepSeek-V3 with 512-wide late
 takes the same GQA kernels as Qwen2, so it is left to the host-mode tests) one process runs
 three engines in bf16 (the dtype the NPU
 kernels take): the reference kernels at TP=1, the NPU kernels at TP=1 and at TP=2
-(for the MoE model with expert parallelism and the MC2 strategy: torch_npu's MoE
-dispatch/combine ops, and DeepSeek MTP speculative decoding with two draft tokens, whose
-verification steps run the MLA decode kernel on several query tokens per request).
+(for the MoE model with expert parallelism and the strategy the selector picks, and
+DeepSeek MTP speculative decoding with two draft tokens, whose verification steps run
+the MLA decode kernel on several query tokens per request).
+The NPU engines run the NPU device class (``NPUPathDevice``), which asks the double for
+the SoC: the TP=2 engines report an Atlas A3 (``TORCH_NPU_DOUBLE_SOC=A3``), the others an
+A2. On A3 the selector would pick MC2, but the tiny model's hidden size (64) is outside
+dispatch_v2's A3 range [1024, 8192], so its MoE layers run AllToAll: the SoC branch is
+observable. MC2 end to end (torch_npu's dispatch/combine ops, with MTP) runs on A2 in the
+quantized test below, where it is forced; the A3 MC2 arguments run in
+tests/unit/moe/test_moe_strategies.py (hidden size 1024).
 Qwen2 and the MLA model run a fourth engine with context parallelism (PCP=2; TP=2 with
 DCP=2): decode with the log-sum-exp and the cross-rank correction npu_attention_update.
 The NPU runs must produce the reference's greedy tokens for every
@@ -21,6 +28,7 @@ reported as a warning, never hidden. Every torch_npu call has to pass the contra
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -53,11 +61,11 @@ EXPECTED_OPS = {
     "npu::npu_grouped_matmul": (MLA512,),
     "npu::npu_swiglu": (MLA512,),
 }
-# Ops only the TP=2 run calls: it serves the MoE model with expert parallelism and MC2.
-EXPECTED_TP2_OPS = {
-    "npu::npu_moe_distribute_dispatch_v2": (MLA512,),
-    "npu::npu_moe_distribute_combine_v2": (MLA512,),
-}
+# The SoC each NPU run's double reports (each worker logs what its NPU device class read).
+SOC = {"npu_tp1": "A2", "npu_tp2": "A3", "npu_cp": "A2"}
+SOC_LOG = {"A2": "SoC version 223 (A2)", "A3": "SoC version 250 (A3)"}
+# MC2's ops: the A3 TP=2 run of the MoE model must not call them (hidden size outside A3's range).
+MC2_OPS = ("npu::npu_moe_distribute_dispatch_v2", "npu::npu_moe_distribute_combine_v2")
 # The context-parallel run per architecture, and the op only it calls.
 CONTEXT_PARALLEL = {
     "qwen2": {"prefill_context_parallel_size": 2},
@@ -86,6 +94,24 @@ def _call_counts(directory: Path) -> dict[str, int]:
     return counts
 
 
+# The one host read the forward may make: AllToAll's split sizes, once per MoE layer
+# (all_to_all_single takes them as host lists; docs/runtime.md, "Host synchronisations").
+# The A3 TP=2 run takes AllToAll: MC2 is out of reach of the tiny model's hidden size.
+ALLOWED_SYNC = re.compile(r"/ascend/moe/prepare_finalize\.py:\d+ \(prepare\): Tensor\.tolist$")
+
+
+def _assert_no_host_syncs_in_forward(name: str, directory: Path) -> None:
+    """The double counts every host read of a device value made while a device op was in
+    flight (tests/npu_contract/site/torch_npu/_syncs.py); none may happen inside the model
+    runner's forward."""
+    from torch_npu._syncs import read_log
+
+    assert directory.is_dir(), f"{name}: no sync log written: the NPU kernels did not run"
+    inside = {site: c["in_region"] for site, c in read_log(directory).items() if c["in_region"]}
+    unexplained = {site: n for site, n in inside.items() if not ALLOWED_SYNC.search(site)}
+    assert not unexplained, f"{name}: host synchronisations inside the model's forward: {unexplained}"
+
+
 def _compare(label: str, reference: list[dict], got: list[dict], prompts: list[str]) -> list[str]:
     """Token-for-token comparison; returns the near-tie divergences, fails on anything else."""
     divergences = []
@@ -109,28 +135,33 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     batches = [LONG_PROMPTS, LONG_PREFIX_PROMPTS[:1], LONG_PREFIX_PROMPTS[1:]]
     runs = {
         "reference": IN_PROCESS,
-        "npu_tp1": {"VLLM_ASCEND_KERNELS": "npu"},
-        "npu_tp2": {"VLLM_ASCEND_KERNELS": "npu"},
+        "npu_tp1": {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_tp1"]},
+        "npu_tp2": {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_tp2"]},
     }
     if arch in CONTEXT_PARALLEL:
-        runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu"}
+        runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_cp"]}
     specs = []
     for name, env in runs.items():
         (tmp_path / name).mkdir()
         engine = dict(ENGINE)
         if name == "npu_tp2":
             engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
-            if arch == MLA512:  # expert parallelism over the two ranks, every step through MC2; MTP
+            if arch == MLA512:  # expert parallelism over the two ranks (the A3 selector's choice); MTP
                 engine.update(
                     enable_expert_parallel=True,
-                    additional_config={"moe_comm_method": "mc2"},
                     speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
                     disable_log_stats=False,
                 )
         if name == "npu_cp":
             engine.update(CONTEXT_PARALLEL[arch], distributed_executor_backend="mp")
+        if name in ("npu_tp1", "npu_cp"):  # several history chunks: dense TND calls + npu_attention_update
+            env = {**env, "VLLM_ASCEND_PREFILL_CHUNK_TOKENS": "192"}
         if name != "reference":
-            env = {**env, "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name)}
+            env = {
+                **env,
+                "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
+                "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
+            }
         specs.append(
             {
                 "model": str(tiny_models[arch]),
@@ -144,6 +175,8 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
     assert "Memory profile with attention" in output  # the NPU memory profile ran the attention kernels
+    for soc in set(SOC[name] for name in runs if name != "reference"):  # the NPU device class read the SoC
+        assert SOC_LOG[soc] in output, soc
     outputs = dict(zip(runs, result["runs"]))
     ref = outputs["reference"]["batches"]
 
@@ -171,10 +204,14 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     assert not _call_counts(tmp_path / "reference"), "the reference run must not call torch_npu"
     for name in npu_runs:
         counts = _call_counts(tmp_path / name)
-        expected = {**EXPECTED_OPS, **{"npu_tp2": EXPECTED_TP2_OPS, "npu_cp": EXPECTED_CP_OPS}.get(name, {})}
+        expected = {**EXPECTED_OPS, **{"npu_cp": EXPECTED_CP_OPS}.get(name, {})}
         for op, archs in expected.items():
             if arch in archs:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
+    if arch == MLA512:  # A3: the selector kept MC2 out (hidden size 64 < 1024)
+        assert not any(_call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
+    for name in npu_runs:
+        _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 
 # W8A8 (msModelSlim) checkpoints on the NPU path: the ops that must have run.
@@ -234,6 +271,7 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
                 env = {
                     "VLLM_ASCEND_KERNELS": "npu",
                     "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / f"{arch}-npu"),
+                    "TORCH_NPU_DOUBLE_SOC": "A2",  # forced MC2 on an Atlas A2 (EP 2, hidden 64 fit)
                 }
             specs.append(
                 {
@@ -249,6 +287,7 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
     result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(specs)
+    assert SOC_LOG["A2"] in output  # the NPU device class read the double's A2
     outputs = dict(zip(labels, result["runs"]))
     divergences = []
     for arch in QUANT_SCHEMES:

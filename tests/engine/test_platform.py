@@ -73,6 +73,22 @@ def test_npu_start_up_errors_are_one_line(args, message, tiny_models):
     assert "Traceback" not in result.stderr
 
 
+def test_missing_nnal_stops_an_mla_model_at_start_up(tiny_models):
+    """Without NNAL (the double mirrors torch_npu's lazy ATB guard) an MLA model would die
+    at its first KV-cache write; the platform names the problem in one line instead."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
+    env.update(NPU_HOST, TORCH_NPU_DOUBLE_NNAL="0")
+    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    model = str(tiny_models["deepseek_v3_mla512"])
+    cmd = [*exe, "serve", model, "--host", "127.0.0.1", "--port", "1", "--dtype", "bfloat16"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: MLA models need torch_npu's ATB ops"), last
+    assert "Please check that the nnal package is installed" in last and "set_env.sh" in last
+    assert "Traceback" not in result.stderr
+
+
 def test_float32_in_npu_path_mode_is_refused_too(tiny_models):
     result = _vllm(
         "serve",

@@ -201,6 +201,24 @@ VIOLATIONS = {
         "FIA.heads",
         lambda: _fia(**_gqa_args(query=torch.randn(5, 5, 16, dtype=BF16), num_heads=5)),
     ),
+    "dense TND over 65536 rows": (
+        "FIA.tnd_dense_t",
+        lambda: _dense(n=8, d=192, dv=128, t=65537, kv_t=7, actual_seq_lengths=[2, 65537]),
+    ),
+    "dense TND with 4 heads": ("FIA.tnd_dense_heads", lambda: _dense(n=4)),
+    "dense TND with grouped KV heads": ("FIA.tnd_dense_heads", lambda: _dense(n=16, kv_heads=8)),
+    "dense TND with head size 128": ("FIA.tnd_dense_d", lambda: _dense(d=128, dv=128)),
+    "dense TND with V head size 64": ("FIA.tnd_dense_d", lambda: _dense(dv=64)),
+    "dense TND in float16": ("FIA.tnd_dense_dtype", lambda: _dense(dtype=torch.float16)),
+    "dense TND sparse mode 2": ("FIA.tnd_dense_sparse", lambda: _dense(sparse_mode=2)),
+    "dense TND no mask mode with a mask": (
+        "FIA.tnd_dense_sparse",
+        lambda: _dense(causal=False, atten_mask=MASK),
+    ),
+    "paged KV of different shapes": (
+        "FIA.kv_same_shape",
+        lambda: _fia(**_gqa_args(value=torch.randn(4, 2, 128, 32, dtype=BF16))),
+    ),
     "MLA with 16 query heads": ("FIA.rope_query", lambda: _mla(heads=16)),
     "MLA latent 256": ("FIA.rope_query", lambda: _mla(latent=256)),
     "MLA key in (blocks, block_size, 1, D) read as KV_N = block_size": (
@@ -236,7 +254,7 @@ VIOLATIONS = {
             torch.zeros(4, 3, 2), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 3)
         ),
     ),
-    "grouped matmul groups not covering x": ("GMM.single_tensor", lambda: _gmm(x_rows=7)),
+    "grouped matmul groups past x's rows": ("GMM.single_tensor", lambda: _gmm(x_rows=5)),
     "grouped matmul decreasing group list": (
         "GMM.group_list",
         lambda: _gmm(group_list=(5, 6), x_rows=6) and _gmm(group_list=(6, 2)),
@@ -411,34 +429,71 @@ def test_mla_form_semantics():
         torch.testing.assert_close(out[0, h, 0].double(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_tnd_without_page_attention_semantics():
+@pytest.mark.parametrize("causal", [True, False])
+def test_tnd_without_page_attention_semantics(causal):
+    """The dense TND form in its documented shape: 8 heads, Q/K head size 192, V 128."""
     torch.manual_seed(2)
-    q_lens, kv_lens, n, d = [2, 3], [4, 3], 2, 32
+    q_lens, kv_lens, n, d, dv = [2, 3], [4, 3], 8, 192, 128
     q = torch.randn(sum(q_lens), n, d, dtype=BF16)
-    k, v = torch.randn(sum(kv_lens), n, d, dtype=BF16), torch.randn(sum(kv_lens), n, d, dtype=BF16)
-    out, _ = torch_npu.npu_fused_infer_attention_score(
+    k, v = torch.randn(sum(kv_lens), n, d, dtype=BF16), torch.randn(sum(kv_lens), n, dv, dtype=BF16)
+    out, lse = torch_npu.npu_fused_infer_attention_score(
         q,
         k,
         v,
         num_heads=n,
+        num_key_value_heads=n,
         input_layout="TND",
         actual_seq_lengths=[2, 5],
         actual_seq_lengths_kv=[4, 7],
-        atten_mask=MASK,
-        sparse_mode=3,
+        atten_mask=MASK if causal else None,
+        sparse_mode=3 if causal else 0,
         scale=1 / math.sqrt(d),
+        softmax_lse_flag=True,
     )
+    assert out.shape == (5, n, dv) and lse.shape == (5, n, 1)
     qs = ks = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
+        visible = (
+            (lambda i, q_len=q_len, kv_len=kv_len: kv_len - q_len + i + 1)
+            if causal
+            else (lambda i, kv_len=kv_len: kv_len)
+        )
         expected = _brute_attention(
-            q[qs : qs + q_len],
-            k[ks : ks + kv_len],
-            v[ks : ks + kv_len],
-            1 / math.sqrt(d),
-            lambda i, q_len=q_len, kv_len=kv_len: kv_len - q_len + i + 1,
+            q[qs : qs + q_len], k[ks : ks + kv_len], v[ks : ks + kv_len], 1 / math.sqrt(d), visible
         )
         torch.testing.assert_close(out[qs : qs + q_len].double(), expected, rtol=2e-2, atol=2e-2)
         qs, ks = qs + q_len, ks + kv_len
+
+
+def test_attention_update_lse_out_only_with_update_type_1():
+    """AU.lse_out_type1: the merged lse is documented for update_type 1 only; the double
+    poisons it for 0, so a caller that folds partials with update_type 0 fails its tests."""
+    lses = [torch.randn(6), torch.randn(6)]
+    outs = [torch.randn(6, 16), torch.randn(6, 16)]
+    out0, lse0 = torch_npu.npu_attention_update(lses, outs, 0)
+    out1, lse1 = torch_npu.npu_attention_update(lses, outs, 1)
+    assert torch.isnan(lse0).all()
+    torch.testing.assert_close(lse1, torch.logsumexp(torch.stack(lses), 0))
+    torch.testing.assert_close(out0, out1)
+
+
+def _dense(n=8, d=192, dv=128, t=5, kv_t=7, dtype=BF16, kv_heads=None, causal=True, **change):
+    """The dense TND form (no page attention) with documented defaults, one field changed."""
+    kv_heads = kv_heads or n
+    args = dict(
+        num_heads=n,
+        num_key_value_heads=kv_heads,
+        input_layout="TND",
+        actual_seq_lengths=[2, t],
+        actual_seq_lengths_kv=[4, kv_t],
+        atten_mask=MASK if causal else None,
+        sparse_mode=3 if causal else 0,
+        scale=0.1,
+    )
+    args.update(change)
+    q = torch.randn(t, n, d, dtype=dtype)
+    k, v = torch.randn(kv_t, kv_heads, d, dtype=dtype), torch.randn(kv_t, kv_heads, dv, dtype=dtype)
+    return torch_npu.npu_fused_infer_attention_score(q, k, v, **args)
 
 
 def test_cache_write_semantics():
@@ -486,6 +541,14 @@ def test_grouped_matmul_and_swiglu_semantics(group_list_type):
     torch.testing.assert_close(act.float(), a * torch.sigmoid(a) * b, rtol=2e-2, atol=2e-2)
 
 
+def test_grouped_matmul_rows_past_the_groups_are_left_undefined():
+    """Callers may pass more rows than the groups cover (GMM.rows_past_groups); the double
+    leaves those rows NaN so a caller that uses them fails."""
+    [y] = _gmm(x_rows=9, group_list=(2, 6))
+    assert not y[:6].isnan().any()
+    assert y[6:].isnan().all()
+
+
 def test_w8a8_ops_semantics():
     """Quantize, dynamic quant and quant matmul (static and per-token) against brute force."""
     x = torch.tensor([[0.5, -1.5, 2.5, 100.0], [0.0, 0.0, 0.0, 0.0]])
@@ -507,3 +570,110 @@ def test_w8a8_ops_semantics():
     torch.testing.assert_close(
         out.double(), (brute * scale.double() * per_token.double()[:, None]).to(torch.float16).double()
     )
+
+
+# -- MC2 environment: comm_alg as the doc resolves it, HCCL_BUFFSIZE ------------------------
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def _mc2_dispatch(group, hidden=256, bs=4, ep=1, k=2, **change):
+    args = dict(
+        x=torch.randn(bs, hidden, dtype=BF16),
+        expert_ids=torch.arange(k, dtype=torch.int32).repeat(bs, 1),
+        group_ep=group,
+        ep_world_size=ep,
+        ep_rank_id=0,
+        moe_expert_num=16,
+        x_active_mask=torch.ones(bs, dtype=torch.bool),
+        global_bs=0,
+        comm_alg="fullmesh",
+    )
+    args.update(change)
+    return torch_npu.npu_moe_distribute_dispatch_v2(**args)
+
+
+@pytest.mark.parametrize(
+    ("env", "change", "rule"),
+    [
+        # the buffer each rank needs, against HCCL_BUFFSIZE (MB; 200 unset)
+        ({"HCCL_BUFFSIZE": "4"}, {}, "MC2.buffsize_a2"),
+        # unset (200 MB): 2*(512*1*min(16, 16)*7168*2 + 2 MB) = 228 MB
+        ({}, {"hidden": 7168, "bs": 512, "k": 16, "comm_alg": ""}, "MC2.buffsize_a2"),
+        (
+            {"TORCH_NPU_DOUBLE_SOC": "A3", "HCCL_BUFFSIZE": "8"},  # 16 tokens of H 7168 need 9 MB
+            {"comm_alg": "", "hidden": 7168, "bs": 16},
+            "MC2.buffsize_a3",
+        ),
+        # comm_alg per SoC; "" on A2 follows HCCL_INTRA_PCIE_ENABLE / HCCL_INTRA_ROCE_ENABLE
+        ({"TORCH_NPU_DOUBLE_SOC": "A3"}, {}, "MC2.comm_alg_a3"),  # "fullmesh" is A2's name
+        ({}, {"comm_alg": "fullmesh_v1"}, "MC2.comm_alg_a2"),
+        (
+            {"HCCL_INTRA_PCIE_ENABLE": "1", "HCCL_INTRA_ROCE_ENABLE": "0"},
+            {"comm_alg": ""},
+            "MC2.hierarchy_mask",
+        ),
+        ({}, {"comm_alg": "hierarchy", "x_active_mask": None}, "MC2.hierarchy_ep"),
+        ({}, {"comm_alg": "hierarchy", "x_active_mask": None, "ep": 16}, "MC2.hierarchy_expert_scales"),
+    ],
+)
+def test_mc2_environment_rules(one_rank_group, monkeypatch, env, change, rule):
+    for name in ("HCCL_BUFFSIZE", "TORCH_NPU_DOUBLE_SOC", "HCCL_INTRA_PCIE_ENABLE", "HCCL_INTRA_ROCE_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    _mc2_dispatch(one_rank_group, comm_alg="fullmesh")  # the baseline passes
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ContractViolation, match=rule.replace(".", r"\.")):
+        _mc2_dispatch(one_rank_group, **change)
+
+
+def test_mc2_algorithms_the_double_models(one_rank_group, monkeypatch):
+    for name in ("HCCL_BUFFSIZE", "TORCH_NPU_DOUBLE_SOC", "HCCL_INTRA_PCIE_ENABLE", "HCCL_INTRA_ROCE_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    _mc2_dispatch(one_rank_group, comm_alg="")  # A2 "" without the PCIe/RoCE pair: fullmesh
+    monkeypatch.setenv("HCCL_INTRA_PCIE_ENABLE", "1")
+    _mc2_dispatch(one_rank_group, comm_alg="fullmesh")  # explicit: the variables do not matter
+    with pytest.raises(NotImplementedError, match="hierarchy"):  # allowed, but not modelled
+        _mc2_dispatch(
+            one_rank_group, comm_alg="hierarchy", x_active_mask=None, ep=16, expert_scales=torch.ones(4, 2)
+        )
+    monkeypatch.setenv("TORCH_NPU_DOUBLE_SOC", "A3")
+    out = _mc2_dispatch(one_rank_group, comm_alg="", hidden=1024)
+    expand_x, _, assist, _, ep_recv, _, _ = out
+    with pytest.raises(ContractViolation, match=r"MC2\.combine_comm_alg_a3"):
+        torch_npu.npu_moe_distribute_combine_v2(
+            expand_x,
+            torch.arange(2, dtype=torch.int32).repeat(4, 1),
+            assist,
+            ep_recv,
+            torch.ones(4, 2),
+            one_rank_group,
+            1,
+            0,
+            16,
+            comm_alg="fullmesh_v1",
+        )
+
+
+def test_hccl_group_options_are_checked(monkeypatch):
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+    from vllm.ascend.distributed import groups
+
+    monkeypatch.setenv("VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB", "64")
+    assert groups.hccl_group_options("tp").hccl_config == {"hccl_buffer_size": 64}
+    assert groups.device_group_options("mc2", "hccl") is None  # MC2 keeps HCCL_BUFFSIZE
+    assert groups.device_group_options("mc2:0", "hccl") is None
+    assert groups.device_group_options("tp", "gloo") is None  # host emulation
+    assert groups.device_group_options("world", "hccl").hccl_config == {"hccl_buffer_size": 64}
+    with pytest.raises(ContractViolation, match=r"HCCL\.buffer_size"):
+        ProcessGroupHCCL.Options().hccl_config = {"hccl_buffer_size": 0}
+    with pytest.raises(ContractViolation, match=r"HCCL\.buffer_size"):
+        ProcessGroupHCCL.Options().hccl_config = {"hccl_buffer_size": "200"}

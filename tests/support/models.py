@@ -10,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("llama", "qwen2", "deepseek_v3")
+# A Qwen3-MoE (softmax top-k routing): served by the MoE tests only (tests/engine/test_moe_serving.py).
+QWEN3_MOE = "qwen3_moe"
 # The DeepSeek variant whose MLA sizes (latent 512, rope 64) torch_npu's MLA kernel takes.
 MLA512 = "deepseek_v3_mla512"
 # A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
@@ -19,6 +21,7 @@ VARIANTS = {
     **{arch: ["--arch", arch] for arch in ARCHS},
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],
+    QWEN3_MOE: ["--arch", "qwen3_moe"],
 }
 
 

@@ -174,10 +174,18 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
             pass
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
+    from vllm.ascend import device as ascend_device
     from vllm.ascend.kernels import mc2, moe
 
     bound = [moe.moe_experts.__name__, mc2.mc2_dispatch.__name__, mc2.mc2_combine.__name__]
-    return {"rank": rank, "results": results, "npu_calls": calls, "kernels": bound}
+    dev = ascend_device.current()  # the device class the MC2 strategy took its SoC and names from
+    return {
+        "rank": rank,
+        "results": results,
+        "npu_calls": calls,
+        "kernels": bound,
+        "device": [type(dev).__name__, dev.soc_generation()],
+    }
 
 
 def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe_pc, repeats) -> list[dict]:

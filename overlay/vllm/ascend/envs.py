@@ -42,3 +42,49 @@ def host_kv_cache_bytes() -> int:
     if mb <= 0:
         raise ValueError(f"VLLM_ASCEND_HOST_KV_CACHE_MB must be positive, got {mb}")
     return mb * (1 << 20)
+
+
+PREFILL_CHUNK_DEFAULT = 8192
+PREFILL_CHUNK_MAX = 65536  # npu_fused_infer_attention_score's dense TND form: "T小于等于65536"
+
+
+def prefill_chunk_tokens() -> int:
+    """VLLM_ASCEND_PREFILL_CHUNK_TOKENS: how many tokens of a prefill's history (cached
+    context and the step's own tokens) attention expands (MLA ``kv_b_proj``) or gathers
+    (context parallelism) at once, per layer (default 8192, at most 65536). Longer
+    histories are processed chunk by chunk and merged by log-sum-exp, so the transient
+    memory is bounded by this setting, not by the context length."""
+    raw = os.environ.get("VLLM_ASCEND_PREFILL_CHUNK_TOKENS", str(PREFILL_CHUNK_DEFAULT))
+    try:
+        tokens = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"VLLM_ASCEND_PREFILL_CHUNK_TOKENS must be an integer (tokens), got {raw!r}"
+        ) from None
+    if not 1 <= tokens <= PREFILL_CHUNK_MAX:
+        raise ValueError(f"VLLM_ASCEND_PREFILL_CHUNK_TOKENS must be in 1..{PREFILL_CHUNK_MAX}, got {tokens}")
+    return tokens
+
+
+def _positive_mb(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip() or str(default)
+    try:
+        mb = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer (MB), got {raw!r}") from None
+    if mb <= 0:
+        raise ValueError(f"{name} must be positive, got {mb}")
+    return mb
+
+
+def hccl_buffsize_mb() -> int:
+    """HCCL_BUFFSIZE (CANN's variable, MB per communicator; 200 when unset): the buffer the
+    MC2 group's communicator gets. Read here to check it against the MC2 requirement."""
+    return _positive_mb("HCCL_BUFFSIZE", 200)
+
+
+def group_hccl_buffsize_mb() -> int:
+    """VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB: the HCCL buffer (MB) of every process group but
+    MC2's (world, TP, DP, EP, PP, context parallel), set through the group's options so a
+    large HCCL_BUFFSIZE for MC2 does not apply to them (default 200, HCCL's own default)."""
+    return _positive_mb("VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB", 200)

@@ -237,27 +237,42 @@ def test_pcp_split_covers_every_token_once_and_restores_the_order(case):
 
 
 @settings(max_examples=100, deadline=None)
-@given(steps())
-def test_history_gather_puts_every_rank_s_tokens_back_in_position_order(case):
+@given(steps(), st.sampled_from([1, 5, 16, 4096]))
+def test_history_gather_puts_every_rank_s_tokens_back_in_position_order(case, chunk):
     q_lens, contexts, num_decodes, pcp, dcp, interleave = case
     query_start = torch.tensor([0] + q_lens).cumsum(0).tolist()
     seq_lens = [c + q for c, q in zip(contexts, q_lens)]
     cp = pcp * dcp
     plans = [
-        build_step(query_start, seq_lens, num_decodes, RankLayout(pcp, c // dcp, dcp, c % dcp, interleave))
+        build_step(
+            query_start, seq_lens, num_decodes, RankLayout(pcp, c // dcp, dcp, c % dcp, interleave), chunk
+        )
         for c in range(cp)
     ]
-    # each rank contributes its tokens' positions (padded), as gather_history does
-    buffers = []
-    for c, step in enumerate(plans):
-        part = []
-        for length, pad in zip(step.history_lens, step.history_pad):
-            mine = local_positions(length, c, cp, interleave)
-            part += mine + [-1] * (pad - len(mine))
-        buffers.append(part)
-    gathered = torch.tensor([t for b in buffers for t in b], dtype=torch.int64)
-    got = gathered[plans[0].history_take].tolist() if gathered.numel() else []
-    assert got == [t for length in plans[0].history_lens for t in range(length)]
+    # the same rounds on every rank (they all join each round's gather), each at most ``chunk`` tokens
+    rounds = [[rnd.chunks for rnd in step.prefill_plan.rounds] if step.prefill_plan else [] for step in plans]
+    assert all(r == rounds[0] for r in rounds)
+    covered = {}
+    for chunks in rounds[0]:
+        assert sum(end - start for _, start, end in chunks) <= chunk
+        for r, start, end in chunks:
+            covered.setdefault(r, []).extend(range(start, end))
+    assert covered == {r: list(range(seq_lens[r])) for r in plans[0].prefill_requests}
+    # each rank contributes its tokens' positions per chunk (padded), as gather_round does
+    for i, chunks in enumerate(rounds[0]):
+        buffers = []
+        for c, step in enumerate(plans):
+            rnd = step.prefill_plan.rounds[i]
+            part = []
+            for (_, start, end), (lo, hi), pad in zip(chunks, rnd.extra["local"], rnd.extra["pads"]):
+                mine = local_positions(max(seq_lens), c, cp, interleave)[lo:hi]
+                assert all(start <= t < end for t in mine)
+                part += mine + [-1] * (pad - len(mine))
+            buffers.append(part)
+        assert len({len(b) for b in buffers}) == 1, "every rank sends the same number of rows"
+        gathered = torch.tensor([t for b in buffers for t in b], dtype=torch.int64)
+        take = plans[0].prefill_plan.rounds[i].extra["take"]
+        assert gathered[take].tolist() == [t for _, start, end in chunks for t in range(start, end)]
     # decode rows: the tokens each rank holds add up to each query's visible keys
     for row in range(plans[0].num_decode_tokens):
         assert sum(step.decode_lens[row] for step in plans) == seq_lens[row]

@@ -484,3 +484,16 @@ def test_context_parallel_decode_and_combine_equal_reference(data, group, head_s
     )
     for op in ("npu::npu_fused_infer_attention_score", "npu::npu_attention_update"):
         assert _contract.calls[op] > before.get(op, 0), op
+
+
+def test_mc2_passes_the_algorithm_the_selector_models():
+    """comm_alg is never left to the environment: on A2 "" would follow
+    HCCL_INTRA_PCIE_ENABLE / HCCL_INTRA_ROCE_ENABLE into hierarchy, whose limits differ."""
+    from vllm.ascend.kernels.mc2 import Mc2Comm, _soc_arguments
+
+    def args(soc):
+        return _soc_arguments(Mc2Comm(None, "g", 16, 0, soc))
+
+    assert args("A2") == {"comm_alg": "fullmesh"}
+    assert args("A3") == {"comm_alg": "", "group_tp": "g", "tp_world_size": 1, "tp_rank_id": 0}
+    assert args("host")["comm_alg"] == ""

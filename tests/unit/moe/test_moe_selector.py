@@ -157,3 +157,86 @@ def test_config_override_is_checked_at_start_up(moe_config):
     assert lay.ep_size == 4 and lay.soc == "host" and dataclasses.asdict(lay)["num_experts"] == 8
     assert choice is MoEComm.MC2 and lay.mc2_capacity == 2 * 512  # forced: up to the op's limit per TP rank
     assert plan.step_for_forward(3, torch.tensor([3, 1])).comm is MoEComm.MC2
+
+
+# -- MC2's HCCL buffer (HCCL_BUFFSIZE) -------------------------------------------------------
+def test_mc2_buffer_formula_numbers():
+    """The dispatch_v2 doc's formulas, evaluated by hand for DeepSeek-V3 shapes (E 256, K 8,
+    H 7168): A3 EP16 ``2*(16*BS*16*Align512(Align32(14336)+64) + 9*BS*Align512(14336))``,
+    A2 EP16 ``2*(BS*16*min(16, 8)*7168*2 + 2 MB)``."""
+    per_token_a3 = 2 * (16 * 16 * 14848 + 9 * 14336)
+    assert selector.mc2_buffer_bytes("A3", 1, 16, 256, 8, 7168) == per_token_a3 == 7_860_224
+    assert selector.mc2_buffer_bytes("A3", 256, 16, 256, 8, 7168) == 256 * per_token_a3
+    assert selector.mc2_buffer_bytes("A2", 256, 16, 256, 8, 7168) == 2 * (256 * 16 * 8 * 7168 * 2 + (2 << 20))
+    assert selector.mc2_buffer_bytes("host", 256, 16, 256, 8, 7168) == 0
+    assert selector.mc2_buffsize_mb(layout(), 256) == 1919
+    assert selector.mc2_buffsize_mb(layout(soc="A2"), 256) == 900
+    # the largest batch within a buffer: its need fits, one more token's does not
+    fit = selector.mc2_tokens_within(layout(), 200, 512)
+    assert selector.mc2_buffsize_mb(layout(), fit) <= 200 < selector.mc2_buffsize_mb(layout(), fit + 1)
+    assert fit == 26
+
+
+def test_auto_mc2_is_capped_to_the_buffer_with_one_line(caplog):
+    from vllm.ascend.moe.step import fit_mc2_buffer
+
+    full = layout(mc2_capacity=256)
+    assert fit_mc2_buffer(full, None, 1919) is full  # enough: unchanged
+    with caplog.at_level("WARNING"):
+        capped = fit_mc2_buffer(full, None, 200)
+    assert capped.mc2_capacity == 26
+    assert selector.select(26, capped) is MoEComm.MC2 and selector.select(27, capped) is MoEComm.ALLTOALL
+    lines = [r.getMessage() for r in caplog.records if "HCCL_BUFFSIZE" in r.getMessage()]
+    assert len(lines) == 1 and "set HCCL_BUFFSIZE=1919" in lines[0] and "use alltoall" in lines[0], lines
+    # a buffer too small for one token: MC2 never runs
+    assert fit_mc2_buffer(full, None, 4).mc2_capacity == 0
+    assert selector.select(1, fit_mc2_buffer(full, None, 4)) is MoEComm.ALLTOALL
+    # TP: the capacity stays a whole number of tokens per TP rank
+    assert fit_mc2_buffer(layout(tp_size=2, mc2_capacity=512), None, 200).mc2_capacity == 52
+
+
+def test_forced_mc2_beyond_the_buffer_stops_naming_the_value():
+    from vllm.ascend.moe.step import fit_mc2_buffer
+
+    with pytest.raises(
+        ValueError, match=r"moe_comm_method=mc2 cannot run here: .* needs an HCCL buffer of 3838 MB"
+    ):
+        fit_mc2_buffer(layout(), MoEComm.MC2, 200)
+    with pytest.raises(ValueError, match="set HCCL_BUFFSIZE=3838"):
+        fit_mc2_buffer(layout(), MoEComm.MC2, 3837)
+    assert fit_mc2_buffer(layout(), MoEComm.MC2, 3838).mc2_capacity == 512
+
+
+def test_worker_plan_fits_the_buffer_and_makes_mc2_only_when_usable(moe_config):
+    from vllm.ascend.moe.step import MoEPlan
+
+    cfg = moe_config(dp=2, tp=2, ep=True, forced="mc2")  # tiny DeepSeek-V3: EP 4, 8 experts
+    hidden = cfg.model_config.get_hidden_size()
+    need = selector.mc2_buffsize_mb(MoEPlan.from_config(cfg, "A2").layout, 256)
+    assert MoEPlan.from_config(cfg, "A2", need).may_use_mc2
+    with pytest.raises(ValueError, match=f"set HCCL_BUFFSIZE={need}"):
+        MoEPlan.from_config(cfg, "A2", need - 1)
+    if not 1024 <= hidden <= 8192:  # the A3 hidden-size cap, at start-up for a forced MC2
+        with pytest.raises(ValueError, match="Atlas A3 needs EP <= 768 and hidden size in"):
+            MoEPlan.from_config(cfg, "A3", 10_000)
+    auto = MoEPlan.from_config(moe_config(dp=2, tp=2, ep=True), "A2", 10_000)
+    assert not auto.may_use_mc2  # A2 auto: MC2 only from EP 16: no MC2 group or buffer is made
+    assert not MoEPlan.from_config(moe_config(dp=2, tp=2, ep=True), "host").may_use_mc2
+
+
+def test_forced_mc2_is_checked_at_config_time_on_an_npu(moe_config, monkeypatch):
+    """Without host emulation the API process checks a forced MC2 against every Atlas SoC
+    (it may not ask the NPU which one it is): one error when none can run it."""
+    from vllm.ascend.moe.step import validate_config
+
+    cfg = moe_config(dp=2, tp=2, ep=True, forced="mc2")
+    monkeypatch.setenv("VLLM_ASCEND_EMULATE", "0")
+    monkeypatch.setenv("HCCL_BUFFSIZE", "100000")
+    validate_config(cfg)  # fits on A2 (the tiny model's hidden size is below A3's range)
+    monkeypatch.setenv("HCCL_BUFFSIZE", "1")
+    with pytest.raises(
+        ValueError, match=r"mc2 cannot run here: on Atlas A2: .*set HCCL_BUFFSIZE=\d+.*; on Atlas A3"
+    ):
+        validate_config(cfg)
+    monkeypatch.setenv("VLLM_ASCEND_EMULATE", "1")
+    validate_config(cfg)  # host emulation: no SoC limits, no HCCL

@@ -95,9 +95,13 @@ def test_w8a8_dynamic_experts_through_every_strategy(layout):
     _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))
 
 
-def test_strategies_through_torch_npu_contract(tmp_path):
+@pytest.mark.parametrize("soc", ["A2", "A3"])
+def test_strategies_through_torch_npu_contract(soc, tmp_path):
     """NPU-path mode: MC2 through npu_moe_distribute_dispatch_v2/combine_v2 and the
-    experts through npu_grouped_matmul/npu_swiglu, all checked by the contract double."""
+    experts through npu_grouped_matmul/npu_swiglu, all checked by the contract double,
+    on each SoC the double can report (TORCH_NPU_DOUBLE_SOC): the MC2 strategy takes
+    the SoC and the communicator name from the NPU device class (A3: the TP-domain
+    arguments as well). Hidden size 1024: inside both SoCs' documented H ranges."""
     strategies, rounds = ["alltoall", "mc2"], [[6, 0], [3, 11]]
     case = {
         "tp": 1,
@@ -106,15 +110,16 @@ def test_strategies_through_torch_npu_contract(tmp_path):
         "tokens_grid": rounds,
         "experts": 8,
         "top_k": 2,
-        "hidden": 64,
+        "hidden": 1024,
         "inter": 32,
         "seed": 5,
         "dtype": "bfloat16",
-        "env": {"VLLM_ASCEND_KERNELS": "npu", **double_env()},
+        "env": {"VLLM_ASCEND_KERNELS": "npu", **double_env(), "TORCH_NPU_DOUBLE_SOC": soc},
     }
     results = run(case)
     _check(results, strategies, rounds, lambda scale: BF16_RELATIVE * max(1.0, scale))
     for rank in results:
+        assert rank["device"] == ["NPUPathDevice", soc], rank["device"]
         assert rank["kernels"] == ["npu_moe_experts", "npu_mc2_dispatch", "npu_mc2_combine"], rank["kernels"]
         calls = rank["npu_calls"]
         for op in (

@@ -29,11 +29,12 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
+from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.kv_layout import gqa_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import attention as kernels
-from vllm.ascend.kernels import mla as dense_kernels
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -79,6 +80,8 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.prefill_chunk = envs.prefill_chunk_tokens()
         if self.cp_rank is not None:
             self.reorder_batch_threshold = 1  # decode requests first: their rows combine across ranks
 
@@ -89,15 +92,31 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         metadata = AscendAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
-            seq_lens=m.seq_lens[: m.num_reqs].cpu().tolist(),
+            seq_lens=host_seq_lens(m, self.max_model_len),
             block_table=m.block_table_tensor[: m.num_reqs],
         )
         if self.cp_rank is not None:
             num_decodes = split_decodes_and_prefills(m, decode_threshold=1)[0]
             metadata.cp_step = build_step(
-                metadata.query_start_loc, metadata.seq_lens, num_decodes, self.cp_rank
+                metadata.query_start_loc, metadata.seq_lens, num_decodes, self.cp_rank, self.prefill_chunk
             )
         return metadata
+
+
+def host_seq_lens(m: CommonAttentionMetadata, max_model_len: int) -> list[int]:
+    """Each request's sequence length from the host copy the runner already made
+    (``seq_lens_cpu_upper_bound``), so building metadata reads nothing back from the
+    device. It is exact here: the upper bound is optimistic only under asynchronous
+    scheduling with speculative decoding, which the platform turns off
+    (``platform/npu.py``). A drafter step past ``max_model_len`` adds 1 on the host where
+    the device clamps, hence the clamp."""
+    host = m.seq_lens_cpu_upper_bound
+    if host is None:
+        raise RuntimeError(
+            "CommonAttentionMetadata.seq_lens_cpu_upper_bound is not set: the Ascend attention "
+            "backends take sequence lengths from the host copy and never read them from the device"
+        )
+    return host[: m.num_reqs].clamp(max=max_model_len).tolist()
 
 
 class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
@@ -198,11 +217,12 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
                 q, k_plane, v_plane, attn_metadata.block_table[:ndec], step.decode_lens, self.scale
             )
             out[:ndec] = cp.combine_decode(partial, lse, step.rank, self.num_heads)
-        if step.prefill_requests:
-            history = cp.gather_history([k_plane, v_plane], attn_metadata.block_table, step)
-            if step.segments:
-                kv, q_lens, kv_lens = cp.segment_inputs(step, history)
-                k, v = kv.split([self.head_size, kv.shape[-1] - self.head_size], dim=-1)
-                rows = step.tensor("segment_rows", query.device)
-                out[rows] = dense_kernels.prefill_attention(query[rows], k, v, q_lens, kv_lens, self.scale)
+        if step.prefill_plan is not None:
+
+            def materialize(rnd):
+                kv = cp.gather_round([k_plane, v_plane], attn_metadata.block_table, rnd)
+                return kv.split([self.head_size, kv.shape[-1] - self.head_size], dim=-1)
+
+            q = query.view(query.shape[0], self.num_heads, -1)
+            prefill_chunks.attend(q, step.prefill_plan, materialize, self.scale, out, out.shape[-1])
         return output

@@ -8,19 +8,20 @@ rows, which prefill query runs this rank has) is ``vllm.ascend.context_parallel.
   the DCP group are gathered, each rank attends over the tokens it holds and returns
   the output with its log-sum-exp, and the partials of the whole group are combined
   (``kernels.context_parallel.combine_partials``). Only per-row outputs travel.
-* Prefill query runs: each prefill request's whole history (cached context and this
-  step's tokens, already written) is gathered from the group's caches into position
-  order, and every run attends causally over its prefix. One gather per layer and
-  step carries every prefill request.
+* Prefill query runs: each prefill request's history (cached context and this step's
+  tokens, already written) is gathered from the group's caches into position order,
+  chunk by chunk (at most ``VLLM_ASCEND_PREFILL_CHUNK_TOKENS`` tokens per gather, several
+  requests' chunks per gather when they fit), and every run attends causally over its
+  prefix, the chunks' partial results merged by log-sum-exp (``prefill_chunks.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm.ascend.attention.prefill_chunks import Round
 from vllm.ascend.context_parallel.placement import RankLayout
-from vllm.ascend.context_parallel.step import CPStep
-from vllm.ascend.kernels.attention import gather_tokens
+from vllm.ascend.kernels.attention import gather_range
 from vllm.ascend.kernels.context_parallel import combine_partials
 
 
@@ -75,26 +76,23 @@ def combine_decode(out: torch.Tensor, lse: torch.Tensor, rank: RankLayout, own_h
     return merged[:, first : first + own_heads]
 
 
-def gather_history(planes: list[torch.Tensor], block_table: torch.Tensor, step: CPStep) -> torch.Tensor:
-    """Every prefill request's tokens ``[sum(history_lens), heads, D]`` in position order,
-    requests concatenated, from head-major planes ``[blocks, heads, block_size, D_i]``
-    (their last dims concatenated)."""
+def gather_round(planes: list[torch.Tensor], block_table: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """One round of the step's prefill plan: the tokens of its history chunks
+    ``[rnd.rows, heads, D]`` in position order, chunks concatenated, gathered from the
+    group's head-major planes ``[blocks, heads, block_size, D_i]`` (their last dims
+    concatenated). Every rank of the group calls it for every round."""
     parts = []
-    for r, local, pad in zip(step.prefill_requests, step.history_local, step.history_pad):
-        rows = torch.cat([gather_tokens(p, block_table[r], local) for p in planes], dim=-1)
-        if pad > local:
-            rows = torch.cat([rows, rows.new_zeros(pad - local, *rows.shape[1:])])
+    for (r, _, _), (lo, hi), pad in zip(rnd.chunks, rnd.extra["local"], rnd.extra["pads"]):
+        rows = torch.cat([gather_range(p, block_table[r], lo, hi) for p in planes], dim=-1)
+        if pad > hi - lo:
+            rows = torch.cat([rows, rows.new_zeros(pad - (hi - lo), *rows.shape[1:])])
         parts.append(rows)
     every = _cp_group().all_gather(torch.cat(parts).contiguous(), dim=0)
-    return every[step.tensor("history_take", every.device)]
-
-
-def segment_inputs(step: CPStep, history: torch.Tensor):
-    """Per query run: the history prefix it attends over; (keys concatenated, q lens, kv lens)."""
-    offsets = dict(zip(step.prefill_requests, step.history_offsets()))
-    prefixes = [history[offsets[s.request] : offsets[s.request] + s.kv_len] for s in step.segments]
-    kv = torch.cat(prefixes) if prefixes else history[:0]
-    return kv, [s.length for s in step.segments], [s.kv_len for s in step.segments]
+    cache = rnd.extra["take_device"]
+    key = str(every.device)
+    if key not in cache:
+        cache[key] = rnd.extra["take"].to(every.device, non_blocking=True)
+    return every[cache[key]]
 
 
 def pcp_gather_rows(x: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,12 @@
 Upstream's MLA layer does the weight absorption and the batch split (decodes first);
 this backend supplies the device-facing pieces: the latent-cache write, the absorbed
 decode, and prefill. The cache is read as latent and rope planes (``kv_layout.py``).
-Prefill reads each request's whole latent history from the cache (its new tokens
-were just written), expands it with ``kv_b_proj`` and attends, so chunked prefill
-and prefix-cache hits need no separate context path. Under context parallelism the
+Prefill reads each request's latent history from the cache (its new tokens were just
+written), expands it with ``kv_b_proj`` and attends, so chunked prefill and prefix-cache
+hits need no separate context path. The history is expanded a chunk of at most
+``VLLM_ASCEND_PREFILL_CHUNK_TOKENS`` tokens at a time and the chunks' partial results are
+merged by log-sum-exp (``prefill_chunks.py``), so the transient memory does not grow with
+the context length. Under context parallelism the
 history is gathered from the group's caches and decode combines the ranks' partial
 results (``context_parallel.py``); upstream's layer-level DCP machinery stays off
 (``dcp_world_size`` 1 on the impl, the builder opts out of its DCP workspace).
@@ -28,12 +31,15 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
+from vllm.ascend.attention import prefill_chunks
+from vllm.ascend.attention.backend import host_seq_lens
 from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
-from vllm.ascend.kernels.attention import gather_tokens
+from vllm.ascend.kernels.attention import gather_range
 from vllm.ascend.kernels.mla import head_major
 
 
@@ -46,7 +52,8 @@ class AscendMLAMetadata(MLACommonMetadata):
     decode_block_rows: torch.Tensor | None = None
     decode_row_lens: list[int] = field(default_factory=list)  # under CP: the tokens this rank holds
     cp_step: CPStep | None = None
-    cp_block_table: torch.Tensor | None = None  # every request's row (CP history gathers)
+    request_block_table: torch.Tensor | None = None  # every request's row (history reads and gathers)
+    prefill_plan: prefill_chunks.Plan | None = None  # without CP (under CP: cp_step.prefill_plan)
 
 
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
@@ -61,17 +68,27 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         kwargs["metadata_cls"] = AscendMLAMetadata
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
         self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.prefill_chunk = envs.prefill_chunk_tokens()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> AscendMLAMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
         metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-        metadata.seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu().tolist()
+        metadata.seq_lens_cpu = host_seq_lens(m, self.max_model_len)
+        metadata.request_block_table = m.block_table_tensor[: m.num_reqs]
         if self.cp_rank is not None:
             metadata.cp_step = build_step(
-                metadata.query_start_cpu, metadata.seq_lens_cpu, metadata.num_decodes, self.cp_rank
+                metadata.query_start_cpu,
+                metadata.seq_lens_cpu,
+                metadata.num_decodes,
+                self.cp_rank,
+                self.prefill_chunk,
             )
-            metadata.cp_block_table = m.block_table_tensor[: m.num_reqs]
+        elif metadata.prefill is not None:
+            metadata.prefill_plan = prefill_plan(
+                metadata.query_start_cpu, metadata.seq_lens_cpu, metadata.num_decodes, self.prefill_chunk
+            )
         if metadata.decode is not None:
             n = metadata.num_decodes
             metadata.decode_block_rows, metadata.decode_row_lens = decode_rows(
@@ -80,6 +97,19 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
             if metadata.cp_step is not None:
                 metadata.decode_row_lens = metadata.cp_step.decode_lens
         return metadata
+
+
+def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk: int) -> prefill_chunks.Plan:
+    """The chunked prefill of requests ``first ..``: each runs its new tokens (rows counted
+    from the first prefill token) over its whole history."""
+    base = query_start[first]
+    runs, lens = [], {}
+    for r in range(first, len(seq_lens)):
+        q_len = query_start[r + 1] - query_start[r]
+        if q_len:
+            runs.append(prefill_chunks.Run(query_start[r] - base, q_len, r, seq_lens[r] - q_len))
+            lens[r] = seq_lens[r]
+    return prefill_chunks.build_plan(runs, lens, chunk)
 
 
 def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int]):
@@ -210,25 +240,21 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         out = output.view(-1, self.num_heads, self.v_head_dim)
         if attn_metadata.cp_step is not None:
             return self._context_parallel_prefill(q, latent, rope, attn_metadata, out)
-        prefill = attn_metadata.prefill
-        first = attn_metadata.num_decodes
-        starts = attn_metadata.query_start_cpu[first:]
-        q_lens = [b - a for a, b in zip(starts, starts[1:])]
-        kv_lens = attn_metadata.seq_lens_cpu[first:]
-        rows = [
-            (
-                gather_tokens(head_major(latent), prefill.block_table[r], n)[:, 0],
-                gather_tokens(head_major(rope), prefill.block_table[r], n)[:, 0],
+        table = attn_metadata.request_block_table
+        planes = [head_major(latent), head_major(rope)]
+
+        def materialize(rnd):
+            rows = torch.cat(
+                [
+                    torch.cat([gather_range(p, table[r], a, b) for p in planes], dim=-1)
+                    for r, a, b in rnd.chunks
+                ]
             )
-            for r, n in enumerate(kv_lens)
-            if q_lens[r]
-        ]
-        kv_lens = [n for r, n in enumerate(kv_lens) if q_lens[r]]
-        q_lens = [n for n in q_lens if n]
-        k, v = self._expand(
-            torch.cat([c for c, _ in rows]).to(q.dtype), torch.cat([pe for _, pe in rows]).to(q.dtype)
-        )
-        out[: sum(q_lens)] = kernels.prefill_attention(q[: sum(q_lens)], k, v, q_lens, kv_lens, self.scale)
+            return self._expand(
+                rows[:, 0, : self.kv_lora_rank].to(q.dtype), rows[:, 0, self.kv_lora_rank :].to(q.dtype)
+            )
+
+        prefill_chunks.attend(q, attn_metadata.prefill_plan, materialize, self.scale, out, self.v_head_dim)
 
     def _expand(self, c, pe):
         """Latent ``c`` and rotary ``pe`` rows -> per-head keys and values (``kv_b_proj``)."""
@@ -241,16 +267,22 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         and ``out`` are the local rows after the decode rows."""
         step = attn_metadata.cp_step
         out.zero_()  # padding rows (PCP) stay zero
-        if not step.prefill_requests:
+        if step.prefill_plan is None:
             return
         planes = [head_major(latent), head_major(rope)]
-        history = cp.gather_history(planes, attn_metadata.cp_block_table, step)
-        if not step.segments:
-            return
-        k, v = self._expand(
-            history[:, 0, : self.kv_lora_rank].to(q.dtype), history[:, 0, self.kv_lora_rank :].to(q.dtype)
+
+        def materialize(rnd):
+            history = cp.gather_round(planes, attn_metadata.request_block_table, rnd)
+            return self._expand(
+                history[:, 0, : self.kv_lora_rank].to(q.dtype), history[:, 0, self.kv_lora_rank :].to(q.dtype)
+            )
+
+        prefill_chunks.attend(
+            q,
+            step.prefill_plan,
+            materialize,
+            self.scale,
+            out,
+            self.v_head_dim,
+            row_offset=step.num_decode_tokens,
         )
-        kv, q_lens, kv_lens = cp.segment_inputs(step, torch.cat([k, v], dim=-1))
-        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-        rows = step.tensor("segment_rows", q.device) - step.num_decode_tokens
-        out[rows] = kernels.prefill_attention(q[rows], k, v, q_lens, kv_lens, self.scale)

@@ -12,6 +12,12 @@ from __future__ import annotations
 from vllm.ascend.attention.kv_layout import connector_addresses_planes
 from vllm.ascend.context_parallel.placement import CPLayout
 
+# npu_attention_update, which merges the PCP x DCP ranks' partial results on the NPU
+# (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md):
+# "序列并行的并行度SP取值范围[1, 16]。" and "head_dim取值范围[8, 512]且是8的倍数。"
+NPU_MAX_PARTIALS = 16
+NPU_PARTIAL_HEAD_DIM = (8, 512, 8)  # min, max, multiple of
+
 
 def context_parallel_layout(vllm_config) -> CPLayout:
     pc, model = vllm_config.parallel_config, vllm_config.model_config
@@ -26,12 +32,37 @@ def context_parallel_layout(vllm_config) -> CPLayout:
     )
 
 
+def check_npu_partials(pcp: int, dcp: int, head_dim: int) -> None:
+    """The NPU cross-rank correction (``npu_attention_update``) takes at most
+    NPU_MAX_PARTIALS partial results of a head size in NPU_PARTIAL_HEAD_DIM. ValueError."""
+    if pcp * dcp > NPU_MAX_PARTIALS:
+        raise ValueError(
+            f"prefill x decode context parallel size {pcp} x {dcp} = {pcp * dcp} is more than the "
+            f"{NPU_MAX_PARTIALS} partial results the NPU attention correction (torch_npu "
+            f"npu_attention_update) merges: lower --prefill-context-parallel-size or "
+            "--decode-context-parallel-size"
+        )
+    low, high, multiple = NPU_PARTIAL_HEAD_DIM
+    if not low <= head_dim <= high or head_dim % multiple:
+        raise ValueError(
+            f"context parallelism with the NPU kernels merges attention outputs of head size "
+            f"{head_dim} with torch_npu npu_attention_update, which takes {low} to {high} in "
+            f"multiples of {multiple}: set PCP and DCP to 1 for this model"
+        )
+
+
 def validate_context_parallel(vllm_config) -> None:
     """Raise ValueError naming what to change, or return."""
     pc = vllm_config.parallel_config
     if pc.prefill_context_parallel_size * pc.decode_context_parallel_size == 1:
         return
     context_parallel_layout(vllm_config).check()
+    from vllm.ascend.kernels import npu_kernels
+
+    model = vllm_config.model_config
+    if npu_kernels():  # MLA merges decode outputs in the latent space
+        head_dim = model.hf_text_config.kv_lora_rank if model.use_mla else model.get_head_size()
+        check_npu_partials(pc.prefill_context_parallel_size, pc.decode_context_parallel_size, head_dim)
     if vllm_config.speculative_config is not None:
         raise ValueError(
             "speculative decoding with context parallelism is not supported on Ascend yet: "
@@ -48,7 +79,6 @@ def validate_context_parallel(vllm_config) -> None:
             f"context parallelism with the KV connector {kv.kv_connector} is not supported on "
             "Ascend: use AscendP2PConnector, or set PCP and DCP to 1"
         )
-    model = vllm_config.model_config
     if pc.prefill_context_parallel_size > 1 and pc.enable_expert_parallel and model.is_moe:
         # PCP ranks run different tokens; the Ascend MoE strategies exchange tokens over DP
         # only (measured: the tiny DeepSeek-V3 at PCP=2 with EP decodes differently).

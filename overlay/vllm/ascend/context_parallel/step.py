@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm.ascend.attention.prefill_chunks import Plan, Run, build_plan
 from vllm.ascend.context_parallel.placement import RankLayout, local_count, local_slot, owner
+from vllm.ascend.envs import PREFILL_CHUNK_MAX
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,15 @@ class CPStep:
     segments: list[Segment]
     prefill_requests: list[int]  # every request with new prefill tokens (the same on all CP ranks)
     history_lens: list[int]  # their full sequence lengths
-    history_local: list[int]  # tokens of each this rank holds
-    history_pad: list[int]  # rows each rank contributes to the history gather, per request
-    history_take: torch.Tensor  # gathered [CP x sum(history_pad)] rows -> every request's tokens in order
     local_rows: int
     local_index: list[int] | None = None  # PCP > 1 only
     gather_order: list[int] | None = None
     restore: list[int] | None = None
     device_tensors: dict = field(default_factory=dict)  # device copies of the index lists (tensor())
+    # The prefill attention over the gathered histories, chunk by chunk
+    # (attention/prefill_chunks.py); each round's ``extra`` says what this rank
+    # contributes to the round's gather and how the gathered rows go back in order.
+    prefill_plan: Plan | None = None
 
     @property
     def segment_rows(self) -> list[int]:
@@ -66,21 +69,14 @@ class CPStep:
         """One of this step's index lists as an int64 device tensor, made once per step."""
         key = (name, str(device))
         if key not in self.device_tensors:
-            self.device_tensors[key] = torch.as_tensor(getattr(self, name), dtype=torch.int64).to(device)
+            host = torch.as_tensor(getattr(self, name), dtype=torch.int64)
+            self.device_tensors[key] = host.to(device, non_blocking=True)  # queued, no wait
         return self.device_tensors[key]
 
     @property
     def split(self) -> bool:
         """Whether PCP splits this step's tokens (this rank runs only ``local_index``)."""
         return self.local_index is not None
-
-    def history_offsets(self) -> list[int]:
-        """Where each prefill request starts in the gathered history."""
-        offsets, total = [], 0
-        for n in self.history_lens:
-            offsets.append(total)
-            total += n
-        return offsets
 
 
 def zigzag_runs(num_tokens: int, pcp: int, pcp_rank: int) -> list[tuple[int, int]]:
@@ -102,19 +98,43 @@ def zigzag_runs(num_tokens: int, pcp: int, pcp_rank: int) -> list[tuple[int, int
     return runs
 
 
-def _history_take(lens: list[int], pads: list[int], cp: int, interleave: int) -> torch.Tensor:
-    total_pad = sum(pads)
-    takes, offset = [], 0
-    for seq_len, pad in zip(lens, pads):
-        t = torch.arange(seq_len, dtype=torch.int64)
-        takes.append(owner(t, cp, interleave) * total_pad + offset + local_slot(t, cp, interleave))
-        offset += pad
-    return torch.cat(takes) if takes else torch.zeros(0, dtype=torch.int64)
+def add_round_gathers(plan: Plan, cp: int, cp_rank: int, interleave: int) -> None:
+    """Per round of the prefill plan: the local token range of each chunk this rank
+    contributes (``local``), the rows every rank contributes per chunk (``pads``: the most
+    any rank holds of it), and ``take``: gathered ``[CP x sum(pads)]`` rows -> the round's
+    tokens in position order, chunks concatenated."""
+    for rnd in plan.rounds:
+        local, pads, takes, offset = [], [], [], 0
+        total_pad = sum(
+            max(
+                local_count(end, c, cp, interleave) - local_count(start, c, cp, interleave) for c in range(cp)
+            )
+            for _, start, end in rnd.chunks
+        )
+        for _, start, end in rnd.chunks:
+            counts = [local_count(start, c, cp, interleave) for c in range(cp)]
+            ends = [local_count(end, c, cp, interleave) for c in range(cp)]
+            pad = max(e - s for s, e in zip(counts, ends))
+            local.append((counts[cp_rank], ends[cp_rank]))
+            pads.append(pad)
+            t = torch.arange(start, end, dtype=torch.int64)
+            holder = owner(t, cp, interleave)
+            first = torch.tensor(counts, dtype=torch.int64)[holder]
+            takes.append(holder * total_pad + offset + local_slot(t, cp, interleave) - first)
+            offset += pad
+        rnd.extra.update(local=local, pads=pads, take=torch.cat(takes), take_device={})
 
 
-def build_step(query_start: list[int], seq_lens: list[int], num_decodes: int, rank: RankLayout) -> CPStep:
+def build_step(
+    query_start: list[int],
+    seq_lens: list[int],
+    num_decodes: int,
+    rank: RankLayout,
+    chunk: int = PREFILL_CHUNK_MAX,
+) -> CPStep:
     """The plan of one step: ``query_start``/``seq_lens`` per request (host lists, the
-    runner's order, decode requests first), ``num_decodes`` of them decode requests."""
+    runner's order, decode requests first), ``num_decodes`` of them decode requests;
+    ``chunk`` the history tokens the prefill attention gathers at once."""
     cp, cp_rank, interleave = rank.cp, rank.cp_rank, rank.interleave
     q_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     num_decode_tokens = query_start[num_decodes]
@@ -137,7 +157,6 @@ def build_step(query_start: list[int], seq_lens: list[int], num_decodes: int, ra
         segments.append(Segment(row, length, r, seq_lens[r] - q_lens[r] + start))
         row += length
     lens = [seq_lens[r] for r in prefills]
-    pads = [local_count(n, 0, cp, interleave) for n in lens]
     step = CPStep(
         rank=rank,
         num_decodes=num_decodes,
@@ -146,11 +165,12 @@ def build_step(query_start: list[int], seq_lens: list[int], num_decodes: int, ra
         segments=segments,
         prefill_requests=prefills,
         history_lens=lens,
-        history_local=[local_count(n, cp_rank, cp, interleave) for n in lens],
-        history_pad=pads,
-        history_take=_history_take(lens, pads, cp, interleave),
         local_rows=query_start[-1],
     )
+    if prefills:
+        runs = [Run(s.row, s.length, s.request, s.first_position) for s in segments]
+        step.prefill_plan = build_plan(runs, dict(zip(prefills, lens)), chunk)
+        add_round_gathers(step.prefill_plan, cp, cp_rank, interleave)
     if rank.pcp > 1:
         _add_pcp_split(step, query_start, runs_of)
     return step

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
+
 from vllm.ascend.device.base import Device
 from vllm.ascend.device.npu_runtime import load_torch_npu
+
+logger = init_logger(__name__)
 
 
 class NPUDevice(Device):
@@ -25,6 +29,9 @@ class NPUDevice(Device):
     def set_device(self, index: int) -> None:
         self._npu.set_device(index)
         self._initialised = True
+        logger.info(
+            "Ascend device %d: SoC version %s (%s)", index, self._npu.get_soc_version(), self.soc_generation()
+        )
 
     def synchronize(self) -> None:
         self._npu.synchronize()
@@ -62,8 +69,9 @@ class NPUDevice(Device):
         return self._npu.stream(stream)
 
     def soc_generation(self) -> str:
-        # torch_npu.npu.get_soc_version(): Atlas A2 parts report 220-225, A3 250-255
-        # (the ranges vllm-ascend's device-type detection uses).
+        # torch_npu.npu.get_soc_version() returns torch_npu's c10_npu::SocVersion: Atlas A2
+        # parts are Ascend910B1 = 220 .. Ascend910B4_1 = 225, A3 parts Ascend910_9391 = 250
+        # .. Ascend910_9362 = 255 (the ranges vllm-ascend's device-type detection uses).
         version = int(self._npu.get_soc_version())
         if 220 <= version <= 225:
             return "A2"
@@ -75,7 +83,9 @@ class NPUDevice(Device):
         import torch
         import torch.distributed as dist
 
-        backend = group._get_backend(torch.device("npu"))
+        # The group's backend for this device's tensors: HCCL on an NPU (torch_npu's
+        # documented way to name a communicator for its MC2 ops).
+        backend = group._get_backend(torch.device(self.type))
         return backend.get_hccl_comm_name(dist.get_rank(group=group))
 
     def cann_version(self) -> str:
@@ -85,3 +95,31 @@ class NPUDevice(Device):
             return str(get_cann_version())
         except Exception as exc:
             return f"unknown ({exc})"
+
+
+class NPUPathDevice(NPUDevice):
+    """NPU-path mode (host emulation running the torch_npu kernels; tests only): this
+    NPUDevice's runtime calls -- SoC generation, streams, events, synchronisation,
+    HCCL communicator names -- are answered by the torch_npu that imports on the host
+    (the test suite's contract double), while tensors stay on the CPU, collectives run
+    on gloo and the memory figures are the host's, as in host emulation."""
+
+    type = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from vllm.ascend.device.host import HostDevice
+
+        self._host = HostDevice()
+
+    def mem_get_info(self, index: int = 0) -> tuple[int, int]:
+        return self._host.mem_get_info(index)
+
+    def memory_allocated(self) -> int:
+        return self._host.memory_allocated()
+
+    def device_name(self, index: int = 0) -> str:
+        return f"{super().device_name(index)} (NPU-path mode on the host CPU)"
+
+    def total_memory(self, index: int = 0) -> int | None:
+        return self._host.total_memory(index)

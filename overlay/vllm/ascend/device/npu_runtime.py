@@ -9,6 +9,7 @@ libraries see "not installed" instead of crashing.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from types import ModuleType
@@ -58,3 +59,31 @@ def leave_torch_npu_unloaded(reason: str) -> None:
 def failure_reason() -> str | None:
     load_torch_npu()
     return _failure
+
+
+# NNAL's default install path (vllm-ascend's install docs and examples source this file).
+NNAL_SET_ENV = "/usr/local/Ascend/nnal/atb/set_env.sh"
+
+
+def atb_failure() -> str | None:
+    """Why torch_npu's ATB ops cannot run on this host (one line), or None.
+
+    torch_npu 2.13.0 loads its ATB library (which links NNAL's ``libatb.so``) at
+    import and keeps a failure for later (``torch_npu/op_plugin/atb/_atb_ops.py``:
+    ``NNAL_EX``, raised ``from GLOBAL_E`` by the first ATB call). Reading that record
+    touches no device runtime. A torch_npu without the record is not judged here, nor
+    a process where torch_npu is absent (that is reported where torch_npu is needed)."""
+    if load_torch_npu() is None:
+        return None
+    guard = sys.modules.get("torch_npu.op_plugin.atb._atb_ops")
+    if guard is None:
+        try:
+            guard = importlib.import_module("torch_npu.op_plugin.atb._atb_ops")
+        except ImportError:
+            return None
+    error = getattr(guard, "NNAL_EX", None)
+    if error is None:
+        return None
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    cause = getattr(guard, "GLOBAL_E", None)
+    return f"{reason} ({cause})" if cause is not None else reason

@@ -3,7 +3,17 @@
 MC2: torch_npu's MoE dispatch/combine ops need an EP communication domain that carries
 no other operator ("the EP comm domain used by dispatch/combine may carry no other
 operator", torch_npu npu_moe_distribute_dispatch_v2 docs), so the MC2 strategy gets its
-own group with exactly the EP group's ranks.
+own group with exactly the EP group's ranks. Its communicator (and the HCCL buffers
+``HCCL_BUFFSIZE`` sizes) is created by the worker before the KV cache is sized
+(``init_mc2_communicator``), so the memory profile sees it; it is the only group without
+HCCL options of its own: the MC2 ops lay out their buffer by HCCL_BUFFSIZE.
+
+HCCL buffers of the other groups: upstream creates every group through
+``Platform.device_group_options`` (this distribution's hook patch on
+``vllm/distributed/parallel_state.py``); on an NPU each group but MC2's gets
+``ProcessGroupHCCL.Options`` with ``hccl_config={"hccl_buffer_size": MB}``
+(``VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB``, default 200), as vllm-ascend does, so a large
+HCCL_BUFFSIZE for MC2 does not multiply over world/TP/DP/EP/PP/CP groups.
 
 Context parallel: one sequence's KV cache is spread over the PCP x DCP ranks that share
 a TP rank's heads (``vllm.ascend.context_parallel.placement``); attention gathers and
@@ -24,6 +34,39 @@ from vllm.distributed.parallel_state import (
 )
 
 _MC2: GroupCoordinator | None = None
+MC2_GROUP_NAME = "mc2"
+
+
+def device_group_options(group_name: str, backend) -> object | None:
+    """The process-group options of a device group: HCCL groups other than MC2's get their
+    own buffer size; gloo groups (host emulation) and MC2's get None (the defaults)."""
+    if str(backend) != "hccl" or group_name.split(":")[0] == MC2_GROUP_NAME:
+        return None
+    return hccl_group_options(group_name)
+
+
+def hccl_group_options(group_name: str) -> object:
+    """``torch_npu``'s ``ProcessGroupHCCL.Options`` with this group's HCCL buffer (MB)."""
+    import importlib
+
+    from vllm.ascend import envs
+    from vllm.ascend.device.npu_runtime import load_torch_npu
+
+    if load_torch_npu() is None:
+        raise RuntimeError("HCCL process groups need torch_npu")
+    c10d = importlib.import_module("torch_npu._C._distributed_c10d")
+    options = c10d.ProcessGroupHCCL.Options()
+    options.hccl_config = {"hccl_buffer_size": envs.group_hccl_buffsize_mb()}
+    return options
+
+
+def agreed_minimum(value: int) -> int:
+    """The smallest ``value`` over every rank of the world (the MC2 plan must be the same
+    on every rank even where nodes set HCCL_BUFFSIZE differently)."""
+    world = get_world_group()
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world.cpu_group)
+    return int(t.item())
 
 
 def init_mc2_group(backend: str) -> None:
@@ -40,8 +83,17 @@ def init_mc2_group(backend: str) -> None:
     dist.all_gather_into_tensor(every, mine, group=world.cpu_group)
     rank_lists = sorted({tuple(r) for r in every.view(world.world_size, ep.world_size).tolist()})
     _MC2 = init_model_parallel_group(
-        [list(r) for r in rank_lists], world.local_rank, backend, group_name="mc2"
+        [list(r) for r in rank_lists], world.local_rank, backend, group_name=MC2_GROUP_NAME
     )
+
+
+def init_mc2_communicator() -> str:
+    """Create the MC2 group's collective-library communicator now (on an NPU: the HCCL
+    communicator with its HCCL_BUFFSIZE buffers, which ``get_hccl_comm_name`` creates) and
+    return its name, the ``group_ep`` of the MC2 ops."""
+    from vllm.ascend import device as ascend_device
+
+    return ascend_device.current().comm_name(get_mc2_group().device_group)
 
 
 def get_mc2_group() -> GroupCoordinator:

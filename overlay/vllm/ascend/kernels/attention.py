@@ -38,6 +38,16 @@ def gather_tokens(plane, block_row, seq_len: int) -> torch.Tensor:
     return plane[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
 
 
+def gather_range(plane, block_row, start: int, end: int) -> torch.Tensor:
+    """Tokens ``start .. end - 1`` ``[end - start, heads, dim]`` of one request from a
+    head-major plane (only the blocks that hold them are read)."""
+    block_size = plane.shape[2]
+    first = start // block_size
+    blocks = block_row[first : -(-end // block_size)].to(torch.int64)
+    rows = plane[blocks].transpose(1, 2).flatten(0, 1)
+    return rows[start - first * block_size : end - first * block_size]
+
+
 def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
     """``q [q_len, H, D]`` are the last ``q_len`` of the ``k/v [seq, H, D]`` positions;
     query ``i`` sees positions ``0 .. context_len + i``. Computed in float32."""

@@ -8,6 +8,11 @@ partial output with its softmax log-sum-exp. The exact attention over all tokens
 ``combine_partials(outs [CP, T, H, D], lses [CP, T, H] float32) -> [T, H, D]``. A rank
 with no tokens for a row contributes ``lse_c = -inf`` (weight 0); every real query sees
 at least its own token, so some rank has a finite ``lse``.
+
+``merge_partials(out_a, lse_a, out_b, lse_b) -> (out, lse)`` is the same correction for
+two partial results of the same rows (``out [R, H, D]``, ``lse [R, H]`` float32), with the
+merged log-sum-exp kept for the next merge: the long-prefill path folds one history chunk
+at a time into a running result (``attention/prefill_chunks.py``).
 """
 
 from __future__ import annotations
@@ -33,4 +38,24 @@ def npu_combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor
     return merged.view(tokens, heads, dim)
 
 
+def reference_merge_partials(out_a, lse_a, out_b, lse_b):
+    lses = torch.stack([lse_a.float(), lse_b.float()])
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - lse.unsqueeze(0)).nan_to_num_(0.0)
+    out = out_a.float() * weights[0].unsqueeze(-1) + out_b.float() * weights[1].unsqueeze(-1)
+    return out.to(out_a.dtype), lse
+
+
+def npu_merge_partials(out_a, lse_a, out_b, lse_b):
+    """``npu_attention_update`` with update_type 1 (its ``lse_out`` is only valid then)."""
+    rows, heads, dim = out_a.shape
+    merged, lse = torch_npu().npu_attention_update(
+        [lse_a.reshape(-1).float(), lse_b.reshape(-1).float()],
+        [out_a.reshape(-1, dim), out_b.reshape(-1, dim).to(out_a.dtype)],
+        1,
+    )
+    return merged.view(rows, heads, dim), lse.view(rows, heads)
+
+
 combine_partials = pick(reference_combine_partials, npu_combine_partials)
+merge_partials = pick(reference_merge_partials, npu_merge_partials)

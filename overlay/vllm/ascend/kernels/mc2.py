@@ -33,6 +33,13 @@ MAX_TOP_K = 16
 # The per-rank BS limit the reference enforces (the largest any SoC allows; the
 # per-SoC limits are checked when the strategy is chosen, vllm.ascend.moe.selector).
 MAX_BATCH = 512
+# The algorithm MC2 runs, passed explicitly as ``comm_alg`` and never left to the
+# environment: on A2, ``""`` means "hierarchy" when HCCL_INTRA_PCIE_ENABLE=1 and
+# HCCL_INTRA_ROCE_ENABLE=0, and hierarchy takes no active mask, only EP 16/32/64, and
+# needs expert_scales. The selector's limits and buffer formula are fullmesh's
+# (vllm.ascend.moe.selector). A3's combine_v2 takes only "" and "hierarchy", and its
+# dispatch_v2 documents "" as fullmesh_v1, so A3 passes "" to both.
+MC2_COMM_ALG = {"A2": "fullmesh", "A3": ""}
 
 
 @dataclass(frozen=True)
@@ -169,9 +176,10 @@ def reference_mc2_combine(
 
 def _soc_arguments(comm: Mc2Comm) -> dict:
     # A3 takes the (reserved) TP-domain arguments as vllm-ascend passes them.
+    extra = {"comm_alg": MC2_COMM_ALG.get(comm.soc, "")}
     if comm.soc == "A3":
-        return {"group_tp": comm.name, "tp_world_size": 1, "tp_rank_id": 0}
-    return {}
+        extra.update(group_tp=comm.name, tp_world_size=1, tp_rank_id=0)
+    return extra
 
 
 def npu_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int) -> Mc2Dispatched:

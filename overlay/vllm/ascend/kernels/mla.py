@@ -14,9 +14,16 @@ its rotary key ``k_pe``.
   requests concatenated; query ``i`` of a request sees its first ``kv_len - q_len + i + 1``
   keys), which covers chunked prefill and prefix-cache hits. ``k``/``v`` may have fewer
   heads than ``q`` (grouped-query attention: the GQA backend's context-parallel prefill).
+* ``dense_attention``: the same over one slice of each request's keys, ``causal`` (query
+  ``i`` of an entry sees its first ``kv_len - q_len + i + 1`` keys) or not (every query
+  sees every key of its entry), with the softmax log-sum-exp ``[T, H]`` (float32). The
+  long-prefill path (``attention/prefill_chunks.py``) runs it once per history chunk and
+  merges the partial results by their log-sum-exp.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -92,6 +99,31 @@ def reference_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], 
     return out
 
 
+def reference_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, causal: bool):
+    """-> (``out [T, H, Dv]`` in q's dtype, ``lse [T, H]`` float32), computed in float32."""
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    q_start = kv_start = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        if q_len and kv_len:
+            rows = slice(q_start, q_start + q_len)
+            keys = slice(kv_start, kv_start + kv_len)
+            scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k[keys].float()) * scale
+            if causal:
+                visible = torch.arange(kv_len, device=q.device).unsqueeze(0) <= (
+                    torch.arange(q_len, device=q.device).unsqueeze(1) + kv_len - q_len
+                )
+                scores = scores.masked_fill(~visible, float("-inf"))
+            lse[rows] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+            weights = torch.softmax(scores, dim=-1)
+            out[rows] = torch.einsum("hqk,khd->qhd", weights, v[keys].float()).to(q.dtype)
+        q_start, kv_start = q_start + q_len, kv_start + kv_len
+    return out, lse
+
+
 # -- NPU (torch_npu; passes the contract double in CI, not verified on an NPU) ----------
 def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping) -> None:
     """ATB ReshapeAndCache with key = ``c`` and value = ``k_pe`` (their last dims may
@@ -151,30 +183,107 @@ def npu_mla_decode(
     return empty_rows_to_identity(out[:, :heads, 0], lse[:, :heads, 0, 0], seq_lens)
 
 
+# npu_fused_infer_attention_score in TND without page attention (the dense form):
+# "TND场景下query、key、value输入的综合限制: T小于等于65536; N等于8/16/32/64/128, 且Q_N、K_N、V_N相等;
+# Q_D、K_D等于192, V_D等于128/192; 数据类型仅支持BFLOAT16; sparse模式仅支持sparse=0且不传mask,
+# 或sparse=3且传入mask" (torch_npu 2.13.0 _op_plugin_docs.py).
+NPU_DENSE_MAX_T = 65536
+NPU_DENSE_HEADS = (8, 16, 32, 64, 128)
+NPU_DENSE_QK_DIM = 192
+NPU_DENSE_V_DIMS = (128, 192)
+
+
+def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+
+
+def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else torch.nn.functional.pad(x, (0, 0, 0, heads - x.shape[1]))
+
+
+def npu_dense_conformable(q_dim: int, v_dim: int) -> bool:
+    """Whether head sizes fit the dense form after zero-padding (Q/K to 192, V to 128 or 192)."""
+    return q_dim <= NPU_DENSE_QK_DIM and v_dim <= NPU_DENSE_V_DIMS[-1]
+
+
+def _dense_subcalls(q_lens: list[int], kv_lens: list[int]):
+    """Entries grouped into calls of at most NPU_DENSE_MAX_T query and key rows each:
+    (first query row, first key row, q lens, kv lens); entries without queries are left out."""
+    calls, q_at, kv_at = [], 0, 0
+    cur = None
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        if q_len > NPU_DENSE_MAX_T or kv_len > NPU_DENSE_MAX_T:
+            raise ValueError(
+                f"a dense attention entry of {q_len} queries over {kv_len} keys exceeds the NPU "
+                f"kernel's T <= {NPU_DENSE_MAX_T}; split it (attention/prefill_chunks.py does)"
+            )
+        if q_len == 0 or (
+            cur is not None
+            and (sum(cur[2]) + q_len > NPU_DENSE_MAX_T or sum(cur[3]) + kv_len > NPU_DENSE_MAX_T)
+        ):
+            cur = None
+        if q_len:
+            if cur is None:
+                cur = (q_at, kv_at, [], [])
+                calls.append(cur)
+            cur[2].append(q_len)
+            cur[3].append(kv_len)
+        q_at, kv_at = q_at + q_len, kv_at + kv_len
+    return calls
+
+
+def npu_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, causal: bool):
+    """``npu_fused_infer_attention_score`` in TND without page attention, made to fit the
+    form's limits: bfloat16 in (other dtypes cast there and back), K/V heads repeated to
+    the query's (Q_N = K_N = V_N) and zero heads padded up to 8/16/32/64/128 (more than 128
+    heads: groups of 128), Q/K head size zero-padded to 192 (scores unchanged; the scale is
+    explicit), V to 128 or 192 (DeepSeek's 192/128 passes as is), and at most 65536 query
+    and key rows per call. sparse_mode 3 with the causal mask, or 0 without a mask."""
+    tokens, heads, dv = q.shape[0], q.shape[1], v.shape[-1]
+    if not npu_dense_conformable(q.shape[-1], dv):
+        raise ValueError(
+            f"the NPU dense attention kernel takes Q/K head size <= {NPU_DENSE_QK_DIM} and V head size "
+            f"<= {NPU_DENSE_V_DIMS[-1]}; got {q.shape[-1]} and {dv}"
+        )
+    out = q.new_zeros(tokens, heads, dv)
+    lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    if k.shape[1] != heads:
+        group = heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    v_dim = next(d for d in NPU_DENSE_V_DIMS if dv <= d)
+    q = _pad_last(q.to(torch.bfloat16), NPU_DENSE_QK_DIM)
+    k = _pad_last(k.to(torch.bfloat16), NPU_DENSE_QK_DIM)
+    v = _pad_last(v.to(torch.bfloat16), v_dim)
+    npu = torch_npu()
+    for h0 in range(0, heads, NPU_DENSE_HEADS[-1]):
+        h1 = min(h0 + NPU_DENSE_HEADS[-1], heads)
+        n = next(m for m in NPU_DENSE_HEADS if h1 - h0 <= m)
+        for q_at, kv_at, q_part, kv_part in _dense_subcalls(q_lens, kv_lens):
+            rows, keys = slice(q_at, q_at + sum(q_part)), slice(kv_at, kv_at + sum(kv_part))
+            o, row_lse = npu.npu_fused_infer_attention_score(
+                _pad_heads(q[rows, h0:h1], n).contiguous(),
+                _pad_heads(k[keys, h0:h1], n).contiguous(),
+                _pad_heads(v[keys, h0:h1], n).contiguous(),
+                num_heads=n,
+                num_key_value_heads=n,
+                scale=scale,
+                input_layout="TND",
+                actual_seq_lengths=list(accumulate(q_part)),
+                actual_seq_lengths_kv=list(accumulate(kv_part)),
+                atten_mask=causal_mask(q.device) if causal else None,
+                sparse_mode=3 if causal else 0,
+                softmax_lse_flag=True,
+            )
+            out[rows, h0:h1] = o[:, : h1 - h0, :dv].to(out.dtype)
+            lse[rows, h0:h1] = row_lse[:, : h1 - h0, 0]
+    return out, lse
+
+
 def npu_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale) -> torch.Tensor:
-    """``npu_fused_infer_attention_score`` in TND layout without page attention; key and
-    value must have the same shape, so V is zero-padded to the query/key head size."""
-    if not q_lens or sum(q_lens) == 0:
-        return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    dv = v.shape[-1]
-    if dv < k.shape[-1]:
-        v = torch.nn.functional.pad(v, (0, k.shape[-1] - dv))
-    q_cum = torch.tensor(q_lens).cumsum(0).tolist()
-    kv_cum = torch.tensor(kv_lens).cumsum(0).tolist()
-    out, _ = torch_npu().npu_fused_infer_attention_score(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        num_heads=q.shape[1],
-        num_key_value_heads=k.shape[1],
-        scale=scale,
-        input_layout="TND",
-        actual_seq_lengths=q_cum,
-        actual_seq_lengths_kv=kv_cum,
-        atten_mask=causal_mask(q.device),
-        sparse_mode=3,
-    )
-    return out[..., :dv]
+    """Causal dense attention (``npu_dense_attention``), the output only."""
+    return npu_dense_attention(q, k, v, q_lens, kv_lens, scale, causal=True)[0]
 
 
 def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
@@ -189,3 +298,4 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
 write_latent_cache = pick(reference_write_latent_cache, npu_write_latent_cache)
 mla_decode = pick(reference_mla_decode, npu_mla_decode)
 prefill_attention = pick(reference_prefill_attention, npu_prefill_attention)
+dense_attention = pick(reference_dense_attention, npu_dense_attention)

@@ -58,30 +58,39 @@ def reference_moe_experts(
 def _rows_by_expert(
     x, topk_weights, topk_ids, expert_map, num_local: int, apply_router_weight_on_input: bool
 ):
-    """The (token, expert) rows this rank computes, sorted by expert: row -> token index,
-    the rows' inputs (router weight applied when asked), their router weights, and the
-    cumulative int64 group list; None when every chosen expert lives on another rank."""
+    """Every (token, k) row sorted by local expert, the rows held by other ranks last:
+    row -> token index, the rows' inputs (router weight applied when asked), their float32
+    router weights (zero for rows held elsewhere), whether each row is this rank's, and
+    the cumulative int64 group list (its last value: this rank's row count).
+
+    The row count stays on the device: the grouped matmuls get all ``T * k`` rows and a
+    group list that ends at the valid count, so nothing is read back to the host (a
+    host read drains the NPU's launch queue and is not allowed in a captured graph).
+    """
     ids = _local_ids(topk_ids, expert_map).flatten()
-    valid = ids >= 0
-    num_rows = int(valid.sum())
-    if num_rows == 0:
-        return None
-    order = torch.argsort(torch.where(valid, ids, num_local), stable=True)[:num_rows]
+    key = torch.where(ids >= 0, ids, num_local)
+    order = torch.argsort(key, stable=True)
+    # scatter_add_ instead of bincount: bincount sizes its output from the data's max.
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    group_list = torch.cumsum(counts[:num_local], 0)
+    mine = (key[order] < num_local).unsqueeze(1)
     tokens = order // topk_ids.shape[1]
-    group_list = torch.cumsum(torch.bincount(ids[order], minlength=num_local), 0).to(torch.int64)
-    weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
-    h = x[tokens] * weights if apply_router_weight_on_input else x[tokens]
-    return tokens, h, weights, group_list
+    weights = topk_weights.flatten()[order].to(torch.float32).unsqueeze(1) * mine
+    h = (x[tokens].float() * weights).to(x.dtype) if apply_router_weight_on_input else x[tokens]
+    return tokens, h, weights, mine, group_list
 
 
-def _scatter_rows(x, tokens, y, weights, apply_router_weight_on_input: bool) -> torch.Tensor:
-    """The expert rows back into ``x``'s shape: weighted (unless the weights went on the
-    input) and summed per token."""
+def _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input: bool) -> torch.Tensor:
+    """The expert rows back into ``x``'s shape, weighted (unless the weights went on the
+    input) and summed per token in float32, as the reference sums. Rows past the group
+    list's end are whatever the kernel left there: ``where`` drops them (0 * NaN is NaN)."""
+    y = torch.where(mine, y.float(), 0.0)
     if not apply_router_weight_on_input:
         y = y * weights
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, y)
-    return out
+    return out.to(x.dtype)
 
 
 def npu_moe_experts(
@@ -91,10 +100,9 @@ def npu_moe_experts(
     3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu`` between,
     scatter back. Passes the contract double; not verified on an NPU."""
     npu = torch_npu()
-    rows = _rows_by_expert(x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input)
-    if rows is None:  # every chosen expert lives on another rank
-        return torch.zeros_like(x)
-    tokens, h, weights, group_list = rows
+    tokens, h, weights, mine, group_list = _rows_by_expert(
+        x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input
+    )
     gate_up = npu.npu_grouped_matmul(
         [h], [w13.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
     )[0]
@@ -102,7 +110,7 @@ def npu_moe_experts(
     y = npu.npu_grouped_matmul(
         [act], [w2.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
     )[0]
-    return _scatter_rows(x, tokens, y, weights, apply_router_weight_on_input)
+    return _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input)
 
 
 moe_experts = pick(reference_moe_experts, npu_moe_experts)
@@ -159,10 +167,9 @@ def npu_moe_experts_w8a8_dynamic(
     ``npu_swiglu`` and a second ``npu_dynamic_quant`` between. Passes the contract
     double; not verified on an NPU."""
     npu = torch_npu()
-    rows = _rows_by_expert(x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input)
-    if rows is None:  # every chosen expert lives on another rank
-        return torch.zeros_like(x)
-    tokens, h, weights, group_list = rows
+    tokens, h, weights, mine, group_list = _rows_by_expert(
+        x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input
+    )
     scale_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     h_q, h_scale = npu.npu_dynamic_quant(h)
     gate_up = npu.npu_grouped_matmul(
@@ -187,7 +194,7 @@ def npu_moe_experts_w8a8_dynamic(
         group_type=0,
         output_dtype=x.dtype,
     )[0]
-    return _scatter_rows(x, tokens, y, weights, apply_router_weight_on_input)
+    return _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input)
 
 
 moe_experts_w8a8_dynamic = pick(reference_moe_experts_w8a8_dynamic, npu_moe_experts_w8a8_dynamic)

@@ -53,11 +53,11 @@ def npu_static_params(input_scale, input_offset, k: int) -> tuple[torch.Tensor, 
 def npu_quantize_static(x, scale_reciprocal, offset) -> torch.Tensor:
     """``npu_quantize`` in multiply mode (``x * (1 / scale) + zero_point``, rounded half to
     even, saturated) with ``npu_static_params``' vectors. Multiplying by the reciprocal may
-    round an exact .5 tie differently from the reference's division. The activations go
-    in as float32: a reciprocal in bfloat16 would move the quantization grid."""
-    return torch_npu().npu_quantize(
-        x.to(torch.float32), scale_reciprocal, offset, torch.qint8, axis=-1, div_mode=False
-    )
+    round an exact .5 tie differently from the reference's division. The activations go in
+    their own dtype (the op takes float16/bfloat16 input with float32 scales; a float32 copy
+    would be one more launch and twice the bytes); the reciprocal and zero point stay
+    float32, since in bfloat16 they would move the quantization grid."""
+    return torch_npu().npu_quantize(x, scale_reciprocal, offset, torch.qint8, axis=-1, div_mode=False)
 
 
 def reference_quantize_dynamic(x) -> tuple[torch.Tensor, torch.Tensor]:

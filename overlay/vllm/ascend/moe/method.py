@@ -3,11 +3,15 @@ modular kernel made of the Ascend communication strategies (``prepare_finalize.p
 and the Ascend local experts (``experts.py``).
 
 Registered as the out-of-tree replacement of upstream's ``UnquantizedFusedMoEMethod``
-(upstream's builds no kernel on an out-of-tree platform). Routing (grouped top-k,
-sigmoid scoring, correction bias) stays upstream's pure-torch router; shared experts
-are run by upstream's MoE runner, which also does the TP all-reduce when the kernel's
-output is not already reduced. Because the method owns a kernel, the runner skips its
-own naive DP dispatch/combine: the strategies do that work.
+(upstream's builds no kernel on an out-of-tree platform). Routing is the method's
+own (``AscendRouting``): the method is *monolithic* in upstream's terms, so the runner
+hands it the router logits instead of calling upstream's router, whose plain softmax
+top-k is a CUDA kernel (``_moe_C.topk_softmax``); the kernels facade's ``routing.route``
+computes every scoring option upstream's layer offers (softmax or sigmoid, with or
+without renormalisation, grouped or not, with a correction bias, scaled). Shared
+experts are run by upstream's MoE runner, which also does the TP all-reduce when the
+kernel's output is not already reduced. Because the method owns a kernel, the runner
+skips its own naive DP dispatch/combine: the strategies do that work.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
+from vllm.ascend.kernels.routing import Routing, route
 from vllm.ascend.moe.experts import AscendExperts
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 
@@ -39,18 +44,78 @@ def apply_kernel(kernel, layer, x, topk_weights, topk_ids, shared_experts, share
     )
 
 
-@UnquantizedFusedMoEMethod.register_oot
-class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+def layer_routing(layer) -> Routing:
+    """The routing a fused-MoE layer asks for, as upstream's router factory resolves it,
+    or an error naming the option the Ascend routing does not support."""
+    name = getattr(layer, "layer_name", "a MoE layer")
+    config = layer.moe_config
+    if getattr(config, "has_hash_routing", False):
+        raise NotImplementedError(f"{name}: hash routing (DeepSeek-V4) is not supported by the Ascend MoE")
+    if getattr(config.moe_parallel_config, "enable_eplb", False):
+        raise NotImplementedError(
+            f"{name}: EPLB is not supported by the Ascend MoE (its routing has no EPLB map)"
+        )
+    grouped = bool(layer.use_grouped_topk)
+    groups = (layer.num_expert_group or 1) if grouped else 1
+    topk_group = (layer.topk_group or 1) if grouped else 1
+    if grouped and (layer.num_expert_group is None or layer.topk_group is None):
+        raise ValueError(f"{name}: grouped top-k needs num_expert_group and topk_group")
+    # Upstream scales the weights in its grouped and biased routers only; its plain
+    # top-k router ignores routed_scaling_factor (the model applies it, if at all).
+    scaled = grouped or layer.e_score_correction_bias is not None
+    routing = Routing(
+        top_k=layer.top_k,
+        scoring_func=layer.scoring_func,
+        renormalize=bool(layer.renormalize),
+        num_expert_group=groups,
+        topk_group=topk_group,
+        routed_scaling_factor=float(layer.routed_scaling_factor) if scaled else 1.0,
+    )
+    try:
+        routing.check(layer.global_num_experts)
+    except ValueError as e:
+        raise NotImplementedError(f"{name}: {e}") from None
+    return routing
+
+
+class AscendRouting:
+    """Routing inside the MoE method: upstream calls ``apply_monolithic`` with the router
+    logits; the method routes (``routing.route``, or the model's own routing function)
+    and runs its modular kernel."""
+
     @property
     def is_monolithic(self) -> bool:
-        return False
+        return True
 
+    def select_experts(self, layer, x, router_logits):
+        custom = layer.custom_routing_function
+        if custom is not None:  # the model's own torch function (Llama 4, Cohere MoE, ...)
+            weights, ids = custom(
+                hidden_states=x, gating_output=router_logits, topk=layer.top_k, renormalize=layer.renormalize
+            )
+            return weights.to(torch.float32), ids.to(torch.int32)
+        routing = getattr(layer, "_ascend_routing", None)
+        if routing is None:
+            routing = layer._ascend_routing = layer_routing(layer)
+        bias = layer.e_score_correction_bias
+        return route(router_logits, routing, None if bias is None else bias.data)
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        topk_weights, topk_ids = self.select_experts(layer, x, router_logits)
+        # Shared experts: the runner ran them before this call (the kernel cannot overlap them).
+        return self.apply(layer, x, topk_weights, topk_ids, None, None)
+
+
+@UnquantizedFusedMoEMethod.register_oot
+class AscendUnquantizedFusedMoEMethod(AscendRouting, UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # Weights stay as loaded: w13 [E, 2I, H], w2 [E, H, I].
         activation = getattr(layer, "activation", "silu")
         name = getattr(activation, "value", activation)
         if "silu" not in str(name).lower():
             raise NotImplementedError(f"Ascend MoE supports SiLU experts only, not {activation}")
+        if layer.custom_routing_function is None:
+            layer._ascend_routing = layer_routing(layer)  # refused at load, not at the first step
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = mk.FusedMoEKernel(
             AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),

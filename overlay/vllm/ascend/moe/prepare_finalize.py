@@ -151,8 +151,10 @@ class AllToAllStrategy:
         place = self._placement
         ids = topk_ids[start:end].reshape(-1).to(torch.int64)
         order = torch.argsort(place.owner[ids] * num_experts + ids, stable=True)
-        # Per-expert counts first: rank r gets the counts of the experts it owns.
-        counts = torch.bincount(ids, minlength=num_experts)
+        # Per-expert counts first: rank r gets the counts of the experts it owns. (scatter_add_,
+        # not bincount, which sizes its output from the data and so reads it back.)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=a1.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids))
         mine_count = len(place.mine)
         recv_expert_counts = counts.new_empty(mine_count * ep.world_size)
         dist.all_to_all_single(
@@ -162,16 +164,22 @@ class AllToAllStrategy:
             place.experts_per_rank,
             group=ep.device_group,
         )
-        send_split = torch.bincount(place.owner[ids], minlength=ep.world_size).tolist()
+        send_counts = torch.zeros(ep.world_size, dtype=torch.int64, device=a1.device)
+        send_counts.scatter_add_(0, place.owner[ids], torch.ones_like(ids))
         recv_by_source = recv_expert_counts.view(ep.world_size, -1)
-        recv_split = recv_by_source.sum(1).tolist()
+        # The one host read of this strategy, once per layer: all_to_all_single takes its
+        # split sizes as host lists (so does HCCL's all-to-all-v). MC2 and AllGather read
+        # nothing back; the selector gives AllToAll only steps above MC2's capacity.
+        send_split, recv_split = torch.stack([send_counts, recv_by_source.sum(1)]).tolist()
         rows = a1[start:end][order // k]
         weights = topk_weights[start:end].reshape(-1)[order].to(torch.float32)
         if on_input:
             rows = (rows.float() * weights.unsqueeze(1)).to(a1.dtype)
         received = a1.new_empty((sum(recv_split), a1.shape[1]))
         dist.all_to_all_single(received, rows.contiguous(), recv_split, send_split, group=ep.device_group)
-        row_ids = place.mine.repeat(ep.world_size).repeat_interleave(recv_by_source.reshape(-1))
+        row_ids = place.mine.repeat(ep.world_size).repeat_interleave(
+            recv_by_source.reshape(-1), output_size=received.shape[0]
+        )
         self._call = _AllToAllCall(
             start, end, share, num_tokens, k, order, weights, send_split, recv_split, on_input
         )

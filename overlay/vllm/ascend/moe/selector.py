@@ -48,6 +48,55 @@ A3_MC2_HIDDEN = (1024, 8192)
 HOST_ALLTOALL_MIN_EP = 4
 HOST_ALLTOALL_MIN_TOKENS = 256
 
+# The limits above and the buffer formula below are those of the algorithm the MC2 kernels
+# pass explicitly (kernels/mc2.py MC2_COMM_ALG): fullmesh on A2, fullmesh_v1 on A3.
+# HCCL_BUFFSIZE (MB) when unset: "不配置时默认为200MB" (dispatch_v2 doc, HCCL buffer section).
+HCCL_DEFAULT_BUFFSIZE_MB = 200
+_MB = 1 << 20
+
+
+def _align(x: int, to: int) -> int:
+    return (x + to - 1) // to * to
+
+
+def mc2_buffer_bytes(
+    soc: str, bs: int, ep: int, num_experts: int, top_k: int, hidden: int, shared_expert_num: int = 1
+) -> int:
+    """The HCCL buffer one rank of the MC2 group needs for a dispatch of ``bs`` tokens per
+    rank (torch_npu-npu_moe_distribute_dispatch_v2.md, "HCCL通信域缓存区大小", 16-bit x):
+    A2 fullmesh ``2*(BS*ep_world_size*min(local_expert_num, K)*H*sizeof(uint16)+2MB)``; A3
+    fullmesh_v1 ``2*(local_expert_num*max_bs*ep_world_size*Align512(Align32(2*H)+64) +
+    (K+shared_expert_num)*max_bs*Align512(2*H))``. 0 where no formula applies (host)."""
+    local = num_experts // ep
+    if soc == "A2":
+        return 2 * (bs * ep * min(local, top_k) * hidden * 2 + 2 * _MB)
+    if soc == "A3":
+        per_expert_row = _align(_align(2 * hidden, 32) + 64, 512)
+        return 2 * (
+            local * bs * ep * per_expert_row + (top_k + shared_expert_num) * bs * _align(2 * hidden, 512)
+        )
+    return 0
+
+
+def mc2_buffsize_mb(layout: MoELayout, bs: int) -> int:
+    """The smallest HCCL_BUFFSIZE (MB) that holds an MC2 dispatch of ``bs`` tokens per rank."""
+    need = mc2_buffer_bytes(
+        layout.soc, bs, layout.ep_size, layout.num_experts, layout.top_k, layout.hidden_size
+    )
+    return -(-need // _MB)
+
+
+def mc2_tokens_within(layout: MoELayout, buffsize_mb: int, most: int) -> int:
+    """The largest per-rank batch (at most ``most``) whose MC2 buffer fits ``buffsize_mb``."""
+    lo, hi = 0, most
+    while lo < hi:  # the requirement grows with the batch: bisect
+        mid = (lo + hi + 1) // 2
+        if mc2_buffsize_mb(layout, mid) <= buffsize_mb:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
 
 @dataclass(frozen=True)
 class MoELayout:
@@ -105,6 +154,18 @@ def unusable_reason(comm: MoEComm, layout: MoELayout) -> str | None:
     if layout.soc == "other":
         return "mc2 is only wired for Atlas A2 and A3"
     return None
+
+
+def mc2_selectable(layout: MoELayout) -> bool:
+    """Does ``select`` pick MC2 for some step with this layout (capacity aside)?"""
+    if unusable_reason(MoEComm.MC2, layout) is not None:
+        return False
+    if layout.soc == "A2":
+        return (
+            layout.num_experts // layout.ep_size <= A2_MC2_MAX_EXPERTS_PER_DEVICE
+            and layout.ep_size >= A2_MC2_MIN_EP
+        )
+    return layout.soc == "A3"
 
 
 def select(max_tokens: int, layout: MoELayout) -> MoEComm:

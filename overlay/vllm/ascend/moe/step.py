@@ -4,10 +4,18 @@ platform's ``set_additional_forward_context``), read by every MoE layer.
 ``additional_config`` key ``moe_comm_method`` (``auto`` | ``allgather`` | ``alltoall`` |
 ``mc2``) forces a strategy; ``validate_config`` turns a bad value, or one the layout
 cannot use, into one start-up error.
+
+MC2's HCCL buffer (``HCCL_BUFFSIZE``, MB; 200 when unset) must hold the dispatch of the
+largest per-rank batch MC2 may carry (the formula in ``selector.mc2_buffer_bytes``). On an
+A2/A3 NPU the worker checks it before the model is built: a forced ``mc2`` that does not
+fit stops with the value to set; the automatic choice lowers MC2's capacity to what the
+buffer holds (larger steps take the fallback strategy) and logs one line naming the
+HCCL_BUFFSIZE that lets MC2 carry its full batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
@@ -36,8 +44,11 @@ def _expert_parallel(vllm_config) -> tuple[bool, int]:
     return bool(pc.enable_expert_parallel) and ep > 1, ep
 
 
-def moe_layout(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
-    """The static inputs of the strategy choice for this config on SoC ``soc``."""
+def moe_layout(
+    vllm_config, soc: str, choice: MoEComm | None, hccl_buffsize_mb: int | None = None
+) -> MoELayout:
+    """The static inputs of the strategy choice for this config on SoC ``soc``; with
+    ``hccl_buffsize_mb`` (an NPU), MC2's capacity is fitted to that HCCL buffer."""
     pc, sc, mc = vllm_config.parallel_config, vllm_config.scheduler_config, vllm_config.model_config
     expert_parallel, ep = _expert_parallel(vllm_config)
     spec = vllm_config.speculative_config
@@ -48,7 +59,7 @@ def moe_layout(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
         capacity = selector.mc2_capacity(sc.max_num_batched_tokens, 0, tp, soc)
     else:
         capacity = selector.mc2_capacity(sc.max_num_seqs, num_spec, tp, soc)
-    return MoELayout(
+    layout = MoELayout(
         expert_parallel=expert_parallel,
         ep_size=ep if expert_parallel else 1,
         tp_size=tp,
@@ -60,12 +71,64 @@ def moe_layout(vllm_config, soc: str, choice: MoEComm | None) -> MoELayout:
         linear_placement=pc.expert_placement_strategy == "linear" and not pc.enable_eplb,
         quantized=vllm_config.quant_config is not None,
     )
+    if hccl_buffsize_mb is None or selector.unusable_reason(MoEComm.MC2, layout) is not None:
+        return layout
+    return fit_mc2_buffer(layout, choice, hccl_buffsize_mb)
+
+
+def fit_mc2_buffer(layout: MoELayout, choice: MoEComm | None, buffsize_mb: int) -> MoELayout:
+    """``layout`` with MC2's capacity within an HCCL buffer of ``buffsize_mb``. A forced
+    MC2 that does not fit raises ValueError naming the HCCL_BUFFSIZE to set."""
+    tp = layout.tp_size
+    per_rank = layout.mc2_capacity // tp
+    need = selector.mc2_buffsize_mb(layout, per_rank)
+    if need <= buffsize_mb:
+        return layout
+    what = (
+        f"an MC2 dispatch of {per_rank} tokens per rank (EP {layout.ep_size}, {layout.num_experts} "
+        f"experts, top-k {layout.top_k}, hidden {layout.hidden_size}, Atlas {layout.soc}) needs an "
+        f"HCCL buffer of {need} MB but HCCL_BUFFSIZE is {buffsize_mb}"
+    )
+    if choice is MoEComm.MC2:
+        raise ValueError(
+            f"additional_config moe_comm_method=mc2 cannot run here: {what}; set HCCL_BUFFSIZE={need} "
+            "(or lower --max-num-batched-tokens)"
+        )
+    fit = selector.mc2_tokens_within(layout, buffsize_mb, per_rank)
+    if selector.mc2_selectable(layout):
+        fallback = selector.select(layout.mc2_capacity + 1, layout).value
+        logger.warning(
+            "MoE: %s, so MC2 carries at most %d tokens per rank and larger steps use %s; "
+            "set HCCL_BUFFSIZE=%d to let MC2 carry them",
+            what,
+            fit,
+            fallback,
+            need,
+        )
+    return dataclasses.replace(layout, mc2_capacity=fit * tp)
 
 
 def _check_forced(choice: MoEComm | None, layout: MoELayout) -> None:
     reason = None if choice is None else selector.unusable_reason(choice, layout)
     if reason is not None:
         raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: {reason}")
+
+
+def _check_forced_on_ascend(vllm_config, choice: MoEComm) -> None:
+    """A forced strategy must run on at least one Atlas SoC, HCCL_BUFFSIZE included (the
+    SoC itself is known in the worker only: asking for it starts the NPU runtime)."""
+    from vllm.ascend import envs
+
+    reasons = []
+    for soc in ("A2", "A3"):
+        try:
+            _check_forced(choice, moe_layout(vllm_config, soc, choice, envs.hccl_buffsize_mb()))
+            return
+        except ValueError as exc:
+            reasons.append(f"on Atlas {soc}: {str(exc).split('cannot run here: ', 1)[-1]}")
+    raise ValueError(
+        f"additional_config moe_comm_method={choice.value} cannot run here: {'; '.join(reasons)}"
+    )
 
 
 def validate_config(vllm_config) -> None:
@@ -79,6 +142,10 @@ def validate_config(vllm_config) -> None:
         )
         return
     _check_forced(choice, moe_layout(vllm_config, "host", choice))
+    from vllm.ascend import envs
+
+    if choice is MoEComm.MC2 and not envs.emulate():
+        _check_forced_on_ascend(vllm_config, choice)
 
 
 @dataclass(frozen=True)
@@ -91,12 +158,20 @@ class MoEPlan:
     forced: MoEComm | None
 
     @classmethod
-    def from_config(cls, vllm_config, soc: str) -> MoEPlan:
-        """Checks a forced strategy against the SoC's limits (ValueError naming them)."""
+    def from_config(cls, vllm_config, soc: str, hccl_buffsize_mb: int | None = None) -> MoEPlan:
+        """Checks a forced strategy against the SoC's limits and, given the MC2 group's
+        HCCL buffer (MB; on an NPU), MC2's need of it (ValueError naming them)."""
         choice = forced(vllm_config)
-        layout = moe_layout(vllm_config, soc, choice)
+        layout = moe_layout(vllm_config, soc, choice, hccl_buffsize_mb)
         _check_forced(choice, layout)
         return cls(layout, choice)
+
+    @property
+    def may_use_mc2(self) -> bool:
+        """Can any step of this plan run MC2 (then its group and communicator are made)?"""
+        if self.forced is not None:
+            return self.forced is MoEComm.MC2 and self.layout.mc2_capacity > 0
+        return self.layout.mc2_capacity > 0 and selector.mc2_selectable(self.layout)
 
     def step(self, max_tokens: int) -> MoEStep:
         comm = selector.choose(max_tokens, self.layout, self.forced)

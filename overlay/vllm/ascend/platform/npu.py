@@ -64,6 +64,76 @@ def _check_block_size(block_size: int, use_mla: bool) -> None:
         )
 
 
+def _check_atb(use_mla: bool) -> None:
+    """The MLA KV-cache write is an ATB op (``torch_npu._npu_reshape_and_cache``), which
+    needs the NNAL package; torch_npu imports without it and fails only at the first ATB
+    call (the first MLA step), so it is checked here."""
+    from vllm.ascend.kernels import npu_kernels
+
+    if not (use_mla and npu_kernels()):
+        return
+    from vllm.ascend.device.npu_runtime import NNAL_SET_ENV, atb_failure
+
+    reason = atb_failure()
+    if reason is not None:
+        raise AscendConfigError(
+            "MLA models need torch_npu's ATB ops (the KV-cache write _npu_reshape_and_cache), "
+            f"which cannot load: {reason}; install the Ascend NNAL package that matches CANN "
+            f"and run 'source {NNAL_SET_ENV}' (set_env.sh under your NNAL install path) "
+            "before starting vLLM"
+        )
+
+
+# npu_fused_infer_attention_score limits that depend only on the model and the parallel
+# layout (torch_npu 2.13.0 _op_plugin_docs.py): "支持N轴小于等于256, 支持D轴小于等于512";
+# "输入类型全为float16、bfloat16时, D轴需16对齐."; "需要满足num_heads整除num_key_value_heads,
+# num_heads与num_key_value_heads的比值不能大于64."
+NPU_ATTENTION_MAX_HEADS = 256
+NPU_ATTENTION_MAX_HEAD_SIZE = 512
+NPU_ATTENTION_HEAD_SIZE_ALIGN = 16
+NPU_ATTENTION_MAX_GROUP = 64
+
+
+def _check_npu_attention_shapes(vllm_config) -> None:
+    """The NPU attention kernels' documented head limits, per rank as the kernels call
+    them (a DCP decode attends with the DCP group's query heads), checked once here
+    instead of failing the first step. ValueError naming what to change."""
+    from vllm.ascend.kernels import npu_kernels
+
+    model, pc = vllm_config.model_config, vllm_config.parallel_config
+    if not npu_kernels() or model.is_attention_free:
+        return
+    dcp = pc.decode_context_parallel_size
+    heads = model.get_num_attention_heads(pc) * dcp
+    if model.use_mla:
+        from vllm.ascend.kernels import mla
+
+        hf = model.hf_text_config
+        mla.check_npu_dims(hf.kv_lora_rank, hf.qk_rope_head_dim)
+        mla.npu_padded_heads(heads)
+        return
+    kv_heads, head_size = model.get_num_kv_heads(pc), model.get_head_size()
+    where = f"{heads} query heads and {kv_heads} KV heads per rank, head size {head_size}"
+    if heads > NPU_ATTENTION_MAX_HEADS or head_size > NPU_ATTENTION_MAX_HEAD_SIZE:
+        raise ValueError(
+            f"the NPU attention kernel (torch_npu npu_fused_infer_attention_score) takes at most "
+            f"{NPU_ATTENTION_MAX_HEADS} query heads and head size {NPU_ATTENTION_MAX_HEAD_SIZE}; "
+            f"this model has {where}: raise --tensor-parallel-size"
+            + (" or lower --decode-context-parallel-size" if dcp > 1 else "")
+        )
+    if head_size % NPU_ATTENTION_HEAD_SIZE_ALIGN:
+        raise ValueError(
+            f"the NPU attention kernel (torch_npu npu_fused_infer_attention_score) needs a head size "
+            f"that is a multiple of {NPU_ATTENTION_HEAD_SIZE_ALIGN} for float16/bfloat16; this model has {where}"
+        )
+    if heads % kv_heads or heads // kv_heads > NPU_ATTENTION_MAX_GROUP:
+        raise ValueError(
+            f"the NPU attention kernel (torch_npu npu_fused_infer_attention_score) needs the query "
+            f"heads to be a multiple of the KV heads, at most {NPU_ATTENTION_MAX_GROUP} per KV head; "
+            f"this model has {where}"
+        )
+
+
 @functools.cache
 def _register_kernel_overrides() -> None:
     """Upstream's Triton kernels that have no torch fallback, replaced by the kernels
@@ -207,6 +277,14 @@ class NPUPlatform(Platform):
         return "vllm.ascend.distributed.communicator.NPUCommunicator"
 
     @classmethod
+    def device_group_options(cls, group_name: str, backend) -> object | None:
+        # Each HCCL group's own buffer size (the hook patch on parallel_state.py); MC2's
+        # group keeps HCCL_BUFFSIZE. vllm/ascend/distributed/groups.py explains.
+        from vllm.ascend.distributed.groups import device_group_options
+
+        return device_group_options(group_name, backend)
+
+    @classmethod
     def get_punica_wrapper(cls) -> str:
         raise NotImplementedError("LoRA is not supported by the Ascend distribution yet")
 
@@ -265,6 +343,7 @@ class NPUPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is not None:
             cls.check_if_supports_dtype(model_config.dtype)
+            _check_atb(model_config.use_mla)
         if cache_config is not None and not cache_config.user_specified_block_size:
             cache_config.block_size = cls.default_block_size()
             _adjust(f"KV cache block size {cache_config.block_size}", cls.block_size_reason())
@@ -307,6 +386,7 @@ class NPUPlatform(Platform):
                 validate_config(vllm_config)
                 validate_speculative_config(vllm_config)
                 validate_context_parallel(vllm_config)
+                _check_npu_attention_shapes(vllm_config)
             except ValueError as exc:
                 raise AscendConfigError(str(exc)) from None
 

@@ -117,11 +117,11 @@ class AscendW8A8LinearMethod(LinearMethodBase):
         layer.ascend_adds_quant_bias = not (isinstance(layer, RowParallelLinear) and layer.tp_rank > 0)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # ``bias`` is already in quant_bias
-        x_q = x if x.dtype == torch.int8 else qk.quantize_static(x, *layer.ascend_static_params)
+        # ``bias`` is already in quant_bias; the output takes the activations' dtype (the
+        # layers get float16/bfloat16 activations, never pre-quantized int8 ones)
+        x_q = qk.quantize_static(x, *layer.ascend_static_params)
         quant_bias = layer.quant_bias if layer.ascend_adds_quant_bias else None
-        out_dtype = x.dtype if x.dtype != torch.int8 else layer.deq_scale.dtype
-        return qk.matmul_static(x_q, layer.weight, layer.deq_scale, quant_bias, out_dtype)
+        return qk.matmul_static(x_q, layer.weight, layer.deq_scale, quant_bias, x.dtype)
 
 
 @register_weight_loader_v2_supported_method

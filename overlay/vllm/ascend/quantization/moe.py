@@ -24,7 +24,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm.ascend.kernels.moe import moe_experts_w8a8_dynamic
 from vllm.ascend.moe.experts import AscendExperts
-from vllm.ascend.moe.method import apply_kernel
+from vllm.ascend.moe.method import AscendRouting, apply_kernel, layer_routing
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 
 
@@ -68,7 +68,7 @@ class AscendW8A8DynamicExperts(AscendExperts):
         )
 
 
-class AscendW8A8DynamicMoEMethod(FusedMoEMethodBase):
+class AscendW8A8DynamicMoEMethod(AscendRouting, FusedMoEMethodBase):  # routing: moe/method.py
     def create_weights(
         self,
         layer,
@@ -99,14 +99,12 @@ class AscendW8A8DynamicMoEMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG  # activations cross ranks unquantized
 
-    @property
-    def is_monolithic(self) -> bool:
-        return False
-
     def process_weights_after_loading(self, layer) -> None:
         activation = getattr(layer, "activation", "silu")
         if "silu" not in str(getattr(activation, "value", activation)).lower():
             raise NotImplementedError(f"Ascend MoE supports SiLU experts only, not {activation}")
+        if layer.custom_routing_function is None:
+            layer._ascend_routing = layer_routing(layer)  # refused at load, not at the first step
         for name in ("w13", "w2"):
             if torch.any(getattr(layer, f"{name}_weight_offset").data != 0):
                 raise ValueError(

@@ -107,15 +107,7 @@ class NPUWorker(Worker):
 
         init_context_parallel_group(self.parallel_config, current_platform.dist_backend)
         if self.model_config.is_moe:
-            # The MoE layout, worked out once before the model is built; its layers and the
-            # forward-context hook read it (a forced strategy is checked against the SoC here).
-            from vllm.ascend.distributed.groups import init_mc2_group
-            from vllm.ascend.moe.step import MoEPlan, install_plan
-
-            plan = MoEPlan.from_config(self.vllm_config, dev.soc_generation())
-            install_plan(plan)
-            if plan.layout.expert_parallel:
-                init_mc2_group(current_platform.dist_backend)
+            self._init_moe_plan(dev)
         set_random_seed(self.model_config.seed)
         if not envs.emulate():
             # Upstream's accounting (as its XPU worker does): the snapshot after the
@@ -125,6 +117,28 @@ class NPUWorker(Worker):
             self.init_snapshot = MemorySnapshot(device=self.device)
             self.requested_memory = request_memory(self.init_snapshot, self.cache_config)
         self._init_workspace_and_model_runner()
+
+    def _init_moe_plan(self, dev) -> None:
+        """The MoE layout, worked out once before the model is built; its layers and the
+        forward-context hook read it. A forced strategy is checked against the SoC and, on
+        an A2/A3 NPU, MC2 against the MC2 group's HCCL buffer (HCCL_BUFFSIZE, the smallest
+        any rank has). The MC2 group and its communicator (with that buffer) are made here,
+        before the KV cache is sized, and only when some step can use MC2."""
+        from vllm.ascend import envs
+        from vllm.ascend.distributed import groups
+        from vllm.ascend.errors import AscendConfigError
+        from vllm.ascend.moe.step import MoEPlan, install_plan
+
+        soc = dev.soc_generation()
+        buffsize = groups.agreed_minimum(envs.hccl_buffsize_mb()) if soc in ("A2", "A3") else None
+        try:
+            plan = MoEPlan.from_config(self.vllm_config, soc, buffsize)
+        except ValueError as exc:
+            raise AscendConfigError(str(exc)) from None
+        install_plan(plan)
+        if plan.layout.expert_parallel and plan.may_use_mc2:
+            groups.init_mc2_group(current_platform.dist_backend)
+            groups.init_mc2_communicator()
 
     def _make_model_runner(self):
         from vllm.ascend.worker.model_runner import NPUModelRunner

@@ -28,6 +28,11 @@ int4, hifloat8, float8_e8m0fnu, float4_e2m1fn_x2, float4_e1m2fn_x2 = 285, 290, 2
 
 _contract.install(sys.modules[__name__])
 
+# The wheel's lazy NNAL guard on the ATB names (TORCH_NPU_DOUBLE_NNAL=0: a host without NNAL).
+from .op_plugin.atb import _atb_ops  # noqa: E402
+
+_atb_ops.guard_exports(sys.modules[__name__])
+
 # As torch_npu does at import: the PrivateUse1 backend is called "npu" and torch.npu is
 # the device module (no kernels are registered for it: tensors stay on the CPU). Only
 # when the double pretends NPUs exist: with the backend named, torch takes "npu" for

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.library import Library
 
-from . import _ops
+from . import _ops, _syncs
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas.json"
 WHEEL_VARIABLE = "TORCH_NPU_DOUBLE_WHEEL"
@@ -131,10 +131,12 @@ def _kernel(namespace: str, name: str, fn):
     qualname = f"{namespace}::{name}"
 
     def kernel(*args, **kwargs):
-        full = _full_arguments(schema, args, kwargs)
-        result = fn(**full)
-        _compare_with_meta(qualname, overload, schema, full, result)
+        with _syncs.kernel_running():
+            full = _full_arguments(schema, args, kwargs)
+            result = fn(**full)
+            _compare_with_meta(qualname, overload, schema, full, result)
         calls[qualname] += 1
+        _syncs.launched()
         return result
 
     return kernel
@@ -219,3 +221,4 @@ def install(module) -> None:
     _export_names(module, data["schemas"], wheel)
     module.__version__ = data["torch_npu"]["version"]
     atexit.register(_write_call_log)
+    _syncs.install()

@@ -208,6 +208,52 @@ def _tnd_cumulative(op, lengths, total, rule) -> list[int]:
     return lengths
 
 
+def _check_dense_tnd(query, key, value, num_heads, kv_heads, sparse_mode, mask) -> None:
+    """The combined limits of TND without page attention (the docs' "TND场景下query、key、value
+    输入的综合限制")."""
+    require(
+        query.shape[0] <= 65536 and key.shape[0] <= 65536,
+        FIA,
+        "FIA.tnd_dense_t",
+        f"T={query.shape[0]} (query), {key.shape[0]} (key/value)",
+    )
+    require(
+        num_heads in (8, 16, 32, 64, 128)
+        and kv_heads == num_heads
+        and key.dim() == 3
+        and value.dim() == 3
+        and key.shape[1] == value.shape[1] == num_heads,
+        FIA,
+        "FIA.tnd_dense_heads",
+        f"num_heads={num_heads}, num_key_value_heads={kv_heads}, key {tuple(key.shape)}, "
+        f"value {tuple(value.shape)}",
+    )
+    require(
+        query.shape[-1] == 192 and key.shape[-1] == 192 and value.shape[-1] in (128, 192),
+        FIA,
+        "FIA.tnd_dense_d",
+        f"Q_D={query.shape[-1]}, K_D={key.shape[-1]}, V_D={value.shape[-1]}",
+    )
+    require(
+        key.shape[0] == value.shape[0],
+        FIA,
+        "FIA.tnd_kv_lengths",
+        f"key T={key.shape[0]}, value T={value.shape[0]}",
+    )
+    require(
+        query.dtype == key.dtype == value.dtype == torch.bfloat16,
+        FIA,
+        "FIA.tnd_dense_dtype",
+        f"query/key/value {query.dtype}/{key.dtype}/{value.dtype}",
+    )
+    require(
+        (sparse_mode == 0 and mask is None) or (sparse_mode == 3 and mask is not None),
+        FIA,
+        "FIA.tnd_dense_sparse",
+        f"sparse_mode={sparse_mode} with{'out' if mask is None else ''} atten_mask",
+    )
+
+
 def npu_fused_infer_attention_score(**a):
     _refuse_unmodelled(FIA, a, _FIA_UNMODELLED)
     if a["softmax_lse_flag"] and a["input_layout"] != "TND" and a["query_rope"] is None:
@@ -231,7 +277,11 @@ def npu_fused_infer_attention_score(**a):
         "FIA.kv_dtype",
         f"key/value are {key.dtype}/{value.dtype}",
     )
-    require(key.shape == value.shape, FIA, "FIA.kv_same_shape", f"{tuple(key.shape)} vs {tuple(value.shape)}")
+    dense_tnd = layout == "TND" and block_table is None and q_rope is None
+    if not dense_tnd:  # the dense TND form allows V_D != K_D (FIA.tnd_dense_d)
+        require(
+            key.shape == value.shape, FIA, "FIA.kv_same_shape", f"{tuple(key.shape)} vs {tuple(value.shape)}"
+        )
     require(sparse_mode in (0, 1, 2, 3, 4), FIA, "FIA.sparse_values", f"sparse_mode={sparse_mode}")
     require((q_rope is None) == (k_rope is None), FIA, "FIA.rope_pair", "query_rope and key_rope go together")
     _check_mask(a["atten_mask"], sparse_mode)
@@ -259,11 +309,13 @@ def npu_fused_infer_attention_score(**a):
     t, _, d = query.shape
     require(d % 16 == 0 or query.dtype == torch.int8, FIA, "FIA.d_align", f"D={d}")
     require(num_heads <= 256 and d <= 512, FIA, "FIA.n_d_limits", f"N={num_heads}, D={d}")
+    if dense_tnd:
+        _check_dense_tnd(query, key, value, num_heads, kv_heads, sparse_mode, a["atten_mask"])
     q_cum = _tnd_cumulative(FIA, a["actual_seq_lengths"], t, "FIA.tnd_seq_lengths")
     q_starts = [0] + q_cum[:-1]
     batch = len(q_cum)
     q_lens = [e - s for s, e in zip(q_starts, q_cum)]
-    out = torch.empty(query.shape, dtype=torch.float32)
+    out = torch.empty(t, num_heads, value.shape[-1] if dense_tnd else d, dtype=torch.float32)
     lse = torch.empty(t, num_heads, 1, dtype=torch.float32)
 
     if block_table is not None:
@@ -429,6 +481,8 @@ def npu_attention_update(lse, local_out, update_type):
     lse_max = stacked.max(dim=0).values
     lse_m = lse_max + torch.log(torch.exp(stacked - lse_max).sum(dim=0))
     out = sum(o.float() * torch.exp(lse - lse_m).unsqueeze(1) for o, lse in zip(local_out, stacked))
+    if update_type == 0:  # AU.lse_out_type1: lse_out is only valid with update_type 1
+        lse_m = torch.full_like(lse_m, float("nan"))
     return out.to(local_out[0].dtype), lse_m
 
 
@@ -586,8 +640,10 @@ def npu_grouped_matmul(**a):
     else:
         require(all(v >= 0 for v in values), op, "GMM.group_list", f"group_list counts {values}")
         ends = list(torch.tensor(values).cumsum(0).tolist())
+    # The docs ask for ends[-1] == rows; callers on NPUs pass more rows (GMM.rows_past_groups)
+    # and the double leaves those rows NaN, so a caller that reads them fails its oracle.
     require(
-        ends[-1] == x.shape[0], op, "GMM.single_tensor", f"groups cover {ends[-1]} rows, x has {x.shape[0]}"
+        ends[-1] <= x.shape[0], op, "GMM.single_tensor", f"groups cover {ends[-1]} rows, x has {x.shape[0]}"
     )
     require(
         x.shape[1] == k_dim, op, "GMM.single_tensor", f"x {tuple(x.shape)} @ weight {tuple(weight.shape)}"
@@ -602,7 +658,7 @@ def npu_grouped_matmul(**a):
         "GMM.single_tensor",
         f"x {x.dtype}, weight {weight.dtype}",
     )
-    out = torch.empty(x.shape[0], n_dim, dtype=torch.float32)
+    out = torch.full((x.shape[0], n_dim), float("nan"), dtype=torch.float32)
     start = 0
     for e, end in enumerate(ends):
         out[start:end] = x[start:end].float() @ weight[e].float()
@@ -642,7 +698,7 @@ def _gmm_per_token(op, a, x, weight, ends):
         f"scale {tuple(scale.shape)} for weight {tuple(weight.shape)}, per_token_scale "
         f"{tuple(per_token.shape)} for x {tuple(x.shape)}",
     )
-    out = torch.empty(x.shape[0], weight.shape[2], dtype=torch.float32)
+    out = torch.full((x.shape[0], weight.shape[2]), float("nan"), dtype=torch.float32)
     start = 0
     for e, end in enumerate(ends):
         acc = torch.mm(x[start:end].to(torch.int32), weight[e].to(torch.int32)).float()
@@ -713,11 +769,95 @@ def _mc2_group(op: str, a: dict):
     ):
         if a[arg]:
             raise unmodelled(op, f"{arg}={a[arg]}")
-    if a["comm_alg"] not in ("",):
-        raise unmodelled(op, f"comm_alg={a['comm_alg']!r}")
     if a["tp_world_size"] > 1:
         raise unmodelled(op, f"tp_world_size={a['tp_world_size']}")
     return group
+
+
+def _mc2_soc() -> str:
+    """The SoC the double plays (TORCH_NPU_DOUBLE_SOC = A2 | A3, default A2), read from the
+    environment at each call as the npu runtime stub's ``get_soc_version`` does."""
+    import os
+
+    soc = os.environ.get("TORCH_NPU_DOUBLE_SOC", "A2").strip().upper() or "A2"
+    if soc not in ("A2", "A3"):
+        raise ValueError(f"TORCH_NPU_DOUBLE_SOC must be A2 or A3, got {soc!r}")
+    return soc
+
+
+def _mc2_algorithm(op: str, a: dict) -> tuple[str, str]:
+    """(SoC, the algorithm ``comm_alg`` selects there), resolved as the docs do: on A2 ``""``
+    follows HCCL_INTRA_PCIE_ENABLE / HCCL_INTRA_ROCE_ENABLE; on A3 it is fullmesh_v1.
+    Hierarchy's documented exclusions are refused; its semantics are not modelled."""
+    import os
+
+    soc, alg = _mc2_soc(), a["comm_alg"]
+    if soc == "A2":
+        require(alg in ("", "fullmesh", "hierarchy"), op, "MC2.comm_alg_a2", f"comm_alg={alg!r} on A2")
+        if alg == "":
+            pcie, roce = os.environ.get("HCCL_INTRA_PCIE_ENABLE"), os.environ.get("HCCL_INTRA_ROCE_ENABLE")
+            alg = "hierarchy" if (pcie, roce) == ("1", "0") else "fullmesh"
+    elif op == MC2_DISPATCH:
+        require(
+            alg in ("", "fullmesh_v1", "fullmesh_v2", "hierarchy"), op, "MC2.comm_alg_a3", f"comm_alg={alg!r}"
+        )
+        alg = alg or "fullmesh_v1"
+    else:
+        require(alg in ("", "hierarchy"), op, "MC2.combine_comm_alg_a3", f"comm_alg={alg!r}")
+        alg = alg or "fullmesh_v1"
+    if alg == "hierarchy" and soc == "A2":
+        how = (
+            "comm_alg='' with HCCL_INTRA_PCIE_ENABLE=1, HCCL_INTRA_ROCE_ENABLE=0" if not a["comm_alg"] else ""
+        )
+        require(
+            a["x_active_mask"] is None, op, "MC2.hierarchy_mask", f"x_active_mask given to hierarchy {how}"
+        )
+        require(
+            a["ep_world_size"] in (16, 32, 64),
+            op,
+            "MC2.hierarchy_ep",
+            f"ep_world_size={a['ep_world_size']} with hierarchy {how}",
+        )
+        if op == MC2_DISPATCH:
+            require(
+                a["expert_scales"] is not None,
+                op,
+                "MC2.hierarchy_expert_scales",
+                f"hierarchy {how} sums a token's expert outputs inside a server: dispatch needs expert_scales",
+            )
+    if alg in ("hierarchy", "fullmesh_v2"):
+        raise unmodelled(op, f"comm_alg resolving to {alg!r}")
+    return soc, alg
+
+
+def _mc2_buffer(op: str, a: dict, soc: str, bs: int, k: int, h: int) -> None:
+    """The HCCL buffer (HCCL_BUFFSIZE, MB; 200 when unset) against the documented need of
+    the resolved algorithm; with global_bs=0 every rank's BS is this BS (max_bs = BS)."""
+    import os
+
+    raw = os.environ.get("HCCL_BUFFSIZE", "").strip()
+    buffsize = int(raw) if raw else 200  # MC2.buffsize_default
+    mb = 1 << 20
+    ep = a["ep_world_size"]
+    local = a["moe_expert_num"] // ep
+
+    def align(x, n):
+        return (x + n - 1) // n * n
+
+    if soc == "A2":
+        need, rule = 2 * (bs * ep * min(local, k) * h * 2 + 2 * mb), "MC2.buffsize_a2"
+    else:
+        shared = a["shared_expert_num"]
+        row = align(align(2 * h, 32) + 64, 512)
+        need = 2 * (local * bs * ep * row + (k + shared) * bs * align(2 * h, 512))
+        rule = "MC2.buffsize_a3"
+    require(
+        need <= buffsize * mb,
+        op,
+        rule,
+        f"BS={bs}, ep_world_size={ep}, local experts={local}, K={k}, H={h} need {-(-need // mb)} MB of HCCL "
+        f"buffer; HCCL_BUFFSIZE={raw or 'unset (200 MB, MC2.buffsize_default)'}",
+    )
 
 
 def _gather(t: torch.Tensor, group) -> torch.Tensor:
@@ -730,6 +870,7 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
 
 def npu_moe_distribute_dispatch_v2(**a):
     op = MC2_DISPATCH
+    soc, _alg = _mc2_algorithm(op, a)
     _refuse_unmodelled(op, a, _MC2_DISPATCH_UNMODELLED)
     if a["quant_mode"] != 0 or a["shared_expert_num"] not in (0, 1):
         raise unmodelled(op, f"quant_mode={a['quant_mode']}, shared_expert_num={a['shared_expert_num']}")
@@ -746,6 +887,7 @@ def npu_moe_distribute_dispatch_v2(**a):
     bs, k = ids.shape
     require(0 < k <= 16, op, "MC2.top_k", f"K={k}")
     require(0 < bs <= 512, op, "MC2.batch", f"BS={bs}")
+    _mc2_buffer(op, a, soc, bs, k, x.shape[1])
     flat = ids.to(torch.int64)
     require(
         bool(((flat >= 0) & (flat < experts)).all()), op, "MC2.expert_ids", "an expert id is out of range"
@@ -803,6 +945,7 @@ def npu_moe_distribute_dispatch_v2(**a):
 
 def npu_moe_distribute_combine_v2(**a):
     op = MC2_COMBINE
+    soc, _alg = _mc2_algorithm(op, a)
     _refuse_unmodelled(op, a, _MC2_COMBINE_UNMODELLED)
     if a["comm_quant_mode"] != 0 or a["shared_expert_num"] not in (0, 1):
         raise unmodelled(
@@ -818,6 +961,7 @@ def npu_moe_distribute_combine_v2(**a):
         f"expert_scales {scales.dtype} {tuple(scales.shape)} for expert_ids {tuple(ids.shape)}",
     )
     require(expand_x.dtype in HALF_TYPES, op, "MC2.dtype", f"expand_x {expand_x.dtype}")
+    _mc2_buffer(op, a, soc, bs, k, expand_x.shape[1])
     rank = a["ep_rank_id"]
     all_rows = _gather(expand_x, group)
     all_assist = _gather(a["assist_info_for_combine"].view(-1, 128), group)
@@ -965,8 +1109,99 @@ def npu_quantize(input, scales, zero_points, dtype, axis, div_mode):
     return torch.round(y).clamp(-128, 127).to(torch.int8)
 
 
+# -- npu_moe_gating_top_k_softmax / npu_moe_gating_top_k (MoE routing) ------------------------------
+# Semantics beyond the wheel's parameter tables are CANN's aclnn docs (aclnnMoeGatingTopKSoftmax:
+# "softmaxOut=softmax(x,axis=-1) yOut,expertIdxOut=topK(softmaxOut,k=k)" and the rowIdxOut formula;
+# aclnnMoeGatingTopK (CANN 8.3 / ops-transformer): normOut = SoftMax(x) or Sigmoid(x); normValue =
+# normOut + bias; groups scored by ReduceMax or the sum of the top two, the kGroup best kept, the
+# rest set to -inf; expertIdxOut = TopK(normValue, k); yOut = y / (ReduceSum(y)+eps) *
+# routedScalingFactor with y the chosen experts' normOut).
+GTKS = "npu_moe_gating_top_k_softmax"
+GTK = "npu_moe_gating_top_k"
+
+
+def npu_moe_gating_top_k_softmax(x, finished, k):
+    require(
+        x.dim() in (2, 3) and x.dtype in (*HALF_TYPES, torch.float32),
+        GTKS,
+        "GTKS.x",
+        f"x {x.dtype} rank {x.dim()}",
+    )
+    if finished is not None:
+        require(
+            finished.dtype == torch.bool and tuple(finished.shape) == tuple(x.shape[:-1]),
+            GTKS,
+            "GTKS.finished",
+            f"finished {finished.dtype} {tuple(finished.shape)} for x {tuple(x.shape)}",
+        )
+        raise unmodelled(GTKS, "finished")
+    require(0 < k <= x.shape[-1] and k <= 1024, GTKS, "GTKS.k", f"k={k} for {x.shape[-1]} experts")
+    rows = x.reshape(-1, x.shape[-1])
+    y, idx = torch.softmax(rows.float(), dim=-1).topk(k, dim=-1)
+    n = rows.shape[0]
+    row_idx = torch.arange(n * k, dtype=torch.int32).view(k, n).t()
+    shape = (*x.shape[:-1], k)
+    return y.to(x.dtype).view(shape), idx.to(torch.int32).view(shape), row_idx.contiguous().view(shape)
+
+
+def npu_moe_gating_top_k(**a):
+    x, k, bias = a["x"], a["k"], a["bias"]
+    _refuse_unmodelled(GTK, a, ("input_ids", "tid2eid"))
+    require(
+        x.dim() == 2 and x.dtype in (*HALF_TYPES, torch.float32) and x.shape[-1] <= 2048,
+        GTK,
+        "GTK.x",
+        f"x {x.dtype} {tuple(x.shape)}",
+    )
+    experts = x.shape[-1]
+    if bias is not None:
+        require(
+            bias.dim() == 1 and bias.shape[0] == experts and bias.dtype == x.dtype,
+            GTK,
+            "GTK.bias",
+            f"bias {bias.dtype} {tuple(bias.shape)} for x {x.dtype} {tuple(x.shape)}",
+        )
+    groups, k_group = a["group_count"], a["k_group"]
+    per_group = experts // groups if groups > 0 else 0
+    require(
+        groups > 0 and experts % groups == 0 and per_group > 2 and -(-per_group // 32) * 32 * groups <= 2048,
+        GTK,
+        "GTK.group_count",
+        f"group_count={groups} for {experts} experts",
+    )
+    # k_group * per_group >= k, also in GTK.k_group's text, is checked as GTK.k below
+    require(1 <= k_group <= groups, GTK, "GTK.k_group", f"k_group={k_group} of {groups} groups")
+    require(
+        1 <= k <= per_group * k_group, GTK, "GTK.k", f"k={k} for {k_group} of {groups} groups of {per_group}"
+    )
+    require(a["group_select_mode"] in (0, 1), GTK, "GTK.group_select_mode", f"{a['group_select_mode']}")
+    require(a["renorm"] == 0, GTK, "GTK.renorm", f"renorm={a['renorm']}")
+    require(a["norm_type"] in (0, 1), GTK, "GTK.norm_type", f"norm_type={a['norm_type']}")
+    xf = x.float()
+    norm = torch.softmax(xf, dim=-1) if a["norm_type"] == 0 else torch.sigmoid(xf)
+    value = norm if bias is None else norm + bias.float()
+    if groups > 1:
+        grouped = value.view(-1, groups, per_group)
+        if a["group_select_mode"] == 0:
+            score = grouped.amax(dim=-1)
+        else:
+            score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter_(
+            1, score.topk(k_group, dim=-1).indices, True
+        )
+        value = value.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    idx = value.topk(k, dim=-1).indices
+    y = norm.gather(1, idx)
+    y = y / (y.sum(dim=-1, keepdim=True) + a["eps"]) * a["routed_scaling_factor"]
+    # norm_out: the norm function's result when out_flag asks for it (undefined otherwise: NaN here)
+    norm_out = norm if a["out_flag"] else torch.full_like(norm, float("nan"))
+    return y.to(x.dtype), idx.to(torch.int32), norm_out
+
+
 KERNELS = {
     "npu": {
+        GTKS: npu_moe_gating_top_k_softmax,
+        GTK: npu_moe_gating_top_k,
         FIA: npu_fused_infer_attention_score,
         "npu_scatter_nd_update_": npu_scatter_nd_update_,
         "npu_grouped_matmul": npu_grouped_matmul,

@@ -66,6 +66,13 @@ RULES: dict[str, Rule] = {
             "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float16、bfloat16、int8、int4(int32).",
         ),
         Rule("FIA.kv_same_shape", DOCS, "参数key、value中对应tensor的shape需要完全一致"),
+        # TND without page attention ("TND场景下query、key、value输入的综合限制"): K and V may
+        # differ in D there (FIA.tnd_dense_d), so kv_same_shape is not applied to that form.
+        Rule("FIA.tnd_dense_t", DOCS, "T小于等于65536;"),
+        Rule("FIA.tnd_dense_heads", DOCS, "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等;"),
+        Rule("FIA.tnd_dense_d", DOCS, "Q_D、K_D等于192, V_D等于128/192;"),
+        Rule("FIA.tnd_dense_dtype", DOCS, "数据类型仅支持BFLOAT16;"),
+        Rule("FIA.tnd_dense_sparse", DOCS, "sparse模式仅支持sparse=0且不传mask, 或sparse=3且传入mask;"),
         Rule(
             "FIA.mask_dtype",
             DOCS,
@@ -227,6 +234,17 @@ RULES: dict[str, Rule] = {
             "group_list第1维最大支持1024, 即最多支持1024个group. 支持weight转置. x不支持转置.",
         ),
         Rule("GMM.group_list", DOCS, "当group_list_type为0时, group_list必须为非负单调非递减数列."),
+        # Practice, not the docs: the docs ask for a last group_list value equal to x's rows;
+        # NPU MoE code in production passes more rows and ignores the rows past the groups
+        # (vllm-ascend's MC2 path: dispatch_v2's expand_x with group_list=expert_token_nums;
+        # sglang's NPU W4A8 experts mask them explicitly, quoted). The double leaves those
+        # rows NaN. Not verified on an NPU from this repository.
+        Rule(
+            "GMM.rows_past_groups",
+            "sgl-project/sglang python/sglang/srt/layers/quantization (NPU W4A8 MXFP4 MoE)",
+            "valid_mask = row_ids < expert_tokens[-1]",
+            in_wheel=False,
+        ),
         Rule(
             "GMM.group_list_dtype",
             DOCS,
@@ -348,6 +366,74 @@ RULES: dict[str, Rule] = {
             "其中共享专家不需要乘权重系数，直接相加即可。数据类型支持`float32`",
             in_wheel=False,
         ),
+        # MC2 environment: comm_alg as the doc resolves it, and the HCCL buffer (HCCL_BUFFSIZE).
+        Rule(
+            "MC2.comm_alg_a2",
+            MC2_DISPATCH_DOC,
+            '<term>Atlas A2 训练系列产品/Atlas A2 推理系列产品</term>：当前版本支持""，"fullmesh"，"hierarchy"三种输入'
+            '方式。推荐配置"hierarchy"并搭配25.0.RC1.1及以上版本驱动使用。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.comm_alg_a3",
+            MC2_DISPATCH_DOC,
+            '<term>Atlas A3 训练系列产品/Atlas A3 推理系列产品</term>：当前版本支持""，"fullmesh_v1"，"fullmesh_v2'
+            '"，"hierarchy"四种输入方式。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.combine_comm_alg_a3",
+            MC2_COMBINE_DOC,
+            '<term>Atlas A3 训练系列产品/Atlas A3 推理系列产品</term>：当前版本支持""，"hierarchy"两种输入方式。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.comm_alg_default_a2",
+            MC2_DISPATCH_DOC,
+            '"": 配置HCCL\\_INTRA\\_PCIE\\_ENABLE=1和HCCL\\_INTRA\\_ROCE\\_ENABLE=0时，调用"hierarchy"算法，否'
+            '则调用"fullmesh"算法。不推荐使用该方式。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.hierarchy_mask",
+            MC2_DISPATCH_DOC,
+            '`comm_alg`设置为"hierarchy"时，当前版本不支持，使用默认值None即可。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.hierarchy_ep",
+            MC2_DISPATCH_DOC,
+            '`comm_alg`设置为"hierarchy"时，`ep_world_size`取值范围为16、32、64。',
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.hierarchy_expert_scales",
+            MC2_COMBINE_DOC,
+            '"hierarchy": token数据经过机内、跨机两次发送，'
+            "先在server内将同一个token数据汇总求和，再跨机发送，以减少跨机数据量。",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.buffsize_default",
+            MC2_DISPATCH_DOC,
+            "调用本接口前需检查通信域缓存区大小取值是否合理，单位MB，不配置时默认为200MB。",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.buffsize_a2",
+            MC2_DISPATCH_DOC,
+            '`comm_alg`配置为"fullmesh"且`x`的数据类型不为`int32`：设置大小要求\\>=2\\*\\(BS\\*ep\\_world\\_size\\*min'
+            "\\(local\\_expert\\_num, K\\)\\*H\\*sizeof\\(uint16\\)+2MB\\)。",
+            in_wheel=False,
+        ),
+        Rule(
+            "MC2.buffsize_a3",
+            MC2_DISPATCH_DOC,
+            'ep通信域内，comm\\_alg配置为"fullmesh_v1"或"": 设置大小要求 \\>= 2 \\* \\(local\\_expert\\_num \\* max'
+            "\\_bs \\* ep\\_world\\_size \\* Align512\\(Align32\\(2 \\* H\\) + 64\\) + \\(K + shared\\_ex"
+            "pert\\_num\\) \\* max\\_bs \\* Align512\\(2 \\* H\\)\\)。",
+            in_wheel=False,
+        ),
         # -- npu_attention_update ------------------------------------------------------------------------
         Rule(
             "AU.lse",
@@ -371,6 +457,12 @@ RULES: dict[str, Rule] = {
             in_wheel=False,
         ),
         Rule(
+            "AU.lse_out_type1",
+            DOCS,
+            "lse_out: Device侧的Tensor，形状为 (batch * seqLen * headNum)，数据类型为 FLOAT格式为 ND。"
+            "update_type=1时有效。",
+        ),
+        Rule(
             "AU.update_type",
             ATTENTION_UPDATE_DOC,
             "取值为`0`时，仅输出合并后的out；取值为`1`时，同时输出合并后的out和lse_out。",
@@ -379,11 +471,64 @@ RULES: dict[str, Rule] = {
         # -- npu_swiglu ---------------------------------------------------------------------------------
         Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
         Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),
+        # -- npu_moe_gating_top_k_softmax (MoE routing) -------------------------------------------------
+        Rule(
+            "GTKS.x",
+            DOCS,
+            "x: Tensor类型, 必选输入, 表示待计算的输入要求是一个2D/3D的Tensor, 数据类型支持float16、"
+            "bfloat16、float32, 数据格式要求为ND.",
+        ),
+        Rule(
+            "GTKS.finished",
+            DOCS,
+            "finished: Tensor类型, 可选输入, 表示输入中需要参与计算的行, 要求是一个1D/2D的Tensor, "
+            "数据类型支持bool, shape为x[:-1], 数据格式要求为ND.",
+        ),
+        Rule("GTKS.k", DOCS, "k: Host侧的int类型, 表示topk的k值, 大小为0<k<=x的-1轴大小, k<=1024."),
+        # -- npu_moe_gating_top_k (MoE routing: sigmoid/softmax, bias, groups) ---------------------------
+        Rule(
+            "GTK.x",
+            DOCS,
+            "要求是一个2D的Tensor，数据类型支持`float16`、`bfloat16`、`float32`，数据格式要求为ND。"
+            "支持非连续Tensor。最后一维的大小（即专家数）要求不大于`2048`。",
+        ),
+        Rule("GTK.k", DOCS, "要求`1 <= k <= x_shape[-1] / group_count * k_group`。"),
+        Rule(
+            "GTK.bias",
+            DOCS,
+            "要求是1D的Tensor，要求shape值与`x`的最后一维相等。数据类型支持`float16`、`bfloat16`、"
+            "`float32`，数据类型需要与`x`保持一致",
+        ),
+        Rule(
+            "GTK.k_group",
+            DOCS,
+            "要求`1 <= k_group <= group_count`，并且`k_group * x_shape[-1] / group_count`的值要大于等于`k`。",
+        ),
+        Rule(
+            "GTK.group_count",
+            DOCS,
+            "要求`group_count > 0，x_shape[-1]`能够被`group_count`整除且整除后的结果大于`2`，"
+            "并且整除的结果按照`32`个数对齐后乘`group_count`的结果不大于`2048`。",
+        ),
+        Rule(
+            "GTK.group_select_mode",
+            DOCS,
+            "默认值为`0`，`0`表示组内取最大值，作为专家组得分；`1`表示取组内Top2的专家进行得分累加，作为专家组得分。",
+        ),
+        Rule(
+            "GTK.renorm", DOCS, "表示renorm标记，默认值为`0`，表示先进行norm再进行topk计算。当前仅支持`0`。"
+        ),
+        Rule("GTK.norm_type", DOCS, "表示norm函数类型，`1`表示使用Sigmoid函数，`0`表示Softmax函数。"),
     ]
 }
 
 # The project's own calling rules (not torch_npu's).
 PROJECT_RULES = {
+    "HCCL.buffer_size": (
+        "ProcessGroupHCCL.Options.hccl_config['hccl_buffer_size'] is a positive int (MB): the pinned "
+        'wheel\'s libtorch_npu.so says "Value type of hccl_buffer_size should be int."; zero or negative '
+        "sizes are not documented."
+    ),
     "PROJECT.no_hidden_cache_copy": (
         "KV caches are passed to in-place cache-write ops as contiguous tensors: a non-contiguous "
         "cache is copied to a contiguous temporary by the framework (and, for ATB, rejected on output), "

@@ -5,11 +5,26 @@ test can assert that a process never initialised the runtime (the API server mus
 not). ``TORCH_NPU_DOUBLE_DEVICES`` sets what ``device_count()`` reports (default 0,
 so the double never makes a host look like an Ascend host by accident).
 ``TORCH_NPU_DOUBLE_MEMORY_MB`` sets the total memory ``mem_get_info`` reports.
+``TORCH_NPU_DOUBLE_SOC`` (``A2``, default, or ``A3``) sets what ``get_soc_version()``
+reports (``_backends.py``).
+
+Streams and events follow torch_npu's API (``npu/streams.py``, ``npu/utils.py``):
+``Stream``, ``Event``, ``current_stream``, ``default_stream``, ``set_stream`` and the
+``stream(s)`` context manager. Work runs eagerly on the CPU, so they only keep track of
+which stream is current; a wait on the host (``synchronize``) ends the in-flight count.
+
+Importing this module also gives gloo process groups torch_npu's
+``get_hccl_comm_name`` (``_hccl_names.py``), so the NPU device class resolves
+communicator names in NPU-path mode.
 """
 
 from __future__ import annotations
 
 import os
+
+from torch_npu import _syncs
+from torch_npu.npu import _hccl_names  # noqa: F401  (gives gloo groups get_hccl_comm_name)
+from torch_npu.npu._backends import get_soc_version  # noqa: F401  (torch_npu exports it here)
 
 runtime_calls: list[str] = []
 _current_device: int | None = None
@@ -42,6 +57,7 @@ def current_device() -> int:
 
 def synchronize(device=None) -> None:
     _record("synchronize")
+    _syncs.drained()
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
@@ -65,14 +81,33 @@ def get_device_name(device=None) -> str:
 
 
 class Stream:
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, device=None, priority=0, **kwargs) -> None:
         _record("Stream")
+        self.device_index = _current_device or 0
+        self.priority = priority
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")  # the double's tensors live on the CPU
 
     def wait_stream(self, other) -> None:
         pass
 
-    def synchronize(self) -> None:
+    def wait_event(self, event) -> None:
         pass
+
+    def record_event(self, event=None):
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _syncs.drained()
 
 
 class Event:
@@ -83,10 +118,62 @@ class Event:
         pass
 
     def synchronize(self) -> None:
-        pass
+        _syncs.drained()
 
     def wait(self, stream=None) -> None:
         pass
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, end_event) -> float:
+        return 0.0
+
+
+_default_stream: Stream | None = None
+_current_stream: Stream | None = None
+
+
+def default_stream(device=None) -> Stream:
+    global _default_stream
+    _record("default_stream")
+    if _default_stream is None:
+        _default_stream = Stream()
+    return _default_stream
+
+
+def current_stream(device=None) -> Stream:
+    _record("current_stream")
+    return _current_stream if _current_stream is not None else default_stream(device)
+
+
+def set_stream(stream) -> None:
+    global _current_stream
+    if stream is None:  # torch_npu: a no-op for None
+        return
+    _record("set_stream")
+    _current_stream = stream
+
+
+class StreamContext:
+    """``torch_npu.npu.stream(s)``: ``s`` is the current stream inside the block (no-op for None)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self._previous: Stream | None = None
+
+    def __enter__(self):
+        global _current_stream
+        if self.stream is not None:
+            self._previous = _current_stream
+            set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        global _current_stream
+        if self.stream is not None:
+            _current_stream = self._previous
+
+
+def stream(stream) -> StreamContext:
+    return StreamContext(stream)

@@ -1,0 +1,151 @@
+"""MoE routing: router logits to the experts each token goes to, and their weights.
+
+Contract: ``logits [T, E]`` (any float dtype), a ``Routing`` (the scoring options of
+upstream's fused-MoE layer) and an optional ``bias [E]`` (``e_score_correction_bias``);
+returns ``topk_weights [T, k]`` float32 and ``topk_ids [T, k]`` int32, in no particular
+slot order (the experts' outputs are summed over the slots).
+
+The formula is upstream vLLM 0.32's routers' (``FusedTopKRouter``, ``FusedTopKBiasRouter``,
+``GroupedTopKRouter``):
+
+1. ``scores = softmax(logits)`` or ``sigmoid(logits)`` (float32);
+2. ``choice = scores + bias`` (the bias only chooses, it never weighs);
+3. grouped: the experts fall into ``num_expert_group`` equal groups; a group scores the
+   maximum of its ``choice`` values (the sum of its top two with a bias); only the
+   ``topk_group`` best groups stay eligible;
+4. ``ids = topk(choice, k)`` among the eligible experts; ``weights = scores[ids]``;
+5. ``renormalize``: ``weights / sum(weights)``; then ``weights * routed_scaling_factor``.
+
+``npu_route`` calls ``npu_moe_gating_top_k_softmax`` for plain softmax top-k and
+``npu_moe_gating_top_k`` for everything else (sigmoid, bias, groups); where the expert
+count or grouping is outside what the fused op documents, it computes the same formula
+with plain torch ops. The fused ops give the ids and the un-normalised scores; the
+renormalisation and scaling are done here, so the ``eps`` of the fused op's own
+normalisation never enters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.ascend.kernels import pick, torch_npu
+
+SCORING = ("softmax", "sigmoid")
+# npu_moe_gating_top_k_softmax: "k<=1024"; npu_moe_gating_top_k: experts "不大于2048", a
+# group's size "大于2" and "按照32个数对齐后乘group_count的结果不大于2048".
+SOFTMAX_OP_MAX_K = 1024
+GATING_OP_MAX_EXPERTS = 2048
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The scoring options of one MoE layer (upstream's FusedMoE arguments, resolved)."""
+
+    top_k: int
+    scoring_func: str = "softmax"
+    renormalize: bool = False
+    num_expert_group: int = 1  # 1: not grouped
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def check(self, num_experts: int) -> None:
+        """Refuse what the Ascend routing does not compute, with the reason."""
+        if self.scoring_func not in SCORING:
+            raise ValueError(
+                f"Ascend MoE routing supports scoring_func {' or '.join(SCORING)}, not {self.scoring_func!r}"
+            )
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"MoE top_k {self.top_k} must be between 1 and the {num_experts} experts")
+        groups = self.num_expert_group
+        if groups < 1 or num_experts % groups:
+            raise ValueError(f"{num_experts} experts cannot form {groups} equal expert groups")
+        if not 1 <= self.topk_group <= groups:
+            raise ValueError(f"topk_group {self.topk_group} must be between 1 and num_expert_group {groups}")
+        if self.top_k > num_experts // groups * self.topk_group:
+            raise ValueError(
+                f"top_k {self.top_k} exceeds the {num_experts // groups * self.topk_group} experts "
+                f"of the {self.topk_group} chosen group(s)"
+            )
+
+
+def _scores(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
+    x = logits.to(torch.float32)
+    return torch.softmax(x, dim=-1) if routing.scoring_func == "softmax" else torch.sigmoid(x)
+
+
+def _finish(weights: torch.Tensor, ids: torch.Tensor, routing: Routing):
+    weights = weights.to(torch.float32)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routing.routed_scaling_factor != 1.0:
+        weights = weights * routing.routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def reference_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None):
+    scores = _scores(logits, routing)
+    choice = scores if bias is None else scores + bias.to(torch.float32).unsqueeze(0)
+    groups = routing.num_expert_group
+    if groups > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, groups, experts // groups)
+        if bias is None:
+            group_score = grouped.amax(dim=-1)
+        else:
+            group_score = grouped.topk(min(2, experts // groups), dim=-1).values.sum(dim=-1)
+        kept = group_score.topk(routing.topk_group, dim=-1).indices
+        eligible = torch.zeros(tokens, groups, dtype=torch.bool, device=choice.device)
+        eligible.scatter_(1, kept, True)
+        choice = choice.masked_fill(~eligible.repeat_interleave(experts // groups, dim=1), float("-inf"))
+    ids = choice.topk(routing.top_k, dim=-1).indices
+    return _finish(scores.gather(1, ids), ids, routing)
+
+
+def _gating_op_takes(num_experts: int, routing: Routing) -> bool:
+    """npu_moe_gating_top_k's documented limits on the expert count and grouping."""
+    groups = routing.num_expert_group
+    per_group = num_experts // groups
+    aligned = -(-per_group // 32) * 32
+    return (
+        num_experts <= GATING_OP_MAX_EXPERTS
+        and num_experts % groups == 0
+        and per_group > 2
+        and aligned * groups <= GATING_OP_MAX_EXPERTS
+        and 1 <= routing.topk_group <= groups
+        and 1 <= routing.top_k <= per_group * routing.topk_group
+    )
+
+
+def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None):
+    npu = torch_npu()
+    x = logits.to(
+        torch.float32
+    )  # both ops take float32; scores are computed in float32 as the reference does
+    num_experts = x.shape[-1]
+    if (
+        routing.scoring_func == "softmax"
+        and bias is None
+        and routing.num_expert_group == 1
+        and routing.top_k <= SOFTMAX_OP_MAX_K
+    ):
+        y, ids, _ = npu.npu_moe_gating_top_k_softmax(x, None, routing.top_k)
+        return _finish(y, ids, routing)
+    if _gating_op_takes(num_experts, routing):
+        _, ids, norm = npu.npu_moe_gating_top_k(
+            x,
+            routing.top_k,
+            bias=None if bias is None else bias.to(torch.float32),
+            k_group=routing.topk_group,
+            group_count=routing.num_expert_group,
+            group_select_mode=0 if bias is None else 1,  # group max, or the sum of its top two
+            renorm=0,
+            norm_type=0 if routing.scoring_func == "softmax" else 1,
+            out_flag=True,  # the scores themselves (norm_out): the weights are gathered from them
+        )
+        return _finish(norm.gather(1, ids.to(torch.int64)), ids, routing)
+    return reference_route(logits, routing, bias)
+
+
+route = pick(reference_route, npu_route)

@@ -1,0 +1,177 @@
+"""Host synchronisations the double counts (``TORCH_NPU_DOUBLE_SYNC_LOG=<directory>``).
+
+On an NPU, reading a device value on the host (``.item()``, ``.tolist()``, ``int(t)``,
+``if t:``, ``.cpu()``, ``.numpy()``) or running an op whose output size depends on device
+data (``nonzero``, ``unique``, ``masked_select``, indexing with a boolean mask,
+``repeat_interleave`` with tensor repeats and no ``output_size``) blocks the host until
+every queued device op has finished: the launch queue drains, and inside a captured
+graph such a call is not allowed at all. In NPU-path mode every tensor lives on the CPU,
+so these calls cost nothing here; the double counts them instead.
+
+A call counts while a device op is in flight: after the double ran one of torch_npu's
+ops and before the host waited for the device (``torch_npu.npu.synchronize()``,
+``Stream.synchronize()``, ``Event.synchronize()``). Calls made by the double's own
+kernels (their CPU semantics) do not count. Each counted call is logged by its site
+(the first frame outside torch and the double) and whether it ran inside one of the
+functions named in ``TORCH_NPU_DOUBLE_SYNC_REGIONS`` (comma-separated function names,
+default ``_model_forward``: the model runner's forward). At exit each process writes
+``<directory>/<pid>.json``: ``{site: {"calls": n, "in_region": m}}``.
+
+The double cannot tell a host tensor (an upstream ``*_cpu`` mirror) from a device
+tensor, since both are CPU tensors here; a test that allows a site says why.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SYNC_LOG_VARIABLE = "TORCH_NPU_DOUBLE_SYNC_LOG"
+REGION_VARIABLE = "TORCH_NPU_DOUBLE_SYNC_REGIONS"
+
+in_flight = 0  # device ops launched since the host last waited for the device
+_kernel_depth = 0  # > 0 while the double's own kernel code runs
+_regions: frozenset[str] = frozenset()
+records: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+_SKIP_PATHS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def launched() -> None:
+    global in_flight
+    in_flight += 1
+
+
+def drained() -> None:
+    """The host waited for the device: nothing is in flight any more."""
+    global in_flight
+    in_flight = 0
+
+
+class kernel_running:
+    """Around a double kernel: its CPU semantics may read values freely."""
+
+    def __enter__(self) -> None:
+        global _kernel_depth
+        _kernel_depth += 1
+
+    def __exit__(self, *exc) -> None:
+        global _kernel_depth
+        _kernel_depth -= 1
+
+
+def _site_and_region() -> tuple[str, bool]:
+    frame = sys._getframe(2)
+    site = None
+    in_region = False
+    while frame is not None:
+        code = frame.f_code
+        if site is None and not code.co_filename.startswith(_SKIP_PATHS):
+            site = f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
+        if code.co_name in _regions:
+            in_region = True
+            break
+        frame = frame.f_back
+    return site or "<unknown>", in_region
+
+
+def _record(what: str) -> None:
+    if in_flight == 0 or _kernel_depth:
+        return
+    site, in_region = _site_and_region()
+    entry = records[f"{site}: {what}"]
+    entry["calls"] += 1
+    entry["in_region"] += int(in_region)
+
+
+def _wrap_method(name: str, condition=None) -> None:
+    original = getattr(torch.Tensor, name)
+
+    def wrapper(self, *args, **kwargs):
+        if in_flight and not _kernel_depth and (condition is None or condition(self, args, kwargs)):
+            _record(f"Tensor.{name}")
+        return original(self, *args, **kwargs)
+
+    wrapper.__name__ = name
+    setattr(torch.Tensor, name, wrapper)
+
+
+def _wrap_function(name: str, condition=None) -> None:
+    original = getattr(torch, name)
+
+    def wrapper(*args, **kwargs):
+        if in_flight and not _kernel_depth and (condition is None or condition(None, args, kwargs)):
+            _record(f"torch.{name}")
+        return original(*args, **kwargs)
+
+    wrapper.__name__ = name
+    setattr(torch, name, wrapper)
+
+
+def _to_host(_self, args, kwargs) -> bool:
+    # Every device is "cpu" here, so a host-to-device copy looks like a device-to-host one;
+    # a non-blocking copy is queued without waiting either way.
+    if kwargs.get("non_blocking") or (len(args) > 1 and args[1] is True):
+        return False
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
+
+def _boolean_index(_self, args, kwargs) -> bool:
+    index = args[0] if args else None
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _data_sized_repeat(self, args, kwargs) -> bool:
+    if kwargs.get("output_size") is not None:
+        return False
+    if self is not None:  # t.repeat_interleave(repeats, dim=None, *, output_size=None)
+        repeats = args[0] if args else kwargs.get("repeats")
+    elif len(args) == 1 and "repeats" not in kwargs:  # torch.repeat_interleave(repeats)
+        repeats = args[0]
+    else:  # torch.repeat_interleave(input, repeats, dim=None, *, output_size=None)
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+    return isinstance(repeats, torch.Tensor)
+
+
+def install() -> None:
+    """Count host synchronisations in this process (only with the log variable set)."""
+    global _regions
+    directory = os.environ.get(SYNC_LOG_VARIABLE)
+    if not directory:
+        return
+    _regions = frozenset(
+        n.strip() for n in os.environ.get(REGION_VARIABLE, "_model_forward").split(",") if n.strip()
+    )
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+        _wrap_method(name)
+    _wrap_method("to", _to_host)
+    _wrap_method("__getitem__", _boolean_index)
+    for name in ("nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"):
+        _wrap_method(name)
+        _wrap_function(name)
+    _wrap_method("repeat_interleave", _data_sized_repeat)
+    _wrap_function("repeat_interleave", _data_sized_repeat)
+    atexit.register(_write, Path(directory))
+
+
+def _write(directory: Path) -> None:
+    # Written even when empty: a test can tell "counted, none found" from "not counting".
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {site: dict(counts) for site, counts in sorted(records.items())}
+    (directory / f"{os.getpid()}.json").write_text(json.dumps(data, indent=1))
+
+
+def read_log(directory: Path) -> dict[str, dict[str, int]]:
+    """Every process's records in ``directory``, summed by site."""
+    total: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for path in Path(directory).glob("*.json"):
+        for site, counts in json.loads(path.read_text()).items():
+            total[site].update(counts)
+    return {site: dict(c) for site, c in total.items()}
