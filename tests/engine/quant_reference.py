@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 NEAR_TIE = 1e-2  # logits; float32 rounding differences between the two sides are ~1e-5
+# Static W8A8 rounds every activation against a calibrated per-tensor grid: a float32
+# difference of one ulp that lands on a rounding boundary moves that activation by a whole
+# step of the grid, and the tiny models' logits by up to a few 1e-2 (0.021 measured: the
+# Ascend routing's float32 formula against upstream's moved one such rounding, issue 24).
+STATIC_NEAR_TIE = 5e-2
 
 
 def _static(tensors: dict, prefix: str):
@@ -124,14 +129,16 @@ def greedy_with_gaps(
     return out
 
 
-def compare(got: list[list[int]], reference: list[tuple[list[int], list[float]]]) -> tuple[list, list]:
+def compare(
+    got: list[list[int]], reference: list[tuple[list[int], list[float]]], near_tie: float = NEAR_TIE
+) -> tuple[list, list]:
     """(mismatches, near_ties): a divergence at a step whose reference gap is below
-    NEAR_TIE is a near-tie (reported); any other divergence is a mismatch."""
+    ``near_tie`` is a near-tie (reported); any other divergence is a mismatch."""
     mismatches, near_ties = [], []
     for i, (tokens, (expected, gaps)) in enumerate(zip(got, reference)):
         for step, (a, b) in enumerate(zip(tokens, expected)):
             if a != b:
-                (near_ties if gaps[step] < NEAR_TIE else mismatches).append(
+                (near_ties if gaps[step] < near_tie else mismatches).append(
                     {"prompt": i, "step": step, "got": a, "expected": b, "gap": gaps[step]}
                 )
                 break

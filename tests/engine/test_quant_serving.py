@@ -22,7 +22,7 @@ from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.models import make_model, quantize_model
 from tests.support.prompts import PROMPTS
 
-from .quant_reference import compare, fake_quantized, greedy_with_gaps
+from .quant_reference import NEAR_TIE, STATIC_NEAR_TIE, compare, fake_quantized, greedy_with_gaps
 
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "max_num_seqs": 8}
@@ -95,10 +95,11 @@ def test_greedy_tokens_equal_the_fake_quantized_reference(served, name):
     assert len(PROMPTS) >= 8
     hf = fake_quantized(models[CHECKPOINTS[name][0]], paths[name])
     reference = greedy_with_gaps(hf, AutoTokenizer.from_pretrained(paths[name]), PROMPTS, MAX_TOKENS)
-    mismatches, near_ties = compare(tokens[name], reference)
+    near_tie = STATIC_NEAR_TIE if CHECKPOINTS[name][1] == "w8a8" else NEAR_TIE
+    mismatches, near_ties = compare(tokens[name], reference, near_tie)
     for tie in near_ties:  # reported, not hidden
-        print(f"{name}: near-tie divergence (top-2 logit gap {tie['gap']:.2e} < 1e-2): {tie}")
-    assert not mismatches, mismatches
+        print(f"{name}: near-tie divergence (top-2 logit gap {tie['gap']:.2e} < {near_tie}): {tie}")
+    assert not mismatches, repr(mismatches)
     # the comparison meant something: most sequences were compared to the end
     assert sum(1 for t in near_ties) <= len(PROMPTS) // 4, near_ties
 
