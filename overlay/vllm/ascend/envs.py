@@ -30,18 +30,24 @@ def kernels() -> str:
     return value
 
 
+def _int_setting(name: str, default: int, unit: str, low: int = 1, high: int | None = None) -> int:
+    """An integer environment variable in ``[low, high]``, or a ValueError naming it."""
+    raw = os.environ.get(name, "").strip() or str(default)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer ({unit}), got {raw!r}") from None
+    if value < low or (high is not None and value > high):
+        allowed = "positive" if high is None and low == 1 else f"in {low}..{high}"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
 def host_kv_cache_bytes() -> int:
     """VLLM_ASCEND_HOST_KV_CACHE_MB: KV cache size in host mode (default 256 MiB), unless
     --kv-cache-memory-bytes is given. Host memory is shared with everything else, so
     host mode does not size the cache from --gpu-memory-utilization."""
-    raw = os.environ.get("VLLM_ASCEND_HOST_KV_CACHE_MB", "256")
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise ValueError(f"VLLM_ASCEND_HOST_KV_CACHE_MB must be an integer (MiB), got {raw!r}") from None
-    if mb <= 0:
-        raise ValueError(f"VLLM_ASCEND_HOST_KV_CACHE_MB must be positive, got {mb}")
-    return mb * (1 << 20)
+    return _int_setting("VLLM_ASCEND_HOST_KV_CACHE_MB", 256, "MiB") * (1 << 20)
 
 
 PREFILL_CHUNK_DEFAULT = 8192
@@ -54,37 +60,22 @@ def prefill_chunk_tokens() -> int:
     (context parallelism) at once, per layer (default 8192, at most 65536). Longer
     histories are processed chunk by chunk and merged by log-sum-exp, so the transient
     memory is bounded by this setting, not by the context length."""
-    raw = os.environ.get("VLLM_ASCEND_PREFILL_CHUNK_TOKENS", str(PREFILL_CHUNK_DEFAULT))
-    try:
-        tokens = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"VLLM_ASCEND_PREFILL_CHUNK_TOKENS must be an integer (tokens), got {raw!r}"
-        ) from None
-    if not 1 <= tokens <= PREFILL_CHUNK_MAX:
-        raise ValueError(f"VLLM_ASCEND_PREFILL_CHUNK_TOKENS must be in 1..{PREFILL_CHUNK_MAX}, got {tokens}")
-    return tokens
+    return _int_setting(
+        "VLLM_ASCEND_PREFILL_CHUNK_TOKENS", PREFILL_CHUNK_DEFAULT, "tokens", high=PREFILL_CHUNK_MAX
+    )
 
 
-def _positive_mb(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip() or str(default)
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer (MB), got {raw!r}") from None
-    if mb <= 0:
-        raise ValueError(f"{name} must be positive, got {mb}")
-    return mb
+HCCL_DEFAULT_BUFFSIZE_MB = 200  # CANN's, when HCCL_BUFFSIZE is unset: "不配置时默认为200MB"
 
 
 def hccl_buffsize_mb() -> int:
     """HCCL_BUFFSIZE (CANN's variable, MB per communicator; 200 when unset): the buffer the
     MC2 group's communicator gets. Read here to check it against the MC2 requirement."""
-    return _positive_mb("HCCL_BUFFSIZE", 200)
+    return _int_setting("HCCL_BUFFSIZE", HCCL_DEFAULT_BUFFSIZE_MB, "MB")
 
 
 def group_hccl_buffsize_mb() -> int:
     """VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB: the HCCL buffer (MB) of every process group but
     MC2's (world, TP, DP, EP, PP, context parallel), set through the group's options so a
     large HCCL_BUFFSIZE for MC2 does not apply to them (default 200, HCCL's own default)."""
-    return _positive_mb("VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB", 200)
+    return _int_setting("VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB", HCCL_DEFAULT_BUFFSIZE_MB, "MB")

@@ -129,13 +129,13 @@ def test_mla_decode_matches_expanded_attention():
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_mla_prefill_attention_matches_dense_attention():
+def test_mla_causal_dense_attention_matches_per_request_attention():
     torch.manual_seed(3)
     heads, dqk, dv = 2, 8, 4
     q_lens, kv_lens = [3, 0, 2], [5, 4, 2]
     q = torch.randn(sum(q_lens), heads, dqk)
     k, v = torch.randn(sum(kv_lens), heads, dqk), torch.randn(sum(kv_lens), heads, dv)
-    out = mla.reference_prefill_attention(q, k, v, q_lens, kv_lens, 0.5)
+    out, _ = mla.reference_dense_attention(q, k, v, q_lens, kv_lens, 0.5, causal=True)
     qs = ks = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
         expected = _dense_attention(

@@ -123,10 +123,70 @@ def test_mla_write_decode_and_prefill_equal_reference(data, heads, block_size):
     k = torch.randn(total, 4, 96, dtype=BF16)
     v = torch.randn(total, 4, 32, dtype=BF16)
     torch.testing.assert_close(
-        mla.npu_prefill_attention(q, k, v, q_lens, seq_lens, 0.1).float(),
-        mla.reference_prefill_attention(q, k, v, q_lens, seq_lens, 0.1).float(),
+        mla.npu_dense_attention(q, k, v, q_lens, seq_lens, 0.1, causal=True)[0].float(),
+        mla.reference_dense_attention(q, k, v, q_lens, seq_lens, 0.1, causal=True)[0].float(),
         **TOL,
     )
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    data=st.data(),
+    kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 48]),
+    dims=st.sampled_from([(16, 16), (64, 32), (192, 128), (96, 160)]),
+    dtype=st.sampled_from([torch.float16, BF16]),
+    causal=st.booleans(),
+)
+def test_dense_attention_equals_reference(data, kv_heads, group, dims, dtype, causal):
+    """The dense TND form fitted to its documented limits (cast to bf16, K/V heads repeated
+    and padded to 8..128, more than 128 heads in groups, head sizes padded to 192 and 128 or
+    192) through the contract double, against the float32 reference, output and LSE."""
+    from torch_npu import _contract
+
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    qk_dim, v_dim = dims
+    heads = kv_heads * group
+    kv_lens = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
+    q_lens = [data.draw(st.integers(0, kv)) if causal else data.draw(st.integers(0, 9)) for kv in kv_lens]
+    q = torch.randn(sum(q_lens), heads, qk_dim, dtype=dtype)
+    k = torch.randn(sum(kv_lens), kv_heads, qk_dim, dtype=dtype)
+    v = torch.randn(sum(kv_lens), kv_heads, v_dim, dtype=dtype)
+    before = _contract.calls["npu::npu_fused_infer_attention_score"]
+    out, lse = mla.npu_dense_attention(q, k, v, q_lens, kv_lens, 0.1, causal)
+    ref_out, ref_lse = mla.reference_dense_attention(q, k, v, q_lens, kv_lens, 0.1, causal)
+    assert out.dtype == dtype and tuple(out.shape) == (sum(q_lens), heads, v_dim)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    calls = _contract.calls["npu::npu_fused_infer_attention_score"] - before
+    assert calls == (0 if not q.shape[0] else -(-heads // 128)), "one call per group of 128 heads"
+
+
+def test_dense_attention_refuses_head_sizes_padding_cannot_fit():
+    q = torch.randn(2, 8, 256, dtype=BF16)
+    with pytest.raises(ValueError, match="Q/K head size <= 192"):
+        mla.npu_dense_attention(q, q, q[..., :128], [2], [2], 0.1, True)
+    q = torch.randn(2, 8, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="V head size <= 192"):
+        mla.npu_dense_attention(q, q, torch.randn(2, 8, 256, dtype=BF16), [2], [2], 0.1, True)
+
+
+def test_dense_calls_stay_within_the_documented_t():
+    """Entries are packed into calls of at most 65536 query and key rows (host-side plan);
+    an entry without queries ends a call (a call's keys are one contiguous run)."""
+    limit = mla.NPU_DENSE_MAX_T
+    q_lens, kv_lens = [40000, 30000, 5000, 0, 5, 65536], [40000, 30000, 5000, 7, 70, 65536]
+    calls = mla._dense_subcalls(q_lens, kv_lens)
+    assert [(c[2], c[3]) for c in calls] == [
+        ([40000], [40000]),
+        ([30000, 5000], [30000, 5000]),
+        ([5], [70]),
+        ([65536], [65536]),
+    ]
+    assert [(c[0], c[1]) for c in calls] == [(0, 0), (40000, 40000), (75000, 75007), (75005, 75077)]
+    assert all(sum(c[2]) <= limit and sum(c[3]) <= limit for c in calls)
+    with pytest.raises(ValueError, match="exceeds"):
+        mla._dense_subcalls([limit + 1], [limit + 1])
 
 
 @settings(max_examples=10, deadline=None)

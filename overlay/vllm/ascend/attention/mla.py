@@ -244,15 +244,11 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         planes = [head_major(latent), head_major(rope)]
 
         def materialize(rnd):
-            rows = torch.cat(
-                [
-                    torch.cat([gather_range(p, table[r], a, b) for p in planes], dim=-1)
-                    for r, a, b in rnd.chunks
-                ]
+            c, pe = (
+                torch.cat([gather_range(p, table[r], a, b) for r, a, b in rnd.chunks])[:, 0].to(q.dtype)
+                for p in planes
             )
-            return self._expand(
-                rows[:, 0, : self.kv_lora_rank].to(q.dtype), rows[:, 0, self.kv_lora_rank :].to(q.dtype)
-            )
+            return self._expand(c, pe)
 
         prefill_chunks.attend(q, attn_metadata.prefill_plan, materialize, self.scale, out, self.v_head_dim)
 

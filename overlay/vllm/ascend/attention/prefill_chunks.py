@@ -31,7 +31,7 @@ import torch
 from vllm.ascend.kernels import context_parallel as cp_kernels
 from vllm.ascend.kernels import mla as dense_kernels
 
-MAX_CALL_ROWS = 65536  # query rows per dense attention call (the NPU form's T limit)
+MAX_CALL_ROWS = dense_kernels.NPU_DENSE_MAX_T  # query rows per dense attention call
 
 
 @dataclass(frozen=True)

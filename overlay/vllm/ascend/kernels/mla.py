@@ -9,14 +9,12 @@ its rotary key ``k_pe``.
   ``W_UK``; scores are ``q_nope . c + q_pe . k_pe``, output ``[B, H, L]`` is
   ``softmax . c`` (the caller applies ``W_UV``). ``seq_lens`` is a host list. With
   ``return_lse`` it also gives the log-sum-exp (context parallelism combines ranks by it).
-* ``prefill_attention``: ordinary causal attention of the prefill queries over each
-  request's expanded keys/values (``q [T, H, Dqk]``, ``k [S, H, Dqk]``, ``v [S, H, Dv]``,
-  requests concatenated; query ``i`` of a request sees its first ``kv_len - q_len + i + 1``
-  keys), which covers chunked prefill and prefix-cache hits. ``k``/``v`` may have fewer
-  heads than ``q`` (grouped-query attention: the GQA backend's context-parallel prefill).
-* ``dense_attention``: the same over one slice of each request's keys, ``causal`` (query
-  ``i`` of an entry sees its first ``kv_len - q_len + i + 1`` keys) or not (every query
-  sees every key of its entry), with the softmax log-sum-exp ``[T, H]`` (float32). The
+* ``dense_attention``: attention of the prefill queries over each request's expanded
+  keys/values (``q [T, H, Dqk]``, ``k [S, H, Dqk]``, ``v [S, H, Dv]``, requests
+  concatenated; ``k``/``v`` may have fewer heads than ``q``: grouped-query attention),
+  ``causal`` (query ``i`` of an entry sees its first ``kv_len - q_len + i + 1`` keys,
+  which covers chunked prefill and prefix-cache hits) or not (every query sees every key
+  of its entry), with the softmax log-sum-exp ``[T, H]`` (float32). The
   long-prefill path (``attention/prefill_chunks.py``) runs it once per history chunk and
   merges the partial results by their log-sum-exp.
 """
@@ -29,7 +27,6 @@ import torch
 
 from vllm.ascend.kernels import pick, torch_npu
 from vllm.ascend.kernels.attention import (
-    causal_attention,
     causal_mask,
     empty_rows_to_identity,
     npu_slots,
@@ -78,25 +75,6 @@ def reference_mla_decode(
         lse[b] = torch.logsumexp(scores, dim=-1)
         out[b] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
     return (out, lse) if return_lse else out
-
-
-def reference_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale) -> torch.Tensor:
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each KV head serves a group of query heads
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    q_start = kv_start = 0
-    for q_len, kv_len in zip(q_lens, kv_lens):
-        if q_len:
-            out[q_start : q_start + q_len] = causal_attention(
-                q[q_start : q_start + q_len],
-                k[kv_start : kv_start + kv_len],
-                v[kv_start : kv_start + kv_len],
-                kv_len - q_len,
-                scale,
-            )
-        q_start, kv_start = q_start + q_len, kv_start + kv_len
-    return out
 
 
 def reference_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, causal: bool):
@@ -201,11 +179,6 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else torch.nn.functional.pad(x, (0, 0, 0, heads - x.shape[1]))
 
 
-def npu_dense_conformable(q_dim: int, v_dim: int) -> bool:
-    """Whether head sizes fit the dense form after zero-padding (Q/K to 192, V to 128 or 192)."""
-    return q_dim <= NPU_DENSE_QK_DIM and v_dim <= NPU_DENSE_V_DIMS[-1]
-
-
 def _dense_subcalls(q_lens: list[int], kv_lens: list[int]):
     """Entries grouped into calls of at most NPU_DENSE_MAX_T query and key rows each:
     (first query row, first key row, q lens, kv lens); entries without queries are left out."""
@@ -240,7 +213,7 @@ def npu_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, c
     explicit), V to 128 or 192 (DeepSeek's 192/128 passes as is), and at most 65536 query
     and key rows per call. sparse_mode 3 with the causal mask, or 0 without a mask."""
     tokens, heads, dv = q.shape[0], q.shape[1], v.shape[-1]
-    if not npu_dense_conformable(q.shape[-1], dv):
+    if q.shape[-1] > NPU_DENSE_QK_DIM or dv > NPU_DENSE_V_DIMS[-1]:  # zero-padding cannot make it fit
         raise ValueError(
             f"the NPU dense attention kernel takes Q/K head size <= {NPU_DENSE_QK_DIM} and V head size "
             f"<= {NPU_DENSE_V_DIMS[-1]}; got {q.shape[-1]} and {dv}"
@@ -281,11 +254,6 @@ def npu_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, c
     return out, lse
 
 
-def npu_prefill_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale) -> torch.Tensor:
-    """Causal dense attention (``npu_dense_attention``), the output only."""
-    return npu_dense_attention(q, k, v, q_lens, kv_lens, scale, causal=True)[0]
-
-
 def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
     if (kv_lora_rank, rope_dim) != (NPU_MLA_LATENT, NPU_MLA_ROPE):
         raise ValueError(
@@ -297,5 +265,4 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
 
 write_latent_cache = pick(reference_write_latent_cache, npu_write_latent_cache)
 mla_decode = pick(reference_mla_decode, npu_mla_decode)
-prefill_attention = pick(reference_prefill_attention, npu_prefill_attention)
 dense_attention = pick(reference_dense_attention, npu_dense_attention)

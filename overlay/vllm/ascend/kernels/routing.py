@@ -104,25 +104,19 @@ def reference_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor |
 
 
 def _gating_op_takes(num_experts: int, routing: Routing) -> bool:
-    """npu_moe_gating_top_k's documented limits on the expert count and grouping."""
+    """npu_moe_gating_top_k's documented limits on the expert count and grouping (the
+    grouping itself was checked when the layer loaded, ``Routing.check``)."""
     groups = routing.num_expert_group
     per_group = num_experts // groups
     aligned = -(-per_group // 32) * 32
     return (
-        num_experts <= GATING_OP_MAX_EXPERTS
-        and num_experts % groups == 0
-        and per_group > 2
-        and aligned * groups <= GATING_OP_MAX_EXPERTS
-        and 1 <= routing.topk_group <= groups
-        and 1 <= routing.top_k <= per_group * routing.topk_group
+        num_experts <= GATING_OP_MAX_EXPERTS and per_group > 2 and aligned * groups <= GATING_OP_MAX_EXPERTS
     )
 
 
 def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None):
     npu = torch_npu()
-    x = logits.to(
-        torch.float32
-    )  # both ops take float32; scores are computed in float32 as the reference does
+    x = logits.to(torch.float32)  # scores in float32, as the reference computes them
     num_experts = x.shape[-1]
     if (
         routing.scoring_func == "softmax"

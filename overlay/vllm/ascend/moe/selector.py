@@ -50,8 +50,6 @@ HOST_ALLTOALL_MIN_TOKENS = 256
 
 # The limits above and the buffer formula below are those of the algorithm the MC2 kernels
 # pass explicitly (kernels/mc2.py MC2_COMM_ALG): fullmesh on A2, fullmesh_v1 on A3.
-# HCCL_BUFFSIZE (MB) when unset: "不配置时默认为200MB" (dispatch_v2 doc, HCCL buffer section).
-HCCL_DEFAULT_BUFFSIZE_MB = 200
 _MB = 1 << 20
 
 
@@ -172,11 +170,9 @@ def select(max_tokens: int, layout: MoELayout) -> MoEComm:
     """The strategy for a step whose largest DP rank runs ``max_tokens`` tokens."""
     if not layout.expert_parallel or layout.ep_size <= 1:
         return MoEComm.ALLGATHER
-    mc2_ok = unusable_reason(MoEComm.MC2, layout) is None and max_tokens <= layout.mc2_capacity
+    mc2_ok = mc2_selectable(layout) and max_tokens <= layout.mc2_capacity
     if layout.soc == "A2":
-        few_experts = layout.num_experts // layout.ep_size <= A2_MC2_MAX_EXPERTS_PER_DEVICE
-        big_ep = layout.ep_size >= A2_MC2_MIN_EP
-        return MoEComm.MC2 if mc2_ok and few_experts and big_ep else MoEComm.ALLGATHER
+        return MoEComm.MC2 if mc2_ok else MoEComm.ALLGATHER
     if layout.soc == "A3":
         return MoEComm.MC2 if mc2_ok else MoEComm.ALLTOALL
     if layout.soc == "host":

@@ -90,9 +90,8 @@ def fit_mc2_buffer(layout: MoELayout, choice: MoEComm | None, buffsize_mb: int) 
         f"HCCL buffer of {need} MB but HCCL_BUFFSIZE is {buffsize_mb}"
     )
     if choice is MoEComm.MC2:
-        raise ValueError(
-            f"additional_config moe_comm_method=mc2 cannot run here: {what}; set HCCL_BUFFSIZE={need} "
-            "(or lower --max-num-batched-tokens)"
+        raise ForcedStrategyRefused(
+            choice, f"{what}; set HCCL_BUFFSIZE={need} (or lower --max-num-batched-tokens)"
         )
     fit = selector.mc2_tokens_within(layout, buffsize_mb, per_rank)
     if selector.mc2_selectable(layout):
@@ -108,10 +107,18 @@ def fit_mc2_buffer(layout: MoELayout, choice: MoEComm | None, buffsize_mb: int) 
     return dataclasses.replace(layout, mc2_capacity=fit * tp)
 
 
+class ForcedStrategyRefused(ValueError):
+    """A forced ``moe_comm_method`` this configuration cannot run, and why."""
+
+    def __init__(self, choice: MoEComm, reason: str) -> None:
+        super().__init__(f"additional_config moe_comm_method={choice.value} cannot run here: {reason}")
+        self.reason = reason
+
+
 def _check_forced(choice: MoEComm | None, layout: MoELayout) -> None:
     reason = None if choice is None else selector.unusable_reason(choice, layout)
     if reason is not None:
-        raise ValueError(f"additional_config moe_comm_method={choice.value} cannot run here: {reason}")
+        raise ForcedStrategyRefused(choice, reason)
 
 
 def _check_forced_on_ascend(vllm_config, choice: MoEComm) -> None:
@@ -124,11 +131,9 @@ def _check_forced_on_ascend(vllm_config, choice: MoEComm) -> None:
         try:
             _check_forced(choice, moe_layout(vllm_config, soc, choice, envs.hccl_buffsize_mb()))
             return
-        except ValueError as exc:
-            reasons.append(f"on Atlas {soc}: {str(exc).split('cannot run here: ', 1)[-1]}")
-    raise ValueError(
-        f"additional_config moe_comm_method={choice.value} cannot run here: {'; '.join(reasons)}"
-    )
+        except ForcedStrategyRefused as exc:
+            reasons.append(f"on Atlas {soc}: {exc.reason}")
+    raise ForcedStrategyRefused(choice, "; ".join(reasons))
 
 
 def validate_config(vllm_config) -> None:
