@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -13,6 +15,9 @@ from nox.command import CommandFailed
 
 ROOT = Path(__file__).resolve().parent
 BUILDER_ENV = {"PYTHONPATH": str(ROOT / "build")}
+sys.path.insert(0, str(ROOT / "build"))
+from ascend_builder.config import cache_dir  # noqa: E402  (stdlib only; one cache location)
+
 BUILD_REQUIREMENTS = str(ROOT / "build" / "requirements.txt")
 
 nox.options.sessions = ["build"]
@@ -23,9 +28,37 @@ def _builder(session: nox.Session, *args: str) -> None:
     session.run("python", "-m", "ascend_builder", *args, env=BUILDER_ENV)
 
 
+def _wheelhouse() -> Path:
+    """Downloaded wheels kept across sessions and runs, beside the builder's sdist cache."""
+    return cache_dir() / "wheelhouse"
+
+
+def _torch_stack() -> list[str]:
+    """torch and torchvision as the wheel pins them (overlay/requirements/ascend.txt)."""
+    pins = []
+    for line in (ROOT / "overlay" / "requirements" / "ascend.txt").read_text().splitlines():
+        requirement = line.split("#", 1)[0].strip()
+        if requirement.replace(" ", "").startswith(("torch==", "torchvision==")):
+            pins.append(requirement)
+    return pins
+
+
+def _install_torch(session: nox.Session, python: str = "python") -> None:
+    """Install the pinned torch stack from the wheelhouse. The index's torch is a CUDA build
+    (about 3 GB with its nvidia-* wheels) and pip's HTTP cache cannot be relied on to keep
+    it (this CI's index answers uncacheable), so it is downloaded once (`pip download`
+    skips files already there) and every session installs it with no index."""
+    stack, house = _torch_stack(), str(_wheelhouse())
+    session.log(f"torch stack {' '.join(stack)} via the wheelhouse {house}")
+    pip = [python, "-m", "pip"]
+    session.run(*pip, "download", "-q", "--only-binary", ":all:", "-d", house, *stack, external=True)
+    session.run(*pip, "install", "-q", "--no-index", "--find-links", house, *stack, external=True)
+
+
 @nox.session
 def build(session: nox.Session) -> None:
     """Build dist/vllm-<upstream>+ascend.<n>-py3-none-any.whl (args: --sdist PATH, --patch-set NAME)."""
+    _install_torch(session)
     session.install("-r", BUILD_REQUIREMENTS)
     _builder(session, "build", *session.posargs)
 
@@ -33,6 +66,7 @@ def build(session: nox.Session) -> None:
 def _install_built_wheel(session: nox.Session) -> Path:
     """Build the wheel and install it into the session (the tests and benchmarks)."""
     dist = ROOT / ".work" / "nox-dist"
+    shutil.rmtree(dist, ignore_errors=True)  # a wheel of another upstream must not linger
     _builder(session, "build", "--dist-dir", str(dist))
     [wheel] = sorted(dist.glob("*.whl"))
     # with the Mooncake engine for CPU hosts: the P/D tests and benchmark move KV over it
@@ -48,6 +82,7 @@ LINT_PATHS = ("overlay", "build", "tests", "benchmarks", "examples", "noxfile.py
 
 
 def _install_test_requirements(session: nox.Session) -> None:
+    _install_torch(session)
     session.install("-r", BUILD_REQUIREMENTS, "-r", TEST_REQUIREMENTS, "-r", UPSTREAM_TEST_REQUIREMENTS)
 
 
@@ -79,7 +114,10 @@ def tests(session: nox.Session) -> None:
         env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)},
     )
     if not session.posargs:
-        _upstream_conformance(session, "--selection", "fast")
+        # outcomes kept so a run can be judged again (`--rejudge`) or recorded without re-running
+        outcomes = ROOT / ".work" / "upstream" / "fast.outcomes.jsonl"
+        outcomes.parent.mkdir(parents=True, exist_ok=True)
+        _upstream_conformance(session, "--selection", "fast", "--outcomes", str(outcomes))
 
 
 def _default_patch_set() -> tuple[str, str]:
@@ -136,7 +174,8 @@ def unit(session: nox.Session) -> None:
     work tree work/<patch-set> installed editable: no wheel build. The tree is made with
     the builder's `tree` command if it does not exist; an existing one is used as it is
     (`nox -s tree -- --force` recreates it). Args replace the pytest arguments."""
-    session.install("-r", BUILD_REQUIREMENTS, "-r", TEST_REQUIREMENTS)  # torch first: setup.py imports it
+    _install_torch(session)  # torch first: setup.py imports it
+    session.install("-r", BUILD_REQUIREMENTS, "-r", TEST_REQUIREMENTS)
     patch_set, version = _default_patch_set()
     tree = ROOT / "work" / patch_set
     if not tree.exists():
@@ -209,6 +248,7 @@ def patches(session: nox.Session) -> None:
 def tree(session: nox.Session) -> None:
     """Prepare work/<patch-set> and install it editable into .venv-dev (--no-install to skip)."""
     args = [a for a in session.posargs if a != "--no-install"]
+    _install_torch(session)
     session.install("-r", BUILD_REQUIREMENTS)
     _builder(session, "tree", *args)
     if "--no-install" in session.posargs:
@@ -223,6 +263,7 @@ def tree(session: nox.Session) -> None:
     python = str(venv / "bin" / "python")
     if not venv.exists():
         session.run("python", "-m", "venv", str(venv))
+    _install_torch(session, python)
     session.run(python, "-m", "pip", "install", "-r", BUILD_REQUIREMENTS, external=True)
     env = {
         "VLLM_TARGET_DEVICE": "empty",
@@ -265,6 +306,7 @@ def bench(session: nox.Session) -> None:
     names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "dp", "quant")
     if not session.posargs or session.posargs[0] not in names:
         session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
+    _install_torch(session)
     session.install("-r", BUILD_REQUIREMENTS)
     if session.posargs[0] == "build":
         _builder(session, "bench", *session.posargs)

@@ -80,10 +80,21 @@ def cmd_rebase(args) -> int:
         cfg.work_root,
         target_sdist=_sdist_arg(args.sdist),
         pinned_sdist=_sdist_arg(args.pinned_sdist),
+        keep_tree=Path(args.tree).resolve() if args.tree else None,
     )
     md, js = write_report(report, Path(args.out or cfg.root / "rebase-report"))
     print(report.markdown())
     print(f"written: {md} and {js}")
+    if args.tree:
+        left_out = [p.patch for p in report.patches if p.status == "conflict"]
+        print(
+            f"work tree for {report.to_version}: {args.tree} (tag 'pristine' = {report.name} "
+            f"{report.to_version}, one commit per applied patch)"
+            + "".join(
+                f"\n  left out, apply there and resolve: git am -3 {cfg.patch_set_dir / name}"
+                for name in left_out
+            )
+        )
     if report.conflicts:
         print(
             f"error: {report.conflicts} patch(es) conflict with {report.name} {report.to_version}",
@@ -152,6 +163,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="report directory (default: rebase-report/)")
     r.add_argument("--sdist", help="local sdist of the target version instead of fetching it")
     r.add_argument("--pinned-sdist", help="local sdist of the pinned version (env VLLM_ASCEND_SDIST)")
+    r.add_argument(
+        "--tree",
+        help="keep the trial tree here as the new version's work tree (then `patches -- export`)",
+    )
     r.set_defaults(func=cmd_rebase)
 
     u = sub.add_parser(

@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class DistConfig:
     root: Path
-    patch_set: str  # directory name under patches/, e.g. "vllm-0.32.0"
+    patch_set: str  # directory name under patches/, e.g. "vllm-0.33.0"
     build_number: int  # the <n> in <upstream>+ascend.<n>
 
     @property

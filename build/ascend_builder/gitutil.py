@@ -81,9 +81,11 @@ def git(
     )
 
 
-def commit_all(repo: Path, message: str, date: int) -> str:
-    """Stage everything in ``repo`` and commit it with the builder identity; return the id."""
-    git("add", "-A", cwd=repo)
+def commit_all(repo: Path, message: str, date: int, *, force: bool = False) -> str:
+    """Stage everything in ``repo`` and commit it with the builder identity; return the id.
+    ``force`` also stages what the tree's own .gitignore names: an unpacked release must be
+    committed whole (vLLM 0.33's .gitignore has ``*_hip*``, which matches a shipped module)."""
+    git("add", "-A", *(["--force"] if force else []), cwd=repo)
     git("commit", "-q", "--no-verify", "--allow-empty", "-m", message, cwd=repo, date=date)
     return head(repo)
 

@@ -80,5 +80,5 @@ def _retarget(tree: Path, pin: Pin, target: Retarget) -> int:
     os.rename(source, tree)
     shutil.rmtree(unpacked)
     date = sdist_epoch(target.sdist)
-    commit_all(tree, f"pristine {pin.name} {target.version}", date)
+    commit_all(tree, f"pristine {pin.name} {target.version}", date, force=True)
     return date

@@ -18,7 +18,7 @@ from .errors import BuildError
 from .gitutil import commit_all, git
 
 PRISTINE_MESSAGE = "pristine {name} {version}\n\nUnpacked from {filename} (sha256 {sha256})."
-_CACHE_LAYOUT = "v1"
+_CACHE_LAYOUT = "v2"  # v2: ignored-by-.gitignore files committed too
 
 
 def sdist_epoch(sdist: Path) -> int:
@@ -49,7 +49,7 @@ def unpack_sdist(sdist: Path, dest: Path, top: str) -> Path:
 def init_pristine(source: Path, message: str, date: int) -> str:
     """Make ``source`` a git repository whose single commit is the unpacked upstream."""
     git("init", "-q", cwd=source)
-    return commit_all(source, message, date)
+    return commit_all(source, message, date, force=True)
 
 
 def pristine_repo(sdist: Path, name: str, version: str, sha256: str, cache: Path, note=print) -> Path:

@@ -19,6 +19,7 @@ from .overlay import plan_overlay
 from .patched import Retarget, patched_tree
 from .patchfile import PatchInfo
 from .patchset import checked_patches, load_patch_set, sha256_file
+from .worktree import attach_overlay
 
 STATUSES = ("clean", "offset", "needs-3way", "conflict", "already-upstream")
 
@@ -113,7 +114,12 @@ def rebase_report(
     note=print,
     target_sdist: Path | None = None,
     pinned_sdist: Path | None = None,
+    keep_tree: Path | None = None,
 ) -> RebaseReport:
+    """Try the series on ``target_version`` and report per patch. With ``keep_tree`` the
+    trial tree is kept there as the new version's work tree: tag ``pristine`` on the target
+    release, one commit per patch that applied, the overlay linked in; a conflicting patch
+    is left out, for the maintainer to apply there with ``git am -3`` and resolve."""
     patch_set = load_patch_set(patch_set_dir)
     patches = checked_patches(patch_set)
     pin = patch_set.pin
@@ -123,13 +129,15 @@ def rebase_report(
         new_sdist, new_sha = obtain_unpinned_sdist(pin.name, target_version, cache, note)
     report = RebaseReport(pin.name, pin.version, target_version, new_sha)
     work_root.mkdir(parents=True, exist_ok=True)
+    if keep_tree is not None and keep_tree.exists():
+        raise BuildError(f"{keep_tree} already exists; remove it or name another --tree")
     with tempfile.TemporaryDirectory(prefix="rebase-", dir=work_root) as tmp:
         # The target release is committed on top of the pinned pristine, so the old blobs
         # that the patches' index lines name are there for 3-way merges.
         tree = patched_tree(
             pin,
             patches,
-            Path(tmp) / "tree",
+            keep_tree or Path(tmp) / "tree",
             cache,
             sdist=pinned_sdist,
             note=note,
@@ -141,6 +149,8 @@ def rebase_report(
             plan_overlay(overlay, tree.path, patch_set.replacements, pin.package)
         except BuildError as exc:
             report.overlay = f"problem: {exc}"
+        if keep_tree is not None and report.overlay == "ok":
+            attach_overlay(keep_tree, tree.base, overlay, patch_set.replacements, pin.package)
     return report
 
 

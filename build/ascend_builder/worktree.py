@@ -75,21 +75,26 @@ def prepare_worktree(
     if dest.exists():
         shutil.rmtree(dest)
     tree = patched_tree(patch_set.pin, patches, dest, cache, sdist=sdist, note=note)
-    git("tag", PRISTINE_TAG, tree.base, cwd=dest)
-    plan_overlay(overlay, dest, patch_set.replacements, patch_set.pin.package)
-    linked = link_overlay(overlay, dest)
-    # Linked overlay paths are not part of any patch: keep them out of commits.
-    exclude = dest / ".git" / "info" / "exclude"
-    exclude.parent.mkdir(parents=True, exist_ok=True)
-    with open(exclude, "a") as f:
-        f.write("# overlay/ links (nox -s tree)\n" + "".join(f"/{p}\n" for p in linked))
-    replaced = [p for p in linked if p in patch_set.replacements]
-    if replaced:
-        git("update-index", "--skip-worktree", *replaced, cwd=dest)
+    attach_overlay(dest, tree.base, overlay, patch_set.replacements, patch_set.pin.package)
     for problem in lint_patch_set(patch_set):
         note(f"to fix here before exporting: {problem}")
     note(f"work tree ready at {dest}: commit on top of tag '{PRISTINE_TAG}', one commit per patch")
     return dest
+
+
+def attach_overlay(dest: Path, base: str, overlay: Path, replacements, package: str) -> None:
+    """Tag ``base`` as the pristine upstream and link the overlay into ``dest``, kept out of
+    commits (git's exclude list; replaced upstream files marked skip-worktree)."""
+    git("tag", PRISTINE_TAG, base, cwd=dest)
+    plan_overlay(overlay, dest, replacements, package)
+    linked = link_overlay(overlay, dest)
+    exclude = dest / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    with open(exclude, "a") as f:
+        f.write("# overlay/ links (nox -s tree)\n" + "".join(f"/{p}\n" for p in linked))
+    replaced = [p for p in linked if p in replacements]
+    if replaced:
+        git("update-index", "--skip-worktree", *replaced, cwd=dest)
 
 
 def export_worktree(tree: Path, patch_set_dir: Path, note=print) -> list[str]:

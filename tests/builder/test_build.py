@@ -129,3 +129,17 @@ def test_patched_modules_come_from_the_patches(project: Project):
 
     [patch] = project.patch_set_dir.glob("*.patch")
     assert patched_modules(project.patch_set_dir) == {"fakeup.core": [patch.name]}
+
+
+def test_files_the_upstream_gitignore_names_still_ship(tmp_path):
+    """vLLM 0.33's .gitignore has ``*_hip*`` and its sdist ships ``rdna3_hip.py``: the pristine
+    commit must hold the whole release, not what the release's .gitignore lets git see."""
+    files = upstream_files() | {".gitignore": "*_hip*\n*.so\n", "fakeup/kernel_hip.py": "HIP = 1\n"}
+    proj = Project(root=tmp_path / "repo")
+    proj.sdist = make_sdist(tmp_path / "sdists", "1.0", files)
+    proj.write(
+        [make_patch(tmp_path, files, {"fakeup/core.py": core_module({30: "VALUE_30 = 'x'"})}, "core: x")]
+    )
+    wheel = build_distribution(proj.inputs(), Silent())
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read("fakeup/kernel_hip.py") == b"HIP = 1\n"

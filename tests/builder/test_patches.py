@@ -227,6 +227,47 @@ def test_rebase_report_classifies_every_patch(tmp_path):
     assert (tmp_path / "rep" / "fakeup-1.0-to-2.0.json").is_file()
 
 
+def test_rebase_keeps_its_tree_as_the_new_version_s_work_tree(tmp_path):
+    """`rebase --tree`: the new release tagged pristine, one commit per applied patch, the
+    overlay linked; a conflicting patch resolved there by hand; exporting gives the new
+    version's patch set, fresh against its own sdist."""
+    from ascend_builder.patchset import sha256_file
+
+    base = upstream_files()
+    edits = {"clean": {5: "VALUE_5 = 'clean'"}, "conflict": {45: "VALUE_45 = 'ours'"}}
+    patches = [
+        make_patch(tmp_path, base, {"fakeup/core.py": core_module(change)}, f"core: {kind}")
+        for kind, change in edits.items()
+    ]
+    proj = Project(root=tmp_path / "repo")
+    proj.sdist = make_sdist(tmp_path / "old", "1.0", base)
+    proj.write(patches)
+    new_files = upstream_files(core_module({45: "VALUE_45 = 'theirs'"}))
+    new_sdist = make_sdist(tmp_path / "new", "2.0", new_files)
+    tree = tmp_path / "work-2.0"
+    result = proj.cli(
+        "rebase", "2.0", "--sdist", str(new_sdist), "--out", str(tmp_path / "rep"), "--tree", str(tree)
+    )
+    assert result.returncode == 1 and "1 patch(es) conflict" in result.stderr
+    assert f"git am -3 {proj.patch_set_dir / 'core-conflict.patch'}" in result.stdout
+    assert git("log", "--format=%s", "pristine..HEAD", cwd=tree).stdout.split() == ["core:", "clean"]
+    assert "2.0" in git("log", "-1", "--format=%s", "pristine", cwd=tree).stdout
+    assert (tree / "fakeup" / "ascend").is_symlink()
+    # the maintainer resolves the conflict in the tree, then pins and exports 2.0
+    core = tree / "fakeup" / "core.py"
+    core.write_text(core.read_text().replace("VALUE_45 = 'theirs'", "VALUE_45 = 'ours'"))
+    message = "core: conflict\n\nResolved by hand.\n\nUpstream-Status: Pending\n"
+    message += "Pending-Reason: a test patch, never sent upstream\nDrop-When: never, it is a test"
+    git("commit", "-q", "-a", "-m", message, cwd=tree)
+    new_set = proj.root / "patches" / "fakeup-2.0"
+    new_set.mkdir()
+    (new_set / "patchset.toml").write_text(
+        f'[upstream]\nname = "fakeup"\nversion = "2.0"\nsdist-sha256 = "{sha256_file(new_sdist)}"\n'
+    )
+    assert export_worktree(tree, new_set, note=_silent) == ["core-clean.patch", "core-conflict.patch"]
+    assert freshness_problems(new_set, proj.cache, proj.root / ".work", new_sdist, _silent) == []
+
+
 def test_exported_names_come_from_subjects_without_numbers_or_diffstat(tmp_path):
     repo, base = _tree_with_commit(tmp_path, "named")
     [name] = export_commits(repo, base, tmp_path / "out")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ascend_builder.config import cache_dir
 from ascend_builder.patchset import load_patch_set, sha256_file
 
 pytestmark = pytest.mark.integration
@@ -28,6 +29,19 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
 PATCH_SET = load_patch_set(ROOT / "patches" / CONFIG["patch-set"])
 VERSION = f"{PATCH_SET.pin.version}+ascend.{CONFIG['build-number']}"
+
+
+def _pinned(name: str, requirements: str = "ascend.txt") -> str:
+    """The version the overlay's requirements file pins ``name`` to (``name == X``)."""
+    for line in (ROOT / "overlay" / "requirements" / requirements).read_text().splitlines():
+        requirement = line.split("#", 1)[0].split(";", 1)[0].replace(" ", "")
+        if requirement.startswith(f"{name}=="):
+            return requirement.removeprefix(f"{name}==")
+    raise AssertionError(f"{requirements} pins no {name}")
+
+
+TORCH = _pinned("torch")
+TORCH_NPU = _pinned("torch-npu", "ascend-extra-npu.txt")
 
 
 def _build(dist: Path) -> Path:
@@ -66,9 +80,9 @@ def test_wheel_name_tag_and_reproducibility(wheels):
         wheel_info = zf.read(f"vllm-{VERSION}.dist-info/WHEEL").decode()
     assert "Root-Is-Purelib: true" in wheel_info and "Tag: py3-none-any" in wheel_info
     requires = [line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")]
-    assert "torch==2.13.0" in requires
+    assert f"torch=={TORCH}" in requires
     # torch-npu only with the `npu` extra: on a host without CANN it would break `import torch`.
-    assert 'torch-npu==2.13.0; sys_platform == "linux" and extra == "npu"' in requires
+    assert f'torch-npu=={TORCH_NPU}; sys_platform == "linux" and extra == "npu"' in requires
     assert not any(r.startswith("torch-npu") and "extra ==" not in r for r in requires)
     assert any(r.startswith("mooncake-transfer-engine-npu") and 'extra == "mooncake"' in r for r in requires)
     assert any(
@@ -77,10 +91,10 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     )
     # What upstream's code imports for the served model families (docs/conformance.md).
     assert "numba==0.65.0" in requires
-    assert 'torchvision==0.28.0; platform_machine == "aarch64"' in requires
+    assert f"torchvision=={_pinned('torchvision')}" in requires
     # Upstream's common requirements are all there too.
     assert any(r.startswith("transformers") for r in requires)
-    assert not any(r.startswith("torch==") and r != "torch==2.13.0" for r in requires)
+    assert not any(r.startswith("torch==") and r != f"torch=={TORCH}" for r in requires)
 
 
 FRESH_ENV_DROP = (
@@ -92,10 +106,15 @@ FRESH_ENV_DROP = (
 )
 
 
-def _pip_install(python: str, requirement: str) -> None:
+def _wheelhouse() -> Path:
+    """Where nox sessions keep the pinned torch stack's wheels (noxfile.py, `_install_torch`)."""
+    return cache_dir() / "wheelhouse"
+
+
+def _pip_install(python: str, requirement: str, *options: str) -> None:
     """Install from the package index; a second try if the index fails us (a CI run once
     lost this install to an index error), then the end of pip's own report."""
-    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", requirement]
+    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *options, requirement]
     for attempt in (1, 2):
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode == 0:
@@ -107,11 +126,16 @@ def _pip_install(python: str, requirement: str) -> None:
 
 @pytest.fixture(scope="module")
 def fresh_venv(wheels, tmp_path_factory) -> tuple[str, dict]:
-    """The README's CPU-host install: torch's CPU build, then the wheel (no extras)."""
+    """The README's CPU-host install: the pinned torch, then the wheel (no extras)."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    for requirement in ("torch==2.13.0", str(wheels[0])):
+    # the pinned torch as pip takes it from the index; the builder's wheelhouse holds those
+    # files when a nox session has fetched them (3 GB not downloaded twice in one CI run)
+    house = _wheelhouse()
+    if list(house.glob(f"torch-{TORCH}-*.whl")):
+        _pip_install(python, f"torch=={TORCH}", "--no-index", "--find-links", str(house))
+    for requirement in (f"torch=={TORCH}", str(wheels[0])):
         _pip_install(python, requirement)
     env = {k: v for k, v in os.environ.items() if k not in FRESH_ENV_DROP}
     return python, env
@@ -137,7 +161,7 @@ def test_installs_into_fresh_venv_and_matches_the_pins(fresh_venv, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads(result.stdout.strip().splitlines()[-1])
     assert info["version"] == VERSION == info["dist_version"]
-    assert info["torch"].startswith("2.13.0")
+    assert info["torch"].startswith(TORCH)
     assert not info["torch_npu_installed"]
     prov = info["provenance"]
     pin = PATCH_SET.pin
@@ -184,7 +208,7 @@ def test_host_quick_start_and_npu_install_hint(fresh_venv, tmp_path):
         [vllm_cli, "serve", str(model), "--port", "1"], capture_output=True, text=True, env=env, timeout=300
     )
     assert refused.returncode == 1
-    assert "pip install 'torch-npu==2.13.0'" in refused.stderr.strip().splitlines()[-1]
+    assert f"pip install 'torch-npu=={TORCH_NPU}'" in refused.stderr.strip().splitlines()[-1]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -220,7 +244,7 @@ def test_host_quick_start_and_npu_install_hint(fresh_venv, tmp_path):
 
 
 def test_npu_extra_brings_the_matching_torch_npu(fresh_venv, wheels, tmp_path):
-    """The documented Ascend-host install resolves torch-npu 2.13.0 (dry run: nothing installed)."""
+    """The documented Ascend-host install resolves the pinned torch-npu (dry run: nothing installed)."""
     python, env = fresh_venv
     report = tmp_path / "report.json"
     subprocess.run(
@@ -243,4 +267,4 @@ def test_npu_extra_brings_the_matching_torch_npu(fresh_venv, wheels, tmp_path):
         i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
         for i in json.loads(report.read_text())["install"]
     }
-    assert installs.get("torch-npu") == "2.13.0"
+    assert installs.get("torch-npu") == TORCH_NPU

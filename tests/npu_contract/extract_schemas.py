@@ -1,6 +1,6 @@
 """Regenerate ``schemas.json``: the op schemas the pinned torch_npu wheel registers.
 
-    python tests/npu_contract/extract_schemas.py --wheel torch_npu-2.13.0-...whl \
+    python tests/npu_contract/extract_schemas.py --wheel torch_npu-2.14.0-...whl \
         --op-plugin /path/to/Ascend/op-plugin [--op-plugin-commit SHA]
 
 Sources, in this order of trust:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wheel", type=Path, help="torch_npu wheel (default: download the pinned one with pip)")
     p.add_argument("--op-plugin", type=Path, help="a checkout of Ascend/op-plugin (for ATB schemas)")
     p.add_argument("--op-plugin-commit", help="the op-plugin commit, recorded for provenance")
-    p.add_argument("--version", default="2.13.0", help="torch_npu version to download without --wheel")
+    p.add_argument("--version", default="2.14.0", help="torch_npu version to download without --wheel")
     p.add_argument("--out", type=Path, default=OUTPUT)
     args = p.parse_args(argv)
     wheel = args.wheel

@@ -19,12 +19,19 @@ is marked absent without being imported: importing it names torch's PrivateUse1
 backend "npu", after which torch takes "npu" for the current accelerator and
 device-generic calls such as ``torch.Event()`` fail on a host without NPUs.
 
+The runner: vLLM 0.33 picks Model Runner V2 wherever Triton imports, and several
+readers of that choice (config checks, the scheduler's request data, the input processor)
+run before any platform hook; the Ascend worker builds the V1 runner, so V1 is made the
+default here, for every process, unless the user set ``VLLM_USE_V2_MODEL_RUNNER``
+(the platform then refuses V2 at start-up).
+
 In host emulation, Triton is marked absent as well (unless something imported it
 already): vLLM disables Triton on this platform anyway (no Triton driver for the
 host), but importing it leaves nanobind objects that complain at interpreter exit,
 where host emulation skips the final collection (``device/host.py``).
 """
 
+import logging
 import os
 import sys
 
@@ -32,12 +39,17 @@ AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 if "torch" not in sys.modules:
     os.environ.setdefault(AUTOLOAD_VARIABLE, "0")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 from vllm.ascend import envs  # noqa: E402
 from vllm.ascend.device import npu_runtime  # noqa: E402
 
 if envs.emulate() and "triton" not in sys.modules:
     sys.modules["triton"] = None  # type: ignore[assignment]
+    # torch's CUDA build warns on import that flop counting misses Triton kernels when
+    # Triton is absent; here it is absent on purpose, and the line would open every
+    # command's output (one-line start-up errors among them)
+    logging.getLogger("torch.utils.flop_counter").setLevel(logging.ERROR)
 
 if envs.emulate() and envs.kernels() == "reference":
     npu_runtime.leave_torch_npu_unloaded("host emulation with the reference kernels does not use torch_npu")

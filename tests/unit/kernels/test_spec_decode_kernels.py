@@ -82,10 +82,11 @@ def test_greedy_rejection(form, data, synthetic, mixed):
     greedy = data.draw(st.lists(st.booleans(), min_size=batch, max_size=batch)) if mixed else [True] * batch
     u = data.draw(st.lists(st.floats(0, 1, exclude_max=True), min_size=n, max_size=n))
     rates = data.draw(st.lists(st.sampled_from([0.0, 0.3, 1.0]), min_size=width, max_size=width))
+    rates32 = torch.tensor(rates, dtype=torch.float32).tolist()  # what the kernels receive
 
     def decide(t, pos):
         if synthetic:
-            accepted = u[t] < rates[pos] and draft[t] >= 0
+            accepted = u[t] < rates32[pos] and draft[t] >= 0
             return (draft[t] if accepted else argmax[t]), accepted
         return argmax[t], draft[t] == argmax[t]
 

@@ -211,7 +211,10 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         self.cp_kv_cache_interleave_size = 1
         self.need_to_return_lse_for_decode = self.cp_rank is not None
 
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+    def do_kv_cache_update(
+        self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, skip_scale=False
+    ) -> None:
+        # only 'auto' KV caches (supported_kv_cache_dtypes): no scales to skip
         if kv_cache.numel():
             latent, rope = mla_planes(kv_cache, self.kv_lora_rank)
             kernels.write_latent_cache(kv_c_normed, k_pe, latent, rope, slot_mapping)

@@ -68,7 +68,7 @@ NNAL_SET_ENV = "/usr/local/Ascend/nnal/atb/set_env.sh"
 def atb_failure() -> str | None:
     """Why torch_npu's ATB ops cannot run on this host (one line), or None.
 
-    torch_npu 2.13.0 loads its ATB library (which links NNAL's ``libatb.so``) at
+    torch_npu 2.14.0 loads its ATB library (which links NNAL's ``libatb.so``) at
     import and keeps a failure for later (``torch_npu/op_plugin/atb/_atb_ops.py``:
     ``NNAL_EX``, raised ``from GLOBAL_E`` by the first ATB call). Reading that record
     touches no device runtime. A torch_npu without the record is not judged here, nor

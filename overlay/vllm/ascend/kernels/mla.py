@@ -164,7 +164,7 @@ def npu_mla_decode(
 # npu_fused_infer_attention_score in TND without page attention (the dense form):
 # "TND场景下query、key、value输入的综合限制: T小于等于65536; N等于8/16/32/64/128, 且Q_N、K_N、V_N相等;
 # Q_D、K_D等于192, V_D等于128/192; 数据类型仅支持BFLOAT16; sparse模式仅支持sparse=0且不传mask,
-# 或sparse=3且传入mask" (torch_npu 2.13.0 _op_plugin_docs.py).
+# 或sparse=3且传入mask" (torch_npu 2.14.0 _op_plugin_docs.py).
 NPU_DENSE_MAX_T = 65536
 NPU_DENSE_HEADS = (8, 16, 32, 64, 128)
 NPU_DENSE_QK_DIM = 192

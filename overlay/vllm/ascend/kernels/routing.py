@@ -5,7 +5,7 @@ upstream's fused-MoE layer) and an optional ``bias [E]`` (``e_score_correction_b
 returns ``topk_weights [T, k]`` float32 and ``topk_ids [T, k]`` int32, in no particular
 slot order (the experts' outputs are summed over the slots).
 
-The formula is upstream vLLM 0.32's routers' (``FusedTopKRouter``, ``FusedTopKBiasRouter``,
+The formula is upstream vLLM 0.33's routers' (``FusedTopKRouter``, ``FusedTopKBiasRouter``,
 ``GroupedTopKRouter``):
 
 1. ``scores = softmax(logits)`` or ``sigmoid(logits)`` (float32);

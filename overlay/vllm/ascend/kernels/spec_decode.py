@@ -14,7 +14,7 @@ a padding slot and is never used as an index.
 ``reference_*`` is plain torch and may read values back to the host (what host
 emulation runs). ``npu_*`` computes the same without reading anything back and without
 data-dependent shapes, so a step never waits for the device: torch_npu has no
-rejection-sampling or drafter op (none in its 2.13 schema), so these are torch ops on
+rejection-sampling or drafter op (none in its 2.14 schema), so these are torch ops on
 the NPU. They pass the same tests as the reference here; they have not run on an NPU.
 """
 

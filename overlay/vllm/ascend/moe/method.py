@@ -55,6 +55,12 @@ def layer_routing(layer) -> Routing:
         raise NotImplementedError(
             f"{name}: EPLB is not supported by the Ascend MoE (its routing has no EPLB map)"
         )
+    if getattr(config, "require_decomposed_backend", False):
+        # upstream 0.33 sets it when the routes are changed between routing and the experts
+        raise NotImplementedError(
+            f"{name}: routes adjusted between routing and experts (expert substitution, MoE "
+            "routing simulation) are not supported by the Ascend MoE"
+        )
     grouped = bool(layer.use_grouped_topk)
     groups = (layer.num_expert_group or 1) if grouped else 1
     topk_group = (layer.topk_group or 1) if grouped else 1

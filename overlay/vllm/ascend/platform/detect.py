@@ -28,7 +28,7 @@ def detect_platform() -> str:
 
 
 def torch_npu_requirement() -> str:
-    """The torch-npu requirement of this wheel's ``npu`` extra, e.g. ``torch-npu==2.13.0``."""
+    """The torch-npu requirement of this wheel's ``npu`` extra, e.g. ``torch-npu==2.14.0``."""
     try:
         for req in importlib.metadata.requires("vllm") or []:
             if req.startswith("torch-npu") and re.search(r"""extra\s*==\s*["']npu["']""", req):

@@ -85,7 +85,7 @@ def _check_atb(use_mla: bool) -> None:
 
 
 # npu_fused_infer_attention_score limits that depend only on the model and the parallel
-# layout (torch_npu 2.13.0 _op_plugin_docs.py): "支持N轴小于等于256, 支持D轴小于等于512";
+# layout (torch_npu 2.14.0 _op_plugin_docs.py): "支持N轴小于等于256, 支持D轴小于等于512";
 # "输入类型全为float16、bfloat16时, D轴需16对齐."; "需要满足num_heads整除num_key_value_heads,
 # num_heads与num_key_value_heads的比值不能大于64."
 NPU_ATTENTION_MAX_HEADS = 256
@@ -147,6 +147,21 @@ def _register_kernel_overrides() -> None:
 
 def _adjust(what: str, reason: str) -> None:
     logger.info_once("Ascend platform: %s (%s)", what, reason)
+
+
+def _check_v1_runner(vllm_config: VllmConfig) -> None:
+    """The Ascend worker builds upstream's V1 runner, so every reader of
+    ``use_v2_model_runner`` must agree (the bootstrap defaults VLLM_USE_V2_MODEL_RUNNER to 0)."""
+    try:
+        v2 = vllm_config.use_v2_model_runner
+    except ValueError as exc:  # upstream's own refusal (e.g. HiSparse with V2 off)
+        raise AscendConfigError(f"{exc} The Ascend distribution runs the V1 model runner only") from None
+    if v2:
+        raise AscendConfigError(
+            "Model Runner V2 is not supported by the Ascend distribution yet (asked for by "
+            "VLLM_USE_V2_MODEL_RUNNER=1 or a V2-only feature such as watermarking): unset "
+            "VLLM_USE_V2_MODEL_RUNNER and drop V2-only options"
+        )
 
 
 class NPUPlatform(Platform):
@@ -336,6 +351,7 @@ class NPUPlatform(Platform):
         compilation_config = vllm_config.compilation_config
         scheduler_config = vllm_config.scheduler_config
 
+        _check_v1_runner(vllm_config)
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
             _adjust(f"worker {WORKER_CLS}", "the Ascend worker and model runner, in both modes")

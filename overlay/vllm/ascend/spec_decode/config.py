@@ -40,6 +40,11 @@ def validate_speculative_config(vllm_config) -> None:
             "speculative rejection_sample_method 'block' runs only in upstream's V2 model "
             "runner, which the Ascend platform does not use: use 'standard'"
         )
+    if spec.rejection_sample_method == "fly":
+        raise ValueError(
+            "speculative rejection_sample_method 'fly' runs upstream Triton kernels with no "
+            "Ascend implementation: use 'standard'"
+        )
     if spec.parallel_drafting:
         raise ValueError(
             "speculative parallel_drafting is not supported on Ascend (its input copy is an "

@@ -220,18 +220,15 @@ class NPUModelRunner(GPUModelRunner):
         return split
 
     def _init_profiling_kv_cache(self) -> None:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups_from_builder
 
         block_size = self.cache_config.block_size
         split = self._profile_split(self.max_num_tokens)
         blocks = 1 + sum(cdiv(n, block_size) for n in split)  # + vLLM's null block
-        groups = get_kv_cache_groups(self.vllm_config, self.get_kv_cache_spec())
-        saved = self.cache_config.num_gpu_blocks_override
-        self.cache_config.num_gpu_blocks_override = blocks
-        try:
-            config = get_kv_cache_config_from_groups(self.vllm_config, groups, available_memory=0)
-        finally:
-            self.cache_config.num_gpu_blocks_override = saved
+        builder = get_kv_cache_config_builder(self.vllm_config)
+        groups = get_kv_cache_groups_from_builder(builder, self.vllm_config, self.get_kv_cache_spec())
+        config = builder.get_kv_cache_config_from_groups(self.vllm_config, groups, num_blocks=blocks)
         self.initialize_kv_cache(config, is_profiling=True)
         self.cache_config.num_gpu_blocks = config.num_blocks
 

@@ -1,6 +1,6 @@
 """torch_npu contract double (test code; never shipped in the wheel).
 
-Stands in for torch_npu 2.13.0 on hosts without CANN so the distribution's NPU
+Stands in for torch_npu 2.14.0 on hosts without CANN so the distribution's NPU
 code paths run end to end on the CPU: the exact op schemas the real wheel
 registers, the documented preconditions (each citing its source), the documented
 semantics in plain torch, and torch_npu's own meta functions checking every

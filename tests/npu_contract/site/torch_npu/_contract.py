@@ -1,6 +1,6 @@
 """How the double stands in for torch_npu: schemas, kernels, meta functions, names.
 
-1. Every schema torch_npu 2.13.0 registers (``tests/npu_contract/schemas.json``,
+1. Every schema torch_npu 2.14.0 registers (``tests/npu_contract/schemas.json``,
    generated from the wheel) is defined with ``torch.library`` in its namespace
    (``npu``, ``atb``), so the dispatcher checks argument names, types, defaults and
    keyword-only markers exactly as on an NPU host.
@@ -10,7 +10,7 @@
 3. torch_npu's own meta functions are loaded from the pinned wheel (its sha256 must
    match the one the schemas were generated from) and every call's outputs are
    compared with them: shape and dtype as torch_npu itself infers them.
-4. Names are exported the way torch_npu 2.13.0 does: ``torch_npu.<op>`` is
+4. Names are exported the way torch_npu 2.14.0 does: ``torch_npu.<op>`` is
    ``torch.ops.npu.<op>``; ATB ops are ``torch_npu.<op>`` or ``torch_npu.atb.<op>``
    per the wheel's ``op_plugin/atb/_atb_ops.py`` lists.
 """

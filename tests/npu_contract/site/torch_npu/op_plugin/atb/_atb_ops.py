@@ -1,6 +1,6 @@
 """The wheel's lazy NNAL guard for ATB ops (``torch_npu/op_plugin/atb/_atb_ops.py``).
 
-torch_npu 2.13.0 loads ``lib/libop_plugin_atb.so`` at import inside ``try``; that
+torch_npu 2.14.0 loads ``lib/libop_plugin_atb.so`` at import inside ``try``; that
 library links NNAL's ``libatb.so``, which the loader finds only after NNAL's
 ``set_env.sh`` ran. A failure is not raised at import: the wheel keeps
 
