@@ -16,7 +16,7 @@ from nox.command import CommandFailed
 ROOT = Path(__file__).resolve().parent
 BUILDER_ENV = {"PYTHONPATH": str(ROOT / "build")}
 sys.path.insert(0, str(ROOT / "build"))
-from ascend_builder.config import cache_dir  # noqa: E402  (stdlib only; one cache location)
+from ascend_builder.config import cache_dir, pinned_version  # noqa: E402  (stdlib only)
 
 BUILD_REQUIREMENTS = str(ROOT / "build" / "requirements.txt")
 
@@ -28,19 +28,9 @@ def _builder(session: nox.Session, *args: str) -> None:
     session.run("python", "-m", "ascend_builder", *args, env=BUILDER_ENV)
 
 
-def _wheelhouse() -> Path:
-    """Downloaded wheels kept across sessions and runs, beside the builder's sdist cache."""
-    return cache_dir() / "wheelhouse"
-
-
 def _torch_stack() -> list[str]:
     """torch and torchvision as the wheel pins them (overlay/requirements/ascend.txt)."""
-    pins = []
-    for line in (ROOT / "overlay" / "requirements" / "ascend.txt").read_text().splitlines():
-        requirement = line.split("#", 1)[0].strip()
-        if requirement.replace(" ", "").startswith(("torch==", "torchvision==")):
-            pins.append(requirement)
-    return pins
+    return [f"{name}=={pinned_version(name)}" for name in ("torch", "torchvision")]
 
 
 def _install_torch(session: nox.Session, python: str = "python") -> None:
@@ -48,7 +38,7 @@ def _install_torch(session: nox.Session, python: str = "python") -> None:
     (about 3 GB with its nvidia-* wheels) and pip's HTTP cache cannot be relied on to keep
     it (this CI's index answers uncacheable), so it is downloaded once (`pip download`
     skips files already there) and every session installs it with no index."""
-    stack, house = _torch_stack(), str(_wheelhouse())
+    stack, house = _torch_stack(), str(cache_dir() / "wheelhouse")
     session.log(f"torch stack {' '.join(stack)} via the wheelhouse {house}")
     pip = [python, "-m", "pip"]
     session.run(*pip, "download", "-q", "--only-binary", ":all:", "-d", house, *stack, external=True)

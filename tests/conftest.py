@@ -18,8 +18,11 @@ import sys
 
 import pytest
 
-from tests.npu_contract import wheel as npu_wheel
-from tests.support.models import TinyModels
+# the builder's settings (pins, cache) for every tier, as `nox -s tests` gives them
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build"))
+
+from tests.npu_contract import wheel as npu_wheel  # noqa: E402
+from tests.support.models import TinyModels  # noqa: E402
 
 
 def _real_torch_npu_works() -> bool:

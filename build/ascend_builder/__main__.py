@@ -89,7 +89,8 @@ def cmd_rebase(args) -> int:
         left_out = [p.patch for p in report.patches if p.status == "conflict"]
         print(
             f"work tree for {report.to_version}: {args.tree} (tag 'pristine' = {report.name} "
-            f"{report.to_version}, one commit per applied patch)"
+            f"{report.to_version}, one commit per applied patch"
+            + (")" if report.overlay == "ok" else "; overlay not linked: see the report)")
             + "".join(
                 f"\n  left out, apply there and resolve: git am -3 {cfg.patch_set_dir / name}"
                 for name in left_out

@@ -68,3 +68,14 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "vllm-ascend-build"
+
+
+def pinned_version(name: str, requirements: str = "ascend.txt", root: Path = REPO_ROOT) -> str:
+    """The version ``overlay/requirements/<requirements>`` pins ``name`` to (``name == X``):
+    the wheel's own pins, read by nox (the torch stack it installs) and by the tests."""
+    path = root / "overlay" / "requirements" / requirements
+    for line in path.read_text().splitlines():
+        requirement = line.split("#", 1)[0].split(";", 1)[0].replace(" ", "")
+        if requirement.startswith(f"{name}=="):
+            return requirement.removeprefix(f"{name}==")
+    raise BuildError(f"{path} pins no {name}")

@@ -146,11 +146,12 @@ def rebase_report(
         )
         report.patches.extend(tree.applied.values())
         try:
-            plan_overlay(overlay, tree.path, patch_set.replacements, pin.package)
+            if keep_tree is not None:  # tags pristine first, then checks and links the overlay
+                attach_overlay(keep_tree, tree.base, overlay, patch_set.replacements, pin.package)
+            else:
+                plan_overlay(overlay, tree.path, patch_set.replacements, pin.package)
         except BuildError as exc:
             report.overlay = f"problem: {exc}"
-        if keep_tree is not None and report.overlay == "ok":
-            attach_overlay(keep_tree, tree.base, overlay, patch_set.replacements, pin.package)
     return report
 
 

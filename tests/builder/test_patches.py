@@ -172,6 +172,18 @@ def test_export_refuses_uncommitted_changes(project: Project, tmp_path):
         export_worktree(tree, project.patch_set_dir, note=_silent)
 
 
+def _project_with_one_patch_per_edit(tmp_path, base: dict, edits: dict) -> Project:
+    """A project pinned to release 1.0 of ``base`` with one patch ``core: <kind>`` per edit."""
+    patches = [
+        make_patch(tmp_path, base, {"fakeup/core.py": core_module(change)}, f"core: {kind}")
+        for kind, change in edits.items()
+    ]
+    proj = Project(root=tmp_path / "repo")
+    proj.sdist = make_sdist(tmp_path / "old", "1.0", base)
+    proj.write(patches)
+    return proj
+
+
 def test_rebase_report_classifies_every_patch(tmp_path):
     base = upstream_files()
     edit = {  # line number -> new text, one patch each
@@ -181,13 +193,7 @@ def test_rebase_report_classifies_every_patch(tmp_path):
         "conflict": {45: "VALUE_45 = 'ours'"},
         "already-upstream": {55: "VALUE_55 = 'upstreamed'"},
     }
-    patches = [
-        make_patch(tmp_path, base, {"fakeup/core.py": core_module(change)}, f"core: {kind}")
-        for kind, change in edit.items()
-    ]
-    proj = Project(root=tmp_path / "repo")
-    proj.sdist = make_sdist(tmp_path / "old", "1.0", base)
-    proj.write(patches)
+    proj = _project_with_one_patch_per_edit(tmp_path, base, edit)
     # Version 2.0: lines inserted after line 10 shift later hunks; line 37 (context of
     # the 3way patch, two lines from its change) changed; line 45 changed differently;
     # the already-upstream change landed.
@@ -235,13 +241,7 @@ def test_rebase_keeps_its_tree_as_the_new_version_s_work_tree(tmp_path):
 
     base = upstream_files()
     edits = {"clean": {5: "VALUE_5 = 'clean'"}, "conflict": {45: "VALUE_45 = 'ours'"}}
-    patches = [
-        make_patch(tmp_path, base, {"fakeup/core.py": core_module(change)}, f"core: {kind}")
-        for kind, change in edits.items()
-    ]
-    proj = Project(root=tmp_path / "repo")
-    proj.sdist = make_sdist(tmp_path / "old", "1.0", base)
-    proj.write(patches)
+    proj = _project_with_one_patch_per_edit(tmp_path, base, edits)
     new_files = upstream_files(core_module({45: "VALUE_45 = 'theirs'"}))
     new_sdist = make_sdist(tmp_path / "new", "2.0", new_files)
     tree = tmp_path / "work-2.0"
@@ -250,7 +250,7 @@ def test_rebase_keeps_its_tree_as_the_new_version_s_work_tree(tmp_path):
     )
     assert result.returncode == 1 and "1 patch(es) conflict" in result.stderr
     assert f"git am -3 {proj.patch_set_dir / 'core-conflict.patch'}" in result.stdout
-    assert git("log", "--format=%s", "pristine..HEAD", cwd=tree).stdout.split() == ["core:", "clean"]
+    assert git("log", "--format=%s", "pristine..HEAD", cwd=tree).stdout.splitlines() == ["core: clean"]
     assert "2.0" in git("log", "-1", "--format=%s", "pristine", cwd=tree).stdout
     assert (tree / "fakeup" / "ascend").is_symlink()
     # the maintainer resolves the conflict in the tree, then pins and exports 2.0

@@ -13,12 +13,7 @@ import pytest
 
 import vllm
 
-
-def _npu_extra_pin() -> str:
-    """The wheel's `npu` extra as the overlay declares it, e.g. ``torch-npu==2.14.0``."""
-    extra = Path(__file__).resolve().parents[2] / "overlay" / "requirements" / "ascend-extra-npu.txt"
-    lines = [line.split("#", 1)[0].split(";", 1)[0] for line in extra.read_text().splitlines()]
-    return next(line.replace(" ", "") for line in lines if line.strip().startswith("torch-npu"))
+from ascend_builder.config import pinned_version
 
 
 def _vllm(
@@ -70,7 +65,10 @@ def test_serve_without_npu_or_opt_in_is_one_clear_line(torch_npu, tiny_models):
     assert last.startswith("error: no Ascend NPU is available")
     assert "VLLM_ASCEND_EMULATE=1" in last
     if torch_npu == "missing":  # says exactly what to install
-        assert "torch_npu is not installed" in last and f"pip install '{_npu_extra_pin()}'" in last
+        assert (
+            "torch_npu is not installed" in last
+            and f"pip install 'torch-npu=={pinned_version('torch-npu', 'ascend-extra-npu.txt')}'" in last
+        )
     else:
         assert "torch_npu sees no NPU" in last
     assert "Traceback" not in result.stderr

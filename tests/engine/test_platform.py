@@ -43,53 +43,39 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
         config = EngineArgs(model={str(tiny_models["qwen2"])!r}, dtype="bfloat16").create_engine_config()
         print("PLATFORM", type(current_platform).__name__, config.cache_config.block_size)
         print("RUNTIME_CALLS", torch_npu.npu.runtime_calls)
-        from vllm.triton_utils import HAS_TRITON
-        print("V2", config.use_v2_model_runner, "TRITON", HAS_TRITON)
+        import os
+        print("V2", config.use_v2_model_runner, "ENV", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
     """,
         NPU_HOST,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "PLATFORM NPUPlatform 128" in result.stdout
     assert "RUNTIME_CALLS []" in result.stdout
-    # the worker builds the V1 runner: every reader of the choice must say V1, Triton or not
-    assert "V2 False" in result.stdout
-
-
-def test_model_runner_v2_asked_for_is_one_line(tiny_models):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
-    env.update(NPU_HOST, VLLM_USE_V2_MODEL_RUNNER="1")
-    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    cmd = [
-        *exe,
-        "serve",
-        str(tiny_models["qwen2"]),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "1",
-        "--dtype",
-        "bfloat16",
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: Model Runner V2 is not supported by the Ascend distribution yet"), last
-    assert "Traceback" not in result.stderr
+    # the worker builds the V1 runner: every reader of the choice must say V1. vLLM sees no
+    # Triton driver on this host (V1 either way), so the bootstrap's default is what is checked:
+    # it decides wherever Triton is found
+    assert "V2 False ENV 0" in result.stdout
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, extra_env, message",
     [
-        (("--dtype", "float32"), "error: dtype float32 is not supported by the Ascend NPU kernels"),
+        (("--dtype", "float32"), {}, "error: dtype float32 is not supported by the Ascend NPU kernels"),
         (
             ("--dtype", "bfloat16", "--block-size", "16"),
+            {},
             "error: --block-size 16 is not supported by the Ascend NPU attention kernels",
+        ),
+        (
+            ("--dtype", "bfloat16"),
+            {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+            "error: Model Runner V2 is not supported by the Ascend distribution yet",
         ),
     ],
 )
-def test_npu_start_up_errors_are_one_line(args, message, tiny_models):
+def test_npu_start_up_errors_are_one_line(args, extra_env, message, tiny_models):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
-    env.update(NPU_HOST)
+    env.update(NPU_HOST, **extra_env)
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     cmd = [*exe, "serve", str(tiny_models["qwen2"]), "--host", "127.0.0.1", "--port", "1", *args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_builder.config import cache_dir
+from ascend_builder.config import cache_dir, pinned_version
 from ascend_builder.patchset import load_patch_set, sha256_file
 
 pytestmark = pytest.mark.integration
@@ -31,17 +31,8 @@ PATCH_SET = load_patch_set(ROOT / "patches" / CONFIG["patch-set"])
 VERSION = f"{PATCH_SET.pin.version}+ascend.{CONFIG['build-number']}"
 
 
-def _pinned(name: str, requirements: str = "ascend.txt") -> str:
-    """The version the overlay's requirements file pins ``name`` to (``name == X``)."""
-    for line in (ROOT / "overlay" / "requirements" / requirements).read_text().splitlines():
-        requirement = line.split("#", 1)[0].split(";", 1)[0].replace(" ", "")
-        if requirement.startswith(f"{name}=="):
-            return requirement.removeprefix(f"{name}==")
-    raise AssertionError(f"{requirements} pins no {name}")
-
-
-TORCH = _pinned("torch")
-TORCH_NPU = _pinned("torch-npu", "ascend-extra-npu.txt")
+TORCH = pinned_version("torch")
+TORCH_NPU = pinned_version("torch-npu", "ascend-extra-npu.txt")
 
 
 def _build(dist: Path) -> Path:
@@ -91,7 +82,7 @@ def test_wheel_name_tag_and_reproducibility(wheels):
     )
     # What upstream's code imports for the served model families (docs/conformance.md).
     assert "numba==0.65.0" in requires
-    assert f"torchvision=={_pinned('torchvision')}" in requires
+    assert f"torchvision=={pinned_version('torchvision')}" in requires
     # Upstream's common requirements are all there too.
     assert any(r.startswith("transformers") for r in requires)
     assert not any(r.startswith("torch==") and r != f"torch=={TORCH}" for r in requires)

@@ -19,7 +19,7 @@ is marked absent without being imported: importing it names torch's PrivateUse1
 backend "npu", after which torch takes "npu" for the current accelerator and
 device-generic calls such as ``torch.Event()`` fail on a host without NPUs.
 
-The runner: vLLM 0.33 picks Model Runner V2 wherever Triton imports, and several
+The runner: vLLM 0.33 picks Model Runner V2 wherever it finds Triton usable, and several
 readers of that choice (config checks, the scheduler's request data, the input processor)
 run before any platform hook; the Ascend worker builds the V1 runner, so V1 is made the
 default here, for every process, unless the user set ``VLLM_USE_V2_MODEL_RUNNER``
