@@ -198,7 +198,8 @@ MODELS: dict[str, Entry] = {
                 projection_dim=768,
             ),
         ),
-        tokenizer={"bos": "<s>", "eos": "</s>", "extra": ["<image>", "<pad>"]},
+        # <image> and <pad> at the config's image_token_index and pad_token_id
+        tokenizer={"bos": "<s>", "eos": "</s>", "extra": ["<image>", "<pad>"], "extra_from": 32000},
         files={
             "preprocessor_config.json": CLIP_PREPROCESSOR,
             "processor_config.json": {
@@ -266,6 +267,8 @@ def _tokenizer_files(snapshot: Path, spec: dict, max_len: int, chat_template: bo
         ["The quick brown fox jumps over the lazy dog. Hello world! 0123456789"] * 4, trainer=trainer
     )
     tok.save(str(snapshot / "tokenizer.json"))
+    if "extra_from" in spec:
+        _move_extra_tokens(snapshot / "tokenizer.json", spec["extra"], spec["extra_from"])
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": spec["bos"],
@@ -279,6 +282,25 @@ def _tokenizer_files(snapshot: Path, spec: dict, max_len: int, chat_template: bo
             "{% if add_generation_prompt %}assistant:{% endif %}"
         )
     (snapshot / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def _move_extra_tokens(path: Path, extra: list[str], first_id: int) -> None:
+    """Give the extra special tokens the ids the model's config names (a multimodal
+    config's image token, say): the BPE vocabulary is padded with unreachable filler
+    entries up to ``first_id``, and the extras follow it in order."""
+    data = json.loads(path.read_text())
+    # BPE merges name tokens by text, so the others can be renumbered without the extras
+    kept = sorted((i, t) for t, i in data["model"]["vocab"].items() if t not in extra)
+    if len(kept) > first_id:
+        raise ValueError(f"{path}: {len(kept)} tokens do not fit below id {first_id}")
+    vocab = {t: n for n, (_, t) in enumerate(kept)}
+    vocab.update({f"<filler_{i}>": i for i in range(len(kept), first_id)})
+    vocab.update({token: first_id + n for n, token in enumerate(extra)})
+    data["model"]["vocab"] = vocab
+    for added in data["added_tokens"]:
+        if added["content"] in extra:
+            added["id"] = vocab[added["content"]]
+    path.write_text(json.dumps(data, ensure_ascii=False))
 
 
 def _weights(snapshot: Path) -> None:

@@ -93,8 +93,14 @@ def load_expectations(path: Path) -> tuple[dict, dict, list[Expectation]]:
     return reasons, selections, expectations
 
 
-def judge(outcomes: dict[str, dict], expectations: list[Expectation], selected: list[str]) -> dict:
-    """Per test: ok, expected (with reason) or unexpected; plus expectations matching nothing."""
+def judge(
+    outcomes: dict[str, dict],
+    expectations: list[Expectation],
+    selected: list[str],
+    deselected: tuple[str, ...] = (),
+) -> dict:
+    """Per test: ok, expected (with reason) or unexpected; plus expectations matching
+    nothing (one that matches a test the selection deselects is not stale)."""
     verdicts = {}
     used = set()
     for test, result in outcomes.items():
@@ -110,7 +116,13 @@ def judge(outcomes: dict[str, dict], expectations: list[Expectation], selected: 
             "reason": match.reason if match else None,
             "message": result.get("message", ""),
         }
-    stale = [e for e in expectations if e not in used and any(_selected(p, selected) for p in e.patterns)]
+    stale = [
+        e
+        for e in expectations
+        if e not in used
+        and any(_selected(p, selected) for p in e.patterns)
+        and not any(e.matches(test) for test in deselected)
+    ]
     return {"verdicts": verdicts, "stale": stale}
 
 
@@ -146,6 +158,20 @@ def selection_paths(name: str, selections: dict, source: Path, patch_set_dir: Pa
     return paths + sorted(added), added
 
 
+def deselected_tests(name: str, selection: dict, expectations: list[Expectation]) -> tuple[str, ...]:
+    """A selection's ``deselect`` node ids (left out of it to keep its time, and run in
+    wider selections). Each must be a test the expectations list, so why it is not worth
+    its time here (a listed timeout, say) is written down."""
+    deselected = tuple(selection.get("deselect", ()))
+    for test in deselected:
+        if not any(e.matches(test) for e in expectations):
+            raise SystemExit(
+                f"error: selection {name!r} deselects {test}, which no [[expect]] entry lists: "
+                "deselect only tests the expectations explain"
+            )
+    return deselected
+
+
 def _directory(test: str) -> str:
     return test.split("::")[0].rsplit("/", 1)[0]
 
@@ -175,9 +201,18 @@ def report(judgement: dict, reasons: dict) -> tuple[str, dict]:
 
 
 def run_pytest(
-    source: Path, paths: list[str], timeout: int, hub_cache: Path, keep: Path | None = None, workers: int = 1
+    source: Path,
+    paths: list[str],
+    timeout: int,
+    hub_cache: Path,
+    keep: Path | None = None,
+    workers: int = 1,
+    global_cleanup: bool = True,
+    deselected: tuple[str, ...] = (),
 ) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
+    if not global_cleanup:
+        env["ASCEND_SKIP_GLOBAL_CLEANUP"] = "1"  # read by the ascend_outcomes plugin
     with tempfile.TemporaryDirectory() as tmp:
         outcomes_file = Path(tmp) / "outcomes.jsonl"
         env.update(
@@ -210,6 +245,7 @@ def run_pytest(
             "asyncio_default_fixture_loop_scope=function",
             "--disable-warnings",
             *(["-n", str(workers)] if workers > 1 else []),
+            *(f"--deselect={test}" for test in deselected),
             *paths,
         ]
         code = subprocess.run(cmd, cwd=source, env=env, check=False).returncode
@@ -289,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         for file, modules in added.items():
             print(f"selection {args.selection}: + {file} (imports {', '.join(modules)})")
     workers = args.workers or selection.get("workers", 1)
+    deselected = () if args.paths else deselected_tests(args.selection, selection, expectations)
+    for test in deselected:
+        print(f"selection {args.selection}: - {test} (deselected; it runs in wider selections)")
     if args.rejudge:
         outcomes, run = read_outcomes(args.rejudge)
         if run.get("paths") != paths:
@@ -297,13 +336,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         hub_cache = ensure_hub(args.cache.resolve())
         started = time.monotonic()
-        outcomes = run_pytest(source, paths, args.timeout, hub_cache, args.outcomes, workers)
+        global_cleanup = selection.get("global-cleanup", True)
+        if not global_cleanup:
+            print(f"selection {args.selection}: upstream's per-test global clean-up is skipped")
+        outcomes = run_pytest(
+            source, paths, args.timeout, hub_cache, args.outcomes, workers, global_cleanup, deselected
+        )
         seconds = time.monotonic() - started
         if args.outcomes:
             _run_file(args.outcomes).write_text(
                 json.dumps({"paths": paths, "seconds": round(seconds), "workers": workers}) + "\n"
             )
-    judgement = judge(outcomes, expectations, paths)
+    judgement = judge(outcomes, expectations, paths, deselected)
     text, summary = report(judgement, reasons)
     print(text)
     unexpected = sum(not v["ok"] for v in judgement["verdicts"].values()) + len(judgement["stale"])

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream.run import Expectation, default_expectations, judge, load_expectations, report
+from tests.upstream.run import (
+    Expectation,
+    default_expectations,
+    deselected_tests,
+    judge,
+    load_expectations,
+    report,
+)
 
 FILE = "tests/v1/core/test_a.py"
 
@@ -57,6 +64,16 @@ def test_an_expectation_that_matches_nothing_in_a_run_module_is_stale():
     assert not judge(_outcomes(test_ok="passed"), EXPECT, [f"{FILE}::test_ok"])["stale"]
 
 
+def test_a_deselected_test_must_be_listed_and_its_entry_is_not_stale():
+    deselected = deselected_tests("fast", {"deselect": [f"{FILE}::test_skipped"]}, EXPECT)
+    judgement = judge(_outcomes(test_ok="passed", test_cuda_1="failed"), EXPECT, [FILE], deselected)
+    assert not judgement["stale"] and not _unexpected(judgement)
+    # without the deselection the same run leaves the entry stale
+    assert judge(_outcomes(test_ok="passed", test_cuda_1="failed"), EXPECT, [FILE])["stale"] == [EXPECT[1]]
+    with pytest.raises(SystemExit, match="no \\[\\[expect\\]\\] entry lists"):
+        deselected_tests("fast", {"deselect": [f"{FILE}::test_ok"]}, EXPECT)
+
+
 def test_the_committed_expectations_are_well_formed():
     reasons, selections, expectations = load_expectations(default_expectations())
     assert set(reasons) == {
@@ -69,6 +86,8 @@ def test_the_committed_expectations_are_well_formed():
     }
     assert {"fast", "full"} <= set(selections)
     assert all(e.reason in reasons for e in expectations)
+    for name, selection in selections.items():
+        deselected_tests(name, selection, expectations)  # each deselected test is explained
 
 
 def test_a_reference_is_required_for_bugs_and_features_not_offered(tmp_path: Path):
@@ -85,3 +104,23 @@ def test_brackets_in_node_ids_are_literal_and_star_spans_parameters():
     e = Expectation((f"{FILE}::test_x[cuda-*]", f"{FILE}::test_y[a]"), "skip", "cuda", "")
     assert e.matches(f"{FILE}::test_x[cuda-True]") and e.matches(f"{FILE}::test_y[a]")
     assert not e.matches(f"{FILE}::test_x[cpu-True]") and not e.matches(f"{FILE}::test_ya")
+
+
+def test_a_selection_without_global_clean_up_marks_every_test(monkeypatch):
+    from tests.upstream.plugin import ascend_outcomes as plugin
+
+    class Item:
+        def __init__(self):
+            self.markers = []
+
+        def add_marker(self, marker):
+            self.markers.append(marker.name)
+
+    items = [Item(), Item()]
+    monkeypatch.delenv("ASCEND_SKIP_GLOBAL_CLEANUP", raising=False)
+    plugin.pytest_collection_modifyitems(None, items)
+    assert [i.markers for i in items] == [[], []]
+    monkeypatch.setenv("ASCEND_SKIP_GLOBAL_CLEANUP", "1")
+    plugin.pytest_collection_modifyitems(None, items)
+    # upstream's conftest skips cleanup_dist_env_and_memory() for this marker
+    assert [i.markers for i in items] == [["skip_global_cleanup"], ["skip_global_cleanup"]]
