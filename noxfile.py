@@ -16,7 +16,7 @@ from nox.command import CommandFailed
 ROOT = Path(__file__).resolve().parent
 BUILDER_ENV = {"PYTHONPATH": str(ROOT / "build")}
 sys.path.insert(0, str(ROOT / "build"))
-from ascend_builder.config import cache_dir, pinned_version  # noqa: E402  (stdlib only)
+from ascend_builder.config import pinned_version, wheelhouse_dir  # noqa: E402  (stdlib only)
 
 BUILD_REQUIREMENTS = str(ROOT / "build" / "requirements.txt")
 
@@ -38,7 +38,7 @@ def _install_torch(session: nox.Session, python: str = "python") -> None:
     (about 3 GB with its nvidia-* wheels) and pip's HTTP cache cannot be relied on to keep
     it (this CI's index answers uncacheable), so it is downloaded once (`pip download`
     skips files already there) and every session installs it with no index."""
-    stack, house = _torch_stack(), str(cache_dir() / "wheelhouse")
+    stack, house = _torch_stack(), str(wheelhouse_dir())
     session.log(f"torch stack {' '.join(stack)} via the wheelhouse {house}")
     pip = [python, "-m", "pip"]
     session.run(*pip, "download", "-q", "--only-binary", ":all:", "-d", house, *stack, external=True)

@@ -70,6 +70,12 @@ def cache_dir() -> Path:
     return Path(base) / "vllm-ascend-build"
 
 
+def wheelhouse_dir() -> Path:
+    """Where nox keeps the pinned torch stack's wheels, downloaded once for every session
+    (the index's torch is a CUDA build of about 3 GB)."""
+    return cache_dir() / "wheelhouse"
+
+
 def pinned_version(name: str, requirements: str = "ascend.txt", root: Path = REPO_ROOT) -> str:
     """The version ``overlay/requirements/<requirements>`` pins ``name`` to (``name == X``):
     the wheel's own pins, read by nox (the torch stack it installs) and by the tests."""

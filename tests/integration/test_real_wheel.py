@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_builder.config import cache_dir, pinned_version
+from ascend_builder.config import pinned_version, wheelhouse_dir
 from ascend_builder.patchset import load_patch_set, sha256_file
 
 pytestmark = pytest.mark.integration
@@ -97,11 +97,6 @@ FRESH_ENV_DROP = (
 )
 
 
-def _wheelhouse() -> Path:
-    """Where nox sessions keep the pinned torch stack's wheels (noxfile.py, `_install_torch`)."""
-    return cache_dir() / "wheelhouse"
-
-
 def _pip_install(python: str, requirement: str, *options: str) -> None:
     """Install from the package index; a second try if the index fails us (a CI run once
     lost this install to an index error), then the end of pip's own report."""
@@ -121,13 +116,12 @@ def fresh_venv(wheels, tmp_path_factory) -> tuple[str, dict]:
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    # the pinned torch as pip takes it from the index; the builder's wheelhouse holds those
-    # files when a nox session has fetched them (3 GB not downloaded twice in one CI run)
-    house = _wheelhouse()
-    if list(house.glob(f"torch-{TORCH}-*.whl")):
-        _pip_install(python, f"torch=={TORCH}", "--no-index", "--find-links", str(house))
-    for requirement in (f"torch=={TORCH}", str(wheels[0])):
-        _pip_install(python, requirement)
+    # the pinned torch as pip takes it from the index; nox's wheelhouse holds those files
+    # when a session has fetched them (3 GB not downloaded twice in one CI run)
+    house = wheelhouse_dir()
+    offline = ("--no-index", "--find-links", str(house)) if list(house.glob(f"torch-{TORCH}-*.whl")) else ()
+    _pip_install(python, f"torch=={TORCH}", *offline)
+    _pip_install(python, str(wheels[0]))
     env = {k: v for k, v in os.environ.items() if k not in FRESH_ENV_DROP}
     return python, env
 
