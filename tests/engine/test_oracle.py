@@ -1,7 +1,8 @@
 """vLLM on the Ascend platform (host emulation) vs. Hugging Face transformers, token for token.
 
-Per architecture one runner process serves three engines one after another (batching
-with prefix caching; chunked prefill; TP=2), and the tests below check their outputs.
+Per architecture one runner process serves four engines one after another (batching
+with prefix caching; chunked prefill; TP=2; Model Runner V2 with both), and the tests
+below check their outputs.
 The single-rank engines keep their engine core in the runner process (upstream's
 VLLM_ENABLE_V1_MULTIPROCESSING=0: the same scheduler and model runner, no second Python
 start); the TP=2 engine and the serving tests run the engine core as its own process.
@@ -37,6 +38,17 @@ ENGINES = {  # name -> (engine settings, batches, environment)
         IN_PROCESS,
     ),
     "tp2": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, [PROMPTS], {}),
+    # Model Runner V2 (opt-in so far): chunked prefill and prefix caching in one engine
+    "v2": (
+        {
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": CHUNK_BUDGET,
+            "max_num_seqs": 4,
+            "enable_prefix_caching": True,
+        },
+        [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]],
+        {**IN_PROCESS, "VLLM_USE_V2_MODEL_RUNNER": "1"},
+    ),
 }
 
 
@@ -58,12 +70,14 @@ def served(tiny_models):
                     "batches": batches,
                     "max_tokens": 16,
                     "env": env,
+                    "report_runner": env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
                 }
                 for engine, batches, env in ENGINES.values()
             ]
             result, output = run_spec({"runs": runs}, timeout=900)
             clean_shutdown(output)  # no traceback from an engine core, no force-kill
             cache[arch] = {name: run["batches"] for name, run in zip(ENGINES, result["runs"])}
+            cache[arch]["runners"] = {name: run["runner"] for name, run in zip(ENGINES, result["runs"])}
         return cache[arch]
 
     return get
@@ -93,3 +107,17 @@ def test_chunked_prefill_matches_transformers(arch, tiny_models, served):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_parallel_2_equals_1(arch, tiny_models, served):
     assert _tokens(served(arch)["tp2"][0]) == hf_greedy(tiny_models[arch], PROMPTS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_runner_v2_matches_transformers(arch, tiny_models, served):
+    """Model Runner V2 with chunked prefill and prefix caching, the other in-process
+    engines on V1 (the default), in the same process."""
+    runners = served(arch)["runners"]
+    assert runners["v2"] == "NPUModelRunnerV2"
+    assert runners["prefix"] == runners["chunked"] == "NPUModelRunner"
+    batches = served(arch)["v2"]
+    assert max(r["prompt_len"] for r in batches[0]) > 2 * CHUNK_BUDGET
+    assert _tokens(batches[0]) == hf_greedy(tiny_models[arch], PROMPTS)
+    assert _tokens(batches[1] + batches[2]) == hf_greedy(tiny_models[arch], PREFIX_PROMPTS)
+    assert all(r["num_cached_tokens"] > 0 for r in batches[2]), batches[2]

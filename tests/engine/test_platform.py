@@ -69,7 +69,7 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
         (
             ("--dtype", "bfloat16"),
             {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-            "error: Model Runner V2 is not supported by the Ascend distribution yet",
+            "error: Model Runner V2 on Ascend does not run the NPU kernels",
         ),
     ],
 )
@@ -302,8 +302,10 @@ def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(args, mes
         ({"pcp": 1, "dcp": 1, "speculative_config": object()}, None),  # no context parallelism: no CP rule
     ],
 )
-def test_context_parallel_config_checks(change, refused):
+def test_context_parallel_config_checks(change, refused, monkeypatch):
     from vllm.ascend.context_parallel.config import validate_context_parallel
+
+    monkeypatch.setenv("VLLM_ASCEND_EMULATE", "1")  # the reference kernels' rules
 
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(

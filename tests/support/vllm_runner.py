@@ -5,7 +5,8 @@
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
 "chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
-processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "kv_dump": {"prompt": str,
+processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "report_runner": true (also
+return the worker's model runner class name, as "runner"; the same condition), "kv_dump": {"prompt": str,
 "dir": DIR} (before the batches, prefill that prompt alone and have every worker save its
 first attention layer's KV planes of the request's blocks to DIR/rank<N>.pt; needs
 VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1), "env": {...}}, or
@@ -59,6 +60,7 @@ def _run(spec: dict) -> dict:
             chats.append({"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text})
         counters = _counters(llm)
         drafter = llm.collective_rpc(_drafter_parameters)[0] if spec.get("drafter_parameters") else None
+        runner = llm.collective_rpc(_runner_class)[0] if spec.get("report_runner") else None
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -68,6 +70,10 @@ def _run(spec: dict) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        # an in-process engine core caches vLLM's environment; the next run reads its own
+        from vllm import envs
+
+        envs.disable_envs_cache()
     return {
         "batches": results,
         "chats": chats,
@@ -75,6 +81,7 @@ def _run(spec: dict) -> dict:
         "generate_s": generate,
         "counters": counters,
         "drafter_parameters": drafter,
+        "runner": runner,
         "kv_dump": kv_dump,
     }
 
@@ -125,6 +132,11 @@ def _save_kv(worker, block_ids: list[int], directory: str) -> None:
         },
         f"{directory}/rank{worker.rank}.pt",
     )
+
+
+def _runner_class(worker) -> str:
+    """Runs in the worker: the class name of its model runner."""
+    return type(worker.model_runner).__name__
 
 
 def _drafter_parameters(worker) -> dict:

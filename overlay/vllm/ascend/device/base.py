@@ -55,6 +55,10 @@ class Device(ABC):
         """Queue work on ``stream`` inside the block (``torch.cuda.stream(s)``)."""
 
     @abstractmethod
+    def set_stream(self, stream) -> None:
+        """Make ``stream`` the current one (``torch.cuda.set_stream(s)``)."""
+
+    @abstractmethod
     def soc_generation(self) -> str:
         """ "A2", "A3", "other" (another Ascend SoC) or "host" (emulation): what the MoE
         strategy selector and the MC2 arguments depend on."""

@@ -81,6 +81,9 @@ class HostDevice(Device):
     def stream_context(self, stream) -> AbstractContextManager:
         return nullcontext()
 
+    def set_stream(self, stream) -> None:
+        pass
+
     def soc_generation(self) -> str:
         return "host"
 

@@ -68,6 +68,9 @@ class NPUDevice(Device):
     def stream_context(self, stream):
         return self._npu.stream(stream)
 
+    def set_stream(self, stream) -> None:
+        self._npu.set_stream(stream)
+
     def soc_generation(self) -> str:
         # torch_npu.npu.get_soc_version() returns torch_npu's c10_npu::SocVersion: Atlas A2
         # parts are Ascend910B1 = 220 .. Ascend910B4_1 = 225, A3 parts Ascend910_9391 = 250

@@ -140,28 +140,68 @@ def _register_kernel_overrides() -> None:
     facade. Once per process: registering again would wrap the wrappers."""
     from vllm.ascend.kernels.slot_mapping import register_slot_mapping_override
     from vllm.ascend.kernels.spec_decode import register_spec_decode_overrides
+    from vllm.ascend.kernels.v2_runner import register_v2_runner_overrides
 
     register_slot_mapping_override()
     register_spec_decode_overrides()
+    register_v2_runner_overrides()
 
 
 def _adjust(what: str, reason: str) -> None:
     logger.info_once("Ascend platform: %s (%s)", what, reason)
 
 
-def _check_v1_runner(vllm_config: VllmConfig) -> None:
-    """The Ascend worker builds upstream's V1 runner, so every reader of
-    ``use_v2_model_runner`` must agree (the bootstrap defaults VLLM_USE_V2_MODEL_RUNNER to 0)."""
+def _check_runner(vllm_config: VllmConfig) -> None:
+    """Every reader of ``use_v2_model_runner`` must agree with the runner the Ascend
+    worker builds: V1 by default (the bootstrap defaults VLLM_USE_V2_MODEL_RUNNER to 0),
+    V2 when asked for, for what it runs so far (``worker/model_runner_v2.py``)."""
     try:
         v2 = vllm_config.use_v2_model_runner
     except ValueError as exc:  # upstream's own refusal (e.g. HiSparse with V2 off)
-        raise AscendConfigError(f"{exc} The Ascend distribution runs the V1 model runner only") from None
+        raise AscendConfigError(str(exc)) from None
     if v2:
+        _check_v2_supported(vllm_config)
+
+
+def _check_v2_supported(vllm_config: VllmConfig) -> None:
+    """What the Ascend V2 runner does not run yet, refused at start-up in one line."""
+    from vllm.ascend.kernels import npu_kernels
+
+    pc = vllm_config.parallel_config
+    unsupported = []
+    if npu_kernels():
+        unsupported.append("the NPU kernels (host emulation's reference kernels only, so far)")
+    if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
+        unsupported.append("context parallelism")
+    if vllm_config.speculative_config is not None:
+        unsupported.append("speculative decoding")
+    if vllm_config.kv_transfer_config is not None:
+        unsupported.append("KV transfer")
+    if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
+        unsupported.append("watermarking or HiSparse")
+    if unsupported:
         raise AscendConfigError(
-            "Model Runner V2 is not supported by the Ascend distribution yet (asked for by "
-            "VLLM_USE_V2_MODEL_RUNNER=1 or a V2-only feature such as watermarking): unset "
-            "VLLM_USE_V2_MODEL_RUNNER and drop V2-only options"
+            f"Model Runner V2 on Ascend does not run {', '.join(unsupported)} yet: "
+            "unset VLLM_USE_V2_MODEL_RUNNER (the default V1 runner does)"
         )
+
+
+def v2_unsupported_sampling(params) -> list[str]:
+    """The sampling options whose Model Runner V2 kernels have no Ascend form yet."""
+    found = []
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        found.append("penalties")
+    if params.logit_bias or params.allowed_token_ids or params.min_tokens:
+        found.append("logit_bias, allowed_token_ids or min_tokens")
+    if params.bad_words:
+        found.append("bad_words")
+    if params.min_p:
+        found.append("min_p")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        found.append("logprobs")
+    if params.structured_outputs is not None:
+        found.append("structured outputs")
+    return found
 
 
 class NPUPlatform(Platform):
@@ -240,6 +280,53 @@ class NPUPlatform(Platform):
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         return not cls.emulated
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from vllm import envs as vllm_envs
+        from vllm.sampling_params import SamplingParams
+
+        if not vllm_envs.VLLM_USE_V2_MODEL_RUNNER or not isinstance(params, SamplingParams):
+            return
+        unsupported = v2_unsupported_sampling(params)
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)}: not supported by Model Runner V2 on Ascend yet "
+                "(the server runs with VLLM_USE_V2_MODEL_RUNNER=1; the default V1 runner supports them)"
+            )
+
+    @classmethod
+    def is_uva_available(cls) -> bool:
+        # torch_npu has no device view of a pinned host tensor: Model Runner V2 copies
+        # its host buffers explicitly (hook patch platform-utils-let-the-platform-say-whether-uva-is-available)
+        return False
+
+    # -- Model Runner V2's streams and events (hook patch on the V2 runner) -------------
+    @classmethod
+    def new_stream(cls, device=None):
+        return ascend_device.current().stream()
+
+    @classmethod
+    def new_event(cls, blocking: bool = False, enable_timing: bool = False):
+        return ascend_device.current().event(blocking=blocking, enable_timing=enable_timing)
+
+    @classmethod
+    def current_device_stream(cls, device=None):
+        return ascend_device.current().current_stream()
+
+    @classmethod
+    def stream_context(cls, stream):
+        return ascend_device.current().stream_context(stream)
+
+    @classmethod
+    def set_current_stream(cls, stream) -> None:
+        ascend_device.current().set_stream(stream)
+
+    @classmethod
+    def runs_model_runner_v2_without_triton(cls) -> bool:
+        # the V2 kernels on the paths the platform allows have torch forms
+        # (vllm.ascend.kernels.v2_runner, worker/block_tables.py)
+        return True
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
@@ -351,7 +438,7 @@ class NPUPlatform(Platform):
         compilation_config = vllm_config.compilation_config
         scheduler_config = vllm_config.scheduler_config
 
-        _check_v1_runner(vllm_config)
+        _check_runner(vllm_config)
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
             _adjust(f"worker {WORKER_CLS}", "the Ascend worker and model runner, in both modes")

@@ -177,16 +177,7 @@ class NPUModelRunner(GPUModelRunner):
         return super()._to_list(sampled_token_ids)
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
-        if (
-            has_kv_transfer_group()
-            and not is_profiling
-            and not connector_addresses_planes(self.vllm_config.kv_transfer_config)
-        ):
-            name = type(get_kv_transfer_group()).__name__
-            raise RuntimeError(
-                f"KV connector {name} is not supported on Ascend: the Ascend KV cache splits each "
-                "layer into K/V (MLA: latent/rope) planes, which upstream connectors do not address"
-            )
+        refuse_plane_blind_connector(self.vllm_config, is_profiling)
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)
 
     # -- memory profiling with attention -------------------------------------------------
@@ -255,6 +246,20 @@ class NPUModelRunner(GPUModelRunner):
             split = torch.tensor(self._profile_split(num_tokens), dtype=torch.int32)
             kwargs.setdefault("profile_seq_lens", split)
         return super()._dummy_run(num_tokens, *args, **kwargs)
+
+
+def refuse_plane_blind_connector(vllm_config, is_profiling: bool) -> None:
+    """A KV connector must address the Ascend cache's K/V (MLA: latent/rope) planes."""
+    if (
+        has_kv_transfer_group()
+        and not is_profiling
+        and not connector_addresses_planes(vllm_config.kv_transfer_config)
+    ):
+        name = type(get_kv_transfer_group()).__name__
+        raise RuntimeError(
+            f"KV connector {name} is not supported on Ascend: the Ascend KV cache splits each "
+            "layer into K/V (MLA: latent/rope) planes, which upstream connectors do not address"
+        )
 
 
 def _pcp_split_step():

@@ -141,9 +141,13 @@ class NPUWorker(Worker):
             groups.init_mc2_communicator()
 
     def _make_model_runner(self):
-        from vllm.ascend.worker.model_runner import NPUModelRunner
-
-        return NPUModelRunner(self.vllm_config, self.device)
+        if self.use_v2_model_runner:
+            from vllm.ascend.worker.model_runner_v2 import NPUModelRunnerV2 as runner_cls
+        else:
+            from vllm.ascend.worker.model_runner import NPUModelRunner as runner_cls
+        if self.rank == 0:
+            logger.info("Ascend model runner: %s", runner_cls.__name__)
+        return runner_cls(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         # No sleep-mode memory pool on Ascend (sleep mode is refused at config time).

@@ -1,0 +1,488 @@
+"""Torch forms of the Triton kernels Model Runner V2 launches on a plain step.
+
+Model Runner V2 (``vllm/v1/worker/gpu``) prepares inputs, applies its staged state
+writes and samples with Triton kernels that have no torch fallback upstream. Each
+function here has the signature of one of those kernels and fills the same outputs, so
+vLLM's Triton kernel-override registry can route ``kernel[grid](...)`` to it (the grid
+is not passed: every size comes from the tensors). The pointer-table kernels of the
+block tables are not here: ``vllm.ascend.worker.block_tables`` replaces the class that
+launches them.
+
+Written with torch tensor ops and no reads back to the host (no ``.item()``, no
+boolean-mask indexing), so on an NPU they run as device ops (checked by the torch_npu
+contract double; not run on an NPU here) and in host emulation alike. Masked scatters
+into integer state tensors add ``new - old`` with ``index_put_(accumulate=True)``,
+which makes masked-out rows harmless without knowing how many rows are real.
+``tests/unit/kernels/test_v2_runner_kernels.py`` compares each one with upstream's
+Triton kernel run by Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_V2 = "vllm.v1.worker.gpu."
+_MASK32 = 0xFFFFFFFF
+# gumbel.py: the draft's noise stream is offset by 2**30 positions
+_DRAFT_NOISE_SALT = 1 << 30
+
+
+# -- helpers --------------------------------------------------------------------------
+def _rows_of(cu: torch.Tensor, num_rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the slots 0..size-1 of a ragged layout with offsets ``cu[0..num_rows]``:
+    the row each slot belongs to (clamped to a real row) and whether it belongs to one."""
+    slots = torch.arange(size, device=cu.device, dtype=torch.int64)
+    bounds = cu[1 : num_rows + 1].to(torch.int64)
+    rows = torch.searchsorted(bounds, slots, right=True)
+    inside = rows < num_rows
+    return rows.clamp(max=max(num_rows - 1, 0)), inside
+
+
+def _masked_set(target: torch.Tensor, index: tuple[torch.Tensor, ...], values, mask) -> None:
+    """``target[index] = values`` where ``mask`` (integer tensors; masked-out entries may
+    point anywhere valid, even at entries that are written)."""
+    old = target[index]
+    delta = torch.where(mask, values.to(target.dtype) - old, torch.zeros_like(old))
+    target.index_put_(index, delta, accumulate=True)
+
+
+# -- inputs (input_batch.py) ----------------------------------------------------------
+def prepare_pos_seq_lens(
+    pos_ptr,
+    seq_lens_ptr,
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    num_computed_tokens_ptr,
+    max_num_reqs,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    num_reqs = idx_mapping_ptr.shape[0]
+    computed = num_computed_tokens_ptr[idx_mapping_ptr.long()].to(torch.int64)
+    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
+    seq_lens_ptr[:num_reqs] = (computed + qsl[1:] - qsl[:-1]).to(seq_lens_ptr.dtype)
+    seq_lens_ptr[num_reqs:max_num_reqs] = 0
+    rows, inside = _rows_of(qsl, num_reqs, pos_ptr.shape[0])
+    if num_reqs == 0:
+        return
+    slots = torch.arange(pos_ptr.shape[0], device=pos_ptr.device)
+    positions = computed[rows] + slots - qsl[rows]
+    pos_ptr.copy_(torch.where(inside, positions.to(pos_ptr.dtype), pos_ptr))
+
+
+def combine_sampled_and_draft_tokens(
+    input_ids_ptr,
+    idx_mapping_ptr,
+    last_sampled_tokens_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    prefill_len_ptr,
+    draft_tokens_ptr,
+    draft_tokens_stride,
+    cu_num_logits_ptr,
+    logits_indices_ptr,
+    BLOCK_SIZE=None,
+    NUM_NEW_SAMPLED_TOKENS=1,
+    **launch,
+):
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    req = idx_mapping_ptr.long()
+    cu = cu_num_logits_ptr[: num_reqs + 1].to(torch.int64)
+    num_logits = cu[1:] - cu[:-1]
+    query_end = query_start_loc_ptr[1 : num_reqs + 1].to(torch.int64)
+    logits_start = query_end - num_logits
+
+    rows, _ = _rows_of(cu, num_reqs, logits_indices_ptr.shape[0])
+    slots = torch.arange(logits_indices_ptr.shape[0], device=cu.device)
+    logits_indices_ptr.copy_((logits_start[rows] + slots - cu[rows]).to(logits_indices_ptr.dtype))
+
+    seq_len = seq_lens_ptr[:num_reqs].to(torch.int64)
+    prefill_len = prefill_len_ptr[req].to(torch.int64)
+    generating = seq_len > prefill_len
+    last_slot = logits_start.clamp(0, input_ids_ptr.shape[0] - 1)
+    if NUM_NEW_SAMPLED_TOKENS > 0:
+        # only generated-token slots are rewritten, never the prompt's tail
+        write_last = generating & (seq_len - num_logits >= prefill_len)
+        _masked_set(input_ids_ptr, (last_slot,), last_sampled_tokens_ptr.view(-1)[req], write_last)
+
+    steps = draft_tokens_ptr.shape[-1] if draft_tokens_ptr is not None and draft_tokens_ptr.dim() > 1 else 0
+    if steps == 0:
+        return
+    num_draft = num_logits - NUM_NEW_SAMPLED_TOKENS
+    k = torch.arange(steps, device=cu.device)
+    wanted = generating[:, None] & (k[None, :] < num_draft[:, None])
+    slot = (query_end - num_draft)[:, None] + k[None, :]
+    slot = slot.clamp(0, input_ids_ptr.shape[0] - 1)
+    _masked_set(input_ids_ptr, (slot,), draft_tokens_ptr[req][:, :steps], wanted)
+
+
+def prepare_prefill_inputs(
+    input_ids_ptr,
+    next_prefill_tokens_ptr,
+    next_prefill_tokens_stride,
+    num_lookahead,
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prefill_lens_ptr,
+    num_computed_tokens_ptr,
+    BLOCK_SIZE=None,
+    LOOKAHEAD_BLOCK=None,
+    **launch,
+):
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    req = idx_mapping_ptr.long()
+    prefill_len = prefill_lens_ptr[req].to(torch.int64)
+    computed = num_computed_tokens_ptr[req].to(torch.int64)
+    prefilling = computed < prefill_len
+    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
+    last_col = all_token_ids_ptr.shape[1] - 1
+
+    rows, inside = _rows_of(qsl, num_reqs, input_ids_ptr.shape[0])
+    slots = torch.arange(input_ids_ptr.shape[0], device=qsl.device)
+    cols = (computed[rows] + slots - qsl[rows]).clamp(0, last_col)
+    tokens = all_token_ids_ptr[req[rows], cols]
+    take = inside & prefilling[rows]
+    input_ids_ptr.copy_(torch.where(take, tokens.to(input_ids_ptr.dtype), input_ids_ptr))
+
+    lookahead = int(num_lookahead)
+    if lookahead == 0:
+        return
+    k = torch.arange(lookahead, device=qsl.device)
+    pos = (computed + qsl[1:] - qsl[:-1])[None, :] + k[:, None]  # [lookahead, num_reqs]
+    ahead = all_token_ids_ptr[req[None, :].expand_as(pos), pos.clamp(0, last_col)]
+    ahead = torch.where(pos < prefill_len[None, :], ahead, torch.zeros_like(ahead))
+    columns = req[None, :].expand_as(pos)
+    lines = k[:, None].expand_as(pos)
+    _masked_set(next_prefill_tokens_ptr, (lines, columns), ahead, prefilling[None, :].expand_as(pos))
+
+
+def get_num_sampled_and_rejected(
+    num_sampled_ptr,
+    num_rejected_ptr,
+    seq_lens_ptr,
+    cu_num_logits_ptr,
+    idx_mapping_ptr,
+    prefill_len_ptr,
+    **launch,
+):
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    chunked = seq_lens_ptr[:num_reqs] < prefill_len_ptr[idx_mapping_ptr.long()]
+    sampled = num_sampled_ptr[:num_reqs]
+    num_logits = (cu_num_logits_ptr[1 : num_reqs + 1] - cu_num_logits_ptr[:num_reqs]).to(sampled.dtype)
+    zero = torch.zeros_like(sampled)
+    num_rejected_ptr[:num_reqs] = torch.where(chunked, zero, num_logits - sampled).to(num_rejected_ptr.dtype)
+    num_sampled_ptr[:num_reqs] = torch.where(chunked, zero, sampled)
+
+
+def post_update(
+    idx_mapping_ptr,
+    num_computed_tokens_ptr,
+    last_sampled_tokens_ptr,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    sampled_tokens_ptr,
+    sampled_tokens_stride,
+    num_sampled_ptr,
+    num_rejected_ptr,
+    query_start_loc_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    total_len_ptr,
+    draft_tokens_ptr,
+    draft_tokens_out_ptr,
+    num_draft_tokens,
+    **launch,
+):
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    req_raw = idx_mapping_ptr.long()
+    real = req_raw >= 0  # negative entries: rows to skip
+    req = req_raw.clamp(min=0)
+
+    if draft_tokens_ptr is not None and int(num_draft_tokens) > 0:
+        steps = int(num_draft_tokens)
+        k = torch.arange(steps, device=req.device)
+        _masked_set(
+            draft_tokens_out_ptr,
+            (req[:, None].expand(-1, steps), k[None, :].expand(num_reqs, -1)),
+            draft_tokens_ptr[:num_reqs, :steps],
+            real[:, None].expand(-1, steps),
+        )
+
+    total_len = total_len_ptr[req].to(torch.int64)
+    num_sampled = num_sampled_ptr[:num_reqs].to(torch.int64)
+    sampled = sampled_tokens_ptr[:num_reqs]
+    width = sampled.shape[1]
+    has_sample = real & (num_sampled > 0)
+    last = sampled.gather(1, (num_sampled - 1).clamp(0, width - 1)[:, None])[:, 0]
+    _masked_set(last_sampled_tokens_ptr.view(-1), (req,), last, has_sample)
+    _masked_set(total_len_ptr, (req,), total_len + num_sampled, has_sample)
+
+    i = torch.arange(width, device=req.device)
+    new = real[:, None] & (i[None, :] < num_sampled[:, None])
+    cols = (total_len[:, None] + i[None, :]).clamp(0, all_token_ids_ptr.shape[1] - 1)
+    reqs = req[:, None].expand(-1, width)
+    _masked_set(all_token_ids_ptr, (reqs, cols), sampled, new)
+    if output_bin_counts_ptr is not None:
+        tokens = sampled.long().clamp(0, output_bin_counts_ptr.shape[1] - 1)
+        output_bin_counts_ptr.index_put_((reqs, tokens), new.to(output_bin_counts_ptr.dtype), accumulate=True)
+
+    if query_start_loc_ptr is None:
+        query_len = torch.zeros_like(num_sampled)
+    else:
+        qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
+        query_len = qsl[1:] - qsl[:-1]
+    delta = query_len - num_rejected_ptr[:num_reqs].to(torch.int64)
+    delta = torch.where(real, delta, torch.zeros_like(delta)).to(num_computed_tokens_ptr.dtype)
+    num_computed_tokens_ptr.index_put_((req,), delta, accumulate=True)
+
+
+def post_update_num_computed_tokens(idx_mapping_ptr, num_computed_tokens_ptr, query_start_loc_ptr, **launch):
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    qsl = query_start_loc_ptr[: num_reqs + 1]
+    delta = (qsl[1:] - qsl[:-1]).to(num_computed_tokens_ptr.dtype)
+    num_computed_tokens_ptr.index_put_((idx_mapping_ptr.long(),), delta, accumulate=True)
+
+
+def expand_idx_mapping(
+    idx_mapping_ptr,
+    expanded_idx_mapping_ptr,
+    expanded_local_pos_ptr,
+    cu_num_logits_ptr,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    num_reqs = idx_mapping_ptr.shape[0]
+    size = expanded_idx_mapping_ptr.shape[0]
+    if num_reqs == 0 or size == 0:
+        return
+    cu = cu_num_logits_ptr[: num_reqs + 1].to(torch.int64)
+    rows, _ = _rows_of(cu, num_reqs, size)
+    slots = torch.arange(size, device=cu.device)
+    expanded_idx_mapping_ptr.copy_(idx_mapping_ptr[rows])
+    expanded_local_pos_ptr.copy_((slots - cu[rows]).to(expanded_local_pos_ptr.dtype))
+
+
+# -- staged state writes (buffer_utils.py) --------------------------------------------
+def apply_write(
+    output_ptr,
+    output_stride,
+    write_indices_ptr,
+    write_starts_ptr,
+    write_contents_ptr,
+    write_cu_lens_ptr,
+    write_group_ids_ptr,
+    BLOCK_SIZE=None,
+    MULTI_GROUP=False,
+    **launch,
+):
+    if MULTI_GROUP:
+        # tables of data pointers: vllm.ascend.worker.block_tables applies each group alone
+        raise NotImplementedError("the multi-group staged write reads raw pointers; apply each group alone")
+    num_writes = write_indices_ptr.shape[0]
+    size = write_contents_ptr.shape[0]
+    if num_writes == 0 or size == 0:
+        return
+    cu = torch.cat([write_cu_lens_ptr.new_zeros(1), write_cu_lens_ptr[:num_writes]]).to(torch.int64)
+    writes, _ = _rows_of(cu, num_writes, size)
+    element = torch.arange(size, device=cu.device)
+    col = write_starts_ptr[writes].to(torch.int64) + element - cu[writes]
+    flat = write_indices_ptr[writes].to(torch.int64) * int(output_stride) + col
+    output_ptr.view(-1).index_put_((flat,), write_contents_ptr.to(output_ptr.dtype))
+
+
+# -- sampling (sample/gumbel.py) ------------------------------------------------------
+def apply_temperature(
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    temperature_ptr,
+    vocab_size,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    num_tokens = logits_ptr.shape[0]
+    if num_tokens == 0:
+        return
+    temp = temperature_ptr[expanded_idx_mapping_ptr[:num_tokens].long()].to(torch.float32)
+    scale = (temp != 0.0) & (temp != 1.0)
+    view = logits_ptr[:, : int(vocab_size)]
+    divided = (view.to(torch.float32) / torch.where(scale, temp, 1.0)[:, None]).to(view.dtype)
+    view.copy_(torch.where(scale[:, None], divided, view))
+
+
+def _rotl32(value: torch.Tensor, shift: int) -> torch.Tensor:
+    return ((value << shift) | (value >> (32 - shift))) & _MASK32
+
+
+def _mix(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    # int64 products wrap modulo 2**64; their low 32 bits are the uint32 product's
+    key = (key * 0xCC9E2D51) & _MASK32
+    key = _rotl32(key, 15)
+    key = (key * 0x1B873593) & _MASK32
+    h = _rotl32(h ^ key, 13)
+    return (h * 5 + 0xE6546B64) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def murmur3_hash32(
+    seed: torch.Tensor, pos: torch.Tensor, offset: torch.Tensor, domain: int = 0
+) -> torch.Tensor:
+    """Upstream's counter-based noise hash (MurmurHash3's mixing over seed, position and
+    token id), as uint32 values held in int64."""
+    h = torch.full_like(seed, domain & _MASK32)
+    h = _mix(h, seed & _MASK32)
+    h = _mix(h, (seed >> 32) & _MASK32)
+    h = _mix(h, pos & _MASK32)
+    h = _mix(h, offset & _MASK32)
+    return _fmix32(h ^ 16)
+
+
+def _uniform32(seed, pos, keys) -> torch.Tensor:
+    random32 = murmur3_hash32(seed, pos, keys)
+    hi16 = (random32 >> 16).to(torch.float32)
+    lo16 = (random32 & 0xFFFF).to(torch.float32)
+    return hi16 * 1.52587890625e-05 + (lo16 + 0.5) * 2.3283064365386963e-10
+
+
+def _uniform64(seed, pos, keys) -> torch.Tensor:
+    lo = murmur3_hash32(seed, pos, keys)
+    hi = murmur3_hash32(seed, pos, keys, domain=0x9E3779B9)
+    random53 = (hi << 21) | (lo >> 11)  # the top 53 of hi:lo, without a signed 64-bit shift
+    uniform = (random53.to(torch.float64) + 0.5) * 1.1102230246251565e-16
+    return torch.where(uniform == 1.0, uniform - 1.1102230246251565e-16, uniform)
+
+
+def _log1p_neg_stable(value: torch.Tensor) -> torch.Tensor:
+    polynomial = torch.full_like(value, 1.0 / 8.0)
+    for c in (1.0 / 7.0, 1.0 / 6.0, 1.0 / 5.0, 1.0 / 4.0, 1.0 / 3.0, 1.0 / 2.0, 1.0):
+        polynomial = c + value * polynomial
+    series = -value * polynomial
+    direct = torch.log(torch.clamp(1.0 - value, min=5.960464477539063e-08))
+    return torch.where(value < 0.25, series, direct)
+
+
+def gumbel_noised(logits, temp, seed, pos, is_drafting: bool, use_fp64: bool, apply_temperature: bool):
+    """Upstream's Gumbel-max scores of ``logits`` [tokens, vocab] (float32): divided by
+    the temperature, plus the token's noise; rows at temperature 0 stay plain logits."""
+    hot = temp != 0.0
+    if apply_temperature:
+        logits = logits / torch.where(hot, temp, 1.0)[:, None]
+    if use_fp64:
+        logits = logits.to(torch.float64)
+    if is_drafting:
+        pos = pos + _DRAFT_NOISE_SALT
+    keys = torch.arange(logits.shape[1], device=logits.device, dtype=torch.int64)[None, :]
+    if use_fp64:
+        noise = -torch.log(-torch.log(_uniform64(seed[:, None], pos[:, None], keys)))
+    else:
+        noise = -torch.log(-_log1p_neg_stable(_uniform32(seed[:, None], pos[:, None], keys)))
+    return torch.where(hot[:, None], logits + noise.to(logits.dtype), logits)
+
+
+_GUMBEL_ROWS = 64  # rows at a time: the noise holds several int64 copies of the logits
+
+
+def gumbel_sample(
+    local_argmax_ptr,
+    local_argmax_stride,
+    local_max_ptr,
+    local_max_stride,
+    logits_cache_ptr,
+    logits_cache_stride_0,
+    logits_cache_stride_1,
+    logits_cache_col_ptr,
+    logits_cache_source_ptr,
+    logits_cache_source_stride,
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    seeds_ptr,
+    pos_ptr,
+    temp_ptr,
+    vocab_size,
+    BLOCK_SIZE,
+    IS_DRAFTING,
+    APPLY_TEMPERATURE,
+    USE_FP64,
+    PER_TOKEN_COL,
+    **launch,
+):
+    num_tokens = logits_ptr.shape[0]
+    vocab_size = int(vocab_size)
+    if num_tokens == 0:
+        return
+    req_raw = expanded_idx_mapping_ptr[:num_tokens].long()
+    real = req_raw >= 0
+    req = req_raw.clamp(min=0)
+    temp = torch.where(real, temp_ptr[req].to(torch.float32), 0.0)
+    seed = torch.where(real, seeds_ptr[req].to(torch.int64), 0)
+    pos = pos_ptr[:num_tokens].to(torch.int64)
+    if logits_cache_ptr is not None:
+        # the logits before temperature, for the rejection sampler to divide again
+        if PER_TOKEN_COL:
+            col = logits_cache_col_ptr[:num_tokens].to(torch.int64)
+        else:
+            col = logits_cache_col_ptr.reshape(1).to(torch.int64).expand(num_tokens)
+        source = logits_cache_source_ptr[:num_tokens, :vocab_size]
+        cache = logits_cache_ptr[:, :, :vocab_size]
+        kept = torch.where(real[:, None], source.to(cache.dtype), cache[req, col])
+        cache[req, col] = kept
+        seed = seed ^ (col << 32)  # each speculative step draws its own noise
+
+    num_blocks = local_argmax_ptr.shape[1]
+    padded = num_blocks * int(BLOCK_SIZE)
+    for start in range(0, num_tokens, _GUMBEL_ROWS):
+        rows = slice(start, start + _GUMBEL_ROWS)
+        scores = gumbel_noised(
+            logits_ptr[rows, :vocab_size].to(torch.float32),
+            temp[rows],
+            seed[rows],
+            pos[rows],
+            bool(IS_DRAFTING),
+            bool(USE_FP64),
+            bool(APPLY_TEMPERATURE),
+        )
+        scores = torch.nn.functional.pad(scores, (0, padded - vocab_size), value=float("-inf"))
+        best, where = scores.view(scores.shape[0], num_blocks, -1).max(dim=-1)
+        first = torch.arange(num_blocks, device=where.device) * int(BLOCK_SIZE)
+        local_argmax_ptr[rows, :num_blocks] = (where + first).to(local_argmax_ptr.dtype)
+        local_max_ptr[rows, :num_blocks] = best.to(local_max_ptr.dtype)
+
+
+KERNELS = {
+    _V2 + "input_batch._prepare_pos_seq_lens_kernel": prepare_pos_seq_lens,
+    _V2 + "input_batch._combine_sampled_and_draft_tokens_kernel": combine_sampled_and_draft_tokens,
+    _V2 + "input_batch._prepare_prefill_inputs_kernel": prepare_prefill_inputs,
+    _V2 + "input_batch._get_num_sampled_and_rejected_kernel": get_num_sampled_and_rejected,
+    _V2 + "input_batch._post_update_kernel": post_update,
+    _V2 + "input_batch._post_update_num_computed_tokens_kernel": post_update_num_computed_tokens,
+    _V2 + "input_batch._expand_idx_mapping_kernel": expand_idx_mapping,
+    _V2 + "buffer_utils._apply_write_kernel": apply_write,
+    _V2 + "sample.gumbel._temperature_kernel": apply_temperature,
+    _V2 + "sample.gumbel._gumbel_sample_kernel": gumbel_sample,
+}
+
+
+def register_v2_runner_overrides() -> None:
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels(KERNELS)

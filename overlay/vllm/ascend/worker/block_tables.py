@@ -1,0 +1,128 @@
+"""Model Runner V2's block tables for the Ascend runner (hook: the runner's
+``block_tables_cls``).
+
+Upstream's ``BlockTables`` gathers the batch's rows, maps tokens to KV slots and
+applies multi-group staged writes with Triton kernels that read tables of raw
+``data_ptr()`` values. This subclass keeps upstream's state (the staged per-group
+tables, the block counts, the forward-pass buffers) and does those three steps with
+torch ops on the tables themselves, with no reads back to the host. Slots under
+context parallelism follow ``vllm.ascend.context_parallel.placement`` over the whole
+PCP x DCP group (upstream's V2 counts DCP only: its PCP keeps full replicas).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+from vllm.v1.worker.gpu.block_table import BlockTables
+
+from vllm.ascend.context_parallel.placement import block_and_offset, owner
+
+
+class NPUBlockTables(BlockTables):
+    def __init__(self, *args, layout: tuple[int, int] | None = None, **kwargs) -> None:
+        """``layout``: (ranks, this rank) of the PCP x DCP group slots are placed over,
+        instead of the DCP group the runner passes."""
+        if layout is not None:
+            kwargs["cp_size"], kwargs["cp_rank"] = layout
+        super().__init__(*args, **kwargs)
+        sharded = kwargs.get("dcp_sharded")
+        self._dcp_sharded = list(sharded) if sharded is not None else [True] * self.num_kv_cache_groups
+
+    def init_block_table_layout_tensors(self) -> None:
+        # upstream's per-group pointer tables are for its Triton kernels only
+        self.block_sizes_tensor = torch.tensor(self.block_sizes, dtype=torch.int32, device=self.device)
+        self.slot_mapping_enabled = torch.tensor(
+            self._slot_mapping_enabled, dtype=torch.bool, device=self.device
+        )
+        self.sliding_window_reach = torch.tensor(
+            self._sliding_window_reach, dtype=torch.int32, device=self.device
+        )
+
+    def apply_staged_writes(self) -> None:
+        if self.num_kv_cache_groups == 0:
+            return
+        for table in self.block_tables:  # one group at a time: no pointer table
+            table.apply_write()
+        self.num_blocks.copy_to_uva()
+
+    def gather_block_tables(
+        self,
+        idx_mapping: torch.Tensor,
+        num_reqs_padded: int,
+        out: tuple[torch.Tensor, ...] | None = None,
+        out_ptrs: torch.Tensor | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        if self.num_kv_cache_groups == 0:
+            return ()
+        num_reqs = idx_mapping.shape[0]
+        num_rows = num_reqs_padded
+        if out is None:
+            out = tuple(self.input_block_tables)
+            num_rows = max(num_rows, self._num_dirty_rows)
+            self._num_dirty_rows = num_reqs
+        mask_window = self.has_sliding_window_groups and num_computed_tokens is not None
+        req = idx_mapping.long()
+        counts = self.num_blocks.gpu[:, req].to(torch.int64)  # [groups, num_reqs]
+        for group, (table, dst) in enumerate(zip(self.block_tables, out)):
+            width = dst.shape[1]
+            col = torch.arange(width, device=dst.device)[None, :]
+            rows = table.gpu[req, :width]
+            if mask_window and self._sliding_window_reach[group] > 0:
+                # entries no query of this step can attend may be freed blocks already
+                reach, block = self._sliding_window_reach[group], self.block_sizes[group]
+                first = num_computed_tokens[req].to(torch.int64)
+                attended = col >= ((first - reach).clamp(min=0) // block)[:, None]
+                rows = torch.where(attended, rows, torch.zeros_like(rows))
+            # columns past a request's blocks keep what they held, as upstream's kernel does
+            dst[:num_reqs] = torch.where(col < counts[group][:, None], rows, dst[:num_reqs])
+            dst[num_reqs:num_rows] = 0  # rows a larger batch left behind
+        return tuple(t[:num_reqs_padded] for t in out)
+
+    def compute_slot_mappings(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        slot_mappings = self.slot_mappings if out is None else out
+        if self.num_kv_cache_groups == 0:
+            return slot_mappings[:, :num_tokens_padded]
+        num_reqs = idx_mapping.shape[0]
+        size = slot_mappings.shape[1]
+        qsl = query_start_loc[: num_reqs + 1].to(torch.int64)
+        token = torch.arange(size, device=qsl.device)
+        row = torch.searchsorted(qsl[1:], token, right=True)
+        inside = row < num_reqs
+        row = row.clamp(max=max(num_reqs - 1, 0))
+        req = idx_mapping.long()[row] if num_reqs else torch.zeros_like(row)
+        real = inside & (req >= 0)  # -1: a dummy request that owns no blocks
+        req = req.clamp(min=0)
+        pos = positions[:size].to(torch.int64) if positions.shape[0] >= size else _padded(positions, size)
+        for group, table in enumerate(self.block_tables):
+            block_size = self.block_sizes[group]
+            if not self._slot_mapping_enabled[group]:
+                slot_mappings[group] = PAD_SLOT_ID
+                continue
+            sharded = self.cp_size > 1 and self._dcp_sharded[group]
+            if sharded:
+                mine = owner(pos, self.cp_size, self.cp_interleave) == self.cp_rank
+                index, offset = block_and_offset(pos, block_size, self.cp_size, self.cp_interleave)
+            else:
+                mine = torch.ones_like(real)
+                index, offset = pos // block_size, pos % block_size
+            index = index.clamp(0, table.gpu.shape[1] - 1)
+            blocks = table.gpu[req, index].to(torch.int64)
+            slots = blocks * block_size + offset
+            slot_mappings[group] = torch.where(real & mine, slots, torch.full_like(slots, PAD_SLOT_ID))
+        return slot_mappings[:, :num_tokens_padded]
+
+
+def _padded(positions: torch.Tensor, size: int) -> torch.Tensor:
+    out = positions.new_zeros(size, dtype=torch.int64)
+    out[: positions.shape[0]] = positions
+    return out

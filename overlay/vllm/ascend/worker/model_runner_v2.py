@@ -1,0 +1,45 @@
+"""The Ascend model runner on upstream's Model Runner V2 (``vllm/v1/worker/gpu``).
+
+A thin subclass: V2 asks the platform for its streams and events (hook patch
+``v2-runner-make-its-streams-and-events-through-the-platform``), its Triton kernels
+are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered by the
+platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
+(hook: ``block_tables_cls``). V2 needs no DP step sync of ours (it agrees on a step's
+padding in one all-reduce) and no generator bookkeeping (its sampling noise is a hash
+of seed, position and token, not a generator's state).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+from vllm.ascend import device as ascend_device
+from vllm.ascend.worker.block_tables import NPUBlockTables
+from vllm.ascend.worker.model_runner import refuse_plane_blind_connector
+
+logger = init_logger(__name__)
+
+
+class NPUModelRunnerV2(GPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device) -> None:
+        self.device_layer = ascend_device.current()
+        super().__init__(vllm_config, device)
+
+    @property
+    def block_tables_cls(self):
+        pc = self.parallel_config
+        if pc.prefill_context_parallel_size == 1:
+            return NPUBlockTables
+        from vllm.ascend.attention.context_parallel import rank_layout
+
+        rank = rank_layout(pc)  # slots over PCP x DCP, not DCP alone
+        return functools.partial(NPUBlockTables, layout=(rank.cp, rank.cp_rank))
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
+        refuse_plane_blind_connector(self.vllm_config, is_profiling)
+        super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)

@@ -1,0 +1,306 @@
+"""Random cases for Model Runner V2's kernels, run two ways: through upstream's Triton
+kernels under Triton's interpreter (the oracle: upstream's code unchanged, in a process
+of its own, ``python -m tests.unit.kernels.v2_kernel_cases OUT``) and through the
+Ascend torch forms (``vllm.ascend.kernels.v2_runner``, the block tables of
+``vllm.ascend.worker.block_tables``) in the test process. Each case calls upstream's own
+launcher (or drives a block-tables object) and returns every tensor it touched."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+if __name__ == "__main__":
+    # The interpreter runs upstream's kernels on host tensors. vLLM takes Triton as
+    # usable with no active driver only in a "distributed environment", which an empty
+    # CUDA_VISIBLE_DEVICES declares; Triton must be imported before vLLM's bootstrap.
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["VLLM_ASCEND_EMULATE"] = "1"
+    import triton  # noqa: F401
+
+import torch
+
+SEEDS = range(4)
+MAX_REQS = 8
+VOCAB = 300  # spans blocks of the sampler's 1024-wide tiles only partly: one tile
+MODEL_LEN = 64
+
+
+def _batch(g: torch.Generator):
+    """A batch of 1..MAX_REQS requests in random request slots with ragged query lengths."""
+    n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
+    idx = torch.randperm(MAX_REQS, generator=g)[:n].to(torch.int32)
+    qlen = torch.randint(1, 6, (n,), generator=g, dtype=torch.int32)
+    qsl = torch.zeros(n + 1, dtype=torch.int32)
+    qsl[1:] = qlen.cumsum(0)
+    return n, idx, qsl
+
+
+def _ints(g, high, shape, dtype=torch.int32, low=0):
+    return torch.randint(low, high, shape, generator=g, dtype=dtype)
+
+
+def case_prepare_pos_seq_lens(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import prepare_pos_seq_lens
+
+    n, idx, qsl = _batch(g)
+    computed = _ints(g, 30, (MAX_REQS,))
+    pos = _ints(g, 99, (40,), torch.int64)
+    seq_lens = _ints(g, 99, (MAX_REQS,))
+    with guard():
+        prepare_pos_seq_lens(idx, qsl, computed, pos, seq_lens)
+    return [pos, seq_lens]
+
+
+def case_combine_sampled_and_draft_tokens(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import combine_sampled_and_draft_tokens
+
+    steps = int(torch.randint(0, 3, (1,), generator=g))
+    new = 0 if steps and bool(torch.randint(0, 2, (1,), generator=g)) else 1
+    n, idx, _ = _batch(g)
+    num_logits = _ints(g, steps + new + 1, (n,), low=1)
+    extra = _ints(g, 3, (n,))
+    qlen = num_logits + extra
+    qsl = torch.zeros(n + 1, dtype=torch.int32)
+    qsl[1:] = qlen.cumsum(0)
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[1:] = num_logits.cumsum(0)
+    prefill_len = _ints(g, 20, (MAX_REQS,), low=1)
+    seq_lens = prefill_len[idx.long()] + _ints(g, 9, (n,), low=-4)
+    input_ids = _ints(g, VOCAB, (int(qsl[-1]) + 3,))
+    last = _ints(g, VOCAB, (MAX_REQS, 1), torch.int64)
+    drafts = _ints(g, VOCAB, (MAX_REQS, steps), torch.int64)
+    total = int(cu[-1])
+    with guard():
+        indices = combine_sampled_and_draft_tokens(
+            input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, total, num_new_sampled_tokens=new
+        )
+    return [input_ids, indices]
+
+
+def case_prepare_prefill_inputs(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import prepare_prefill_inputs
+
+    n, idx, qsl = _batch(g)
+    lookahead = int(torch.randint(1, 3, (1,), generator=g))  # the runner keeps at least one
+    all_ids = _ints(g, VOCAB, (MAX_REQS, MODEL_LEN))
+    prefill_len = _ints(g, 40, (MAX_REQS,), low=6)
+    computed = _ints(g, 40, (MAX_REQS,))
+    input_ids = _ints(g, VOCAB, (int(qsl[-1]) + 4,))
+    nxt = _ints(g, VOCAB, (lookahead, MAX_REQS))
+    with guard():
+        prepare_prefill_inputs(input_ids, nxt, idx, qsl, all_ids, prefill_len, computed)
+    return [input_ids, nxt]
+
+
+def case_get_num_sampled_and_rejected(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+
+    n, idx, cu = _batch(g)
+    prefill_len = _ints(g, 20, (MAX_REQS,), low=1)
+    seq_lens = prefill_len[idx.long()] + _ints(g, 5, (n,), low=-3)
+    sampled = _ints(g, 4, (n,), low=0)
+    with guard():
+        a, b = get_num_sampled_and_rejected(sampled, seq_lens, cu, idx, prefill_len)
+    return [a, b]
+
+
+def case_post_update(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import post_update
+
+    n, idx, qsl = _batch(g)
+    idx = torch.where(torch.rand(n, generator=g) < 0.2, torch.full_like(idx, -1), idx)  # rows to skip
+    width = int(torch.randint(1, 4, (1,), generator=g))
+    computed = _ints(g, 30, (MAX_REQS,))
+    last = _ints(g, VOCAB, (MAX_REQS, 1), torch.int64)
+    counts = _ints(g, 3, (MAX_REQS, VOCAB)) if bool(torch.randint(0, 2, (1,), generator=g)) else None
+    sampled = _ints(g, VOCAB, (n, width), torch.int64)
+    num_sampled = _ints(g, width + 1, (n,))
+    num_rejected = _ints(g, 3, (n,))
+    all_ids = _ints(g, VOCAB, (MAX_REQS, MODEL_LEN))
+    total = _ints(g, MODEL_LEN - width, (MAX_REQS,))
+    steps = width - 1
+    drafts = _ints(g, VOCAB, (n, steps), torch.int64) if steps else None
+    drafts_out = _ints(g, VOCAB, (MAX_REQS, steps), torch.int64) if steps else None
+    use_qsl = bool(torch.randint(0, 2, (1,), generator=g))
+    with guard():
+        post_update(
+            idx,
+            computed,
+            last,
+            counts,
+            sampled,
+            num_sampled,
+            num_rejected,
+            qsl if use_qsl else None,
+            all_ids,
+            total,
+            drafts,
+            drafts_out,
+        )
+    return [computed, last, counts, all_ids, total, drafts_out]
+
+
+def case_post_update_num_computed_tokens(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import post_update_num_computed_tokens
+
+    n, idx, qsl = _batch(g)
+    computed = _ints(g, 30, (MAX_REQS,))
+    with guard():
+        post_update_num_computed_tokens(idx, computed, qsl)
+    return [computed]
+
+
+def case_expand_idx_mapping(g, side, guard):
+    from vllm.v1.worker.gpu.input_batch import expand_idx_mapping
+
+    n, idx, cu = _batch(g)
+    total, longest = int(cu[-1]), int((cu[1:] - cu[:-1]).max())
+    with guard():
+        expanded, local = expand_idx_mapping(idx, total, cu, longest)
+    return [expanded, local]
+
+
+def case_staged_write(g, side, guard):
+    from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
+
+    dtype = [torch.int32, torch.int64, torch.float32][int(torch.randint(0, 3, (1,), generator=g))]
+    table = StagedWriteTensor((MAX_REQS, 20), dtype=dtype, device=torch.device("cpu"))
+    table.gpu.copy_(_ints(g, 50, (MAX_REQS, 20)).to(dtype))
+    rows = torch.randperm(MAX_REQS, generator=g).tolist()
+    for row in rows[:5]:
+        start = int(torch.randint(0, 10, (1,), generator=g))
+        values = _ints(g, 1000, (int(torch.randint(1, 10, (1,), generator=g)),)).tolist()
+        table.stage_write(row, start, values)
+    table.stage_write_elem(rows[5], 7)
+    table.apply_write()
+    return [table.gpu]
+
+
+def case_temperature(g, side, guard):
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+
+    n, idx, cu = _batch(g)
+    tokens = int(cu[-1])
+    expanded = idx.repeat_interleave((cu[1:] - cu[:-1]).long())
+    temp = torch.rand(MAX_REQS, generator=g) * 2
+    temp[torch.randperm(MAX_REQS, generator=g)[:3]] = torch.tensor([0.0, 1.0, 0.5])
+    logits = torch.randn(tokens, VOCAB, generator=g)
+    with guard():
+        apply_temperature(logits, expanded, temp)
+    return [logits]
+
+
+def case_gumbel_sample(g, side, guard):
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    n, idx, cu = _batch(g)
+    tokens = int(cu[-1])
+    expanded = idx.repeat_interleave((cu[1:] - cu[:-1]).long())
+    temp = torch.rand(MAX_REQS, generator=g) + 0.3
+    temp[torch.randperm(MAX_REQS, generator=g)[:2]] = 0.0  # greedy requests
+    seeds = torch.randint(-(2**62), 2**62, (MAX_REQS,), generator=g, dtype=torch.int64)
+    pos = _ints(g, 1000, (tokens,), torch.int64)
+    logits = torch.randn(tokens, VOCAB, generator=g) * 3
+    flags = torch.randint(0, 2, (3,), generator=g).tolist()
+    cache = col = None
+    if flags[2]:  # a drafter keeping its logits for the rejection sampler
+        cache = torch.zeros(MAX_REQS, 3, VOCAB)
+        col = torch.tensor(int(torch.randint(0, 3, (1,), generator=g)))
+    with guard():
+        sampled = gumbel_sample(
+            logits,
+            expanded,
+            temp,
+            seeds,
+            pos,
+            apply_temperature=True,
+            is_drafting=bool(flags[0]),
+            logits_cache=cache,
+            logits_cache_col=col,
+            use_fp64=bool(flags[1]),
+        )
+    return [sampled, cache]
+
+
+def _block_tables(side, groups: int, **kwargs):
+    if side == "oracle":
+        from vllm.v1.worker.gpu.block_table import BlockTables as cls
+    else:
+        from vllm.ascend.worker.block_tables import NPUBlockTables as cls
+    return cls(
+        block_sizes=[16, 32][:groups],
+        max_num_reqs=MAX_REQS,
+        max_num_batched_tokens=64,
+        max_num_blocks_per_group=[12, 6][:groups],
+        device=torch.device("cpu"),
+        **kwargs,
+    )
+
+
+def _fill_block_tables(g, tables, groups: int):
+    for row in range(MAX_REQS):
+        ids = tuple(
+            _ints(g, 500, (int(torch.randint(1, 6, (1,), generator=g)),)).tolist() for _ in range(groups)
+        )
+        tables.append_block_ids(row, ids, overwrite=True)
+    tables.apply_staged_writes()
+    extra = tuple(_ints(g, 500, (1,)).tolist() for _ in range(groups))
+    tables.append_block_ids(int(torch.randint(0, MAX_REQS, (1,), generator=g)), extra, overwrite=False)
+    tables.apply_staged_writes()
+
+
+def case_block_tables_gather(g, side, guard):
+    groups = int(torch.randint(1, 3, (1,), generator=g))
+    window = bool(torch.randint(0, 2, (1,), generator=g))
+    tables = _block_tables(side, groups, sliding_window_reach=[20, 0][:groups] if window else None)
+    _fill_block_tables(g, tables, groups)
+    n, idx, _ = _batch(g)
+    computed = _ints(g, 100, (MAX_REQS,))
+    for buffer in tables.input_block_tables:  # what earlier, larger batches left
+        buffer.copy_(_ints(g, 500, buffer.shape))
+    with guard():
+        first = [t.clone() for t in tables.gather_block_tables(idx, MAX_REQS)]  # dirty every row
+        out = tables.gather_block_tables(
+            idx, min(n + 1, MAX_REQS), num_computed_tokens=computed if window else None
+        )
+    return [*first, *out, *tables.input_block_tables, *(t.gpu for t in tables.block_tables)]
+
+
+def case_block_tables_slots(g, side, guard):
+    groups = int(torch.randint(1, 3, (1,), generator=g))
+    cp = [1, 2, 4][int(torch.randint(0, 3, (1,), generator=g))]
+    rank = int(torch.randint(0, cp, (1,), generator=g))
+    interleave = [1, 4, 16][int(torch.randint(0, 3, (1,), generator=g))]
+    sharded = [True, bool(torch.randint(0, 2, (1,), generator=g))][:groups]
+    tables = _block_tables(
+        side, groups, cp_size=cp, cp_rank=rank, cp_interleave=interleave, dcp_sharded=sharded
+    )
+    _fill_block_tables(g, tables, groups)
+    n, idx, qsl = _batch(g)
+    idx = torch.where(torch.rand(n, generator=g) < 0.2, torch.full_like(idx, -1), idx)  # dummy requests
+    positions = _ints(g, 5 * 16 * cp, (64,), torch.int64)
+    padded = int(qsl[-1]) + 2
+    with guard():
+        out = tables.compute_slot_mappings(idx, qsl, positions, padded)
+    return [out, tables.slot_mappings]
+
+
+CASES = {name.removeprefix("case_"): fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+def run(name: str, seed: int, side: str, guard=contextlib.nullcontext) -> list:
+    """``guard``: a context the kernel launches (not the case's set-up) run inside."""
+    g = torch.Generator().manual_seed(1000 * seed + sorted(CASES).index(name))
+    return CASES[name](g, side, guard)
+
+
+def main(out: str) -> None:
+    results = {f"{name}/{seed}": run(name, seed, "oracle") for name in CASES for seed in SEEDS}
+    torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
