@@ -4,6 +4,7 @@
 
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
 "chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
+"batch_sampling": [{...SamplingParams...} per batch] (added to "sampling" for that batch),
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
 processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "report_runner": true (also
 return the worker's model runner class name, as "runner"; the same condition), "kv_dump": {"prompt": str,
@@ -14,7 +15,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1), "env"
 with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
 prefix cache). Output per run: {"batches": [[{"token_ids": [...], "logprobs": [[[id,
-lp], ...] per step] (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
+lp], ...] per step] and "prompt_logprobs" (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
 "chats": [...], "startup_s": t, "generate_s": t (all batches), "counters": {name: value}}
 (vLLM's counter metrics, when the engine has ``"disable_log_stats": false``); with "runs"
 the output is {"runs": [...]}.
@@ -38,20 +39,22 @@ def _run(spec: dict) -> dict:
         t0 = time.perf_counter()
         llm = LLM(model=spec["model"], **spec.get("engine", {}))
         startup = time.perf_counter() - t0
-        params = SamplingParams(
-            **{
-                "max_tokens": spec.get("max_tokens", 16),
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "logprobs": spec.get("logprobs"),
-                **spec.get("sampling", {}),
-            }
-        )
+        base = {
+            "max_tokens": spec.get("max_tokens", 16),
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": spec.get("logprobs"),
+            **spec.get("sampling", {}),
+        }
+        params = SamplingParams(**_from_json(base))
+        per_batch = [_from_json(b) for b in spec.get("batch_sampling") or [{}] * len(spec["batches"])]
         kv_dump = _kv_dump(llm, **spec["kv_dump"]) if "kv_dump" in spec else None
         results = []
         t0 = time.perf_counter()
-        for batch in spec["batches"]:
-            outs = llm.generate(batch, params, use_tqdm=False)
+        for batch, extra in zip(spec["batches"], per_batch, strict=True):
+            outs = llm.generate(
+                batch, SamplingParams(**_from_json({**base, **extra})) if extra else params, use_tqdm=False
+            )
             results.append([_completion(o) for o in outs])
         generate = time.perf_counter() - t0
         chats = []
@@ -84,6 +87,13 @@ def _run(spec: dict) -> dict:
         "runner": runner,
         "kv_dump": kv_dump,
     }
+
+
+def _from_json(sampling: dict) -> dict:
+    """SamplingParams options as JSON carries them: logit_bias keys back to token ids."""
+    if "logit_bias" in sampling:
+        sampling = {**sampling, "logit_bias": {int(k): v for k, v in sampling["logit_bias"].items()}}
+    return sampling
 
 
 def _kv_dump(llm, prompt: str, dir: str) -> dict:
@@ -171,6 +181,13 @@ def _completion(o) -> dict:
         out["logprobs"] = [
             sorted(([tid, lp.logprob] for tid, lp in step.items()), key=lambda p: -p[1])
             for step in o.outputs[0].logprobs
+        ]
+    if o.prompt_logprobs is not None:
+        out["prompt_logprobs"] = [
+            None
+            if step is None
+            else sorted(([tid, lp.logprob] for tid, lp in step.items()), key=lambda p: -p[1])
+            for step in o.prompt_logprobs
         ]
     return out
 

@@ -1,7 +1,7 @@
 """Random cases for Model Runner V2's kernels, run two ways: through upstream's Triton
 kernels under Triton's interpreter (the oracle: upstream's code unchanged, in a process
 of its own, ``python -m tests.unit.kernels.v2_kernel_cases OUT``) and through the
-Ascend torch forms (``vllm.ascend.kernels.v2_runner``, the block tables of
+Ascend torch forms (``vllm.ascend.kernels.v2_runner`` and ``v2_sampling``, the block tables of
 ``vllm.ascend.worker.block_tables``) in the test process. Each case calls upstream's own
 launcher (or drives a block-tables object) and returns every tensor it touched."""
 
@@ -197,6 +197,8 @@ def case_gumbel_sample(g, side, guard):
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
     n, idx, cu = _batch(g)
+    if bool(torch.randint(0, 2, (1,), generator=g)):  # decode: one token per request
+        cu = torch.arange(n + 1, dtype=torch.int32)
     tokens = int(cu[-1])
     expanded = idx.repeat_interleave((cu[1:] - cu[:-1]).long())
     temp = torch.rand(MAX_REQS, generator=g) + 0.3
@@ -207,8 +209,12 @@ def case_gumbel_sample(g, side, guard):
     flags = torch.randint(0, 2, (3,), generator=g).tolist()
     cache = col = None
     if flags[2]:  # a drafter keeping its logits for the rejection sampler
-        cache = torch.zeros(MAX_REQS, 3, VOCAB)
-        col = torch.tensor(int(torch.randint(0, 3, (1,), generator=g)))
+        cache = torch.zeros(MAX_REQS, 5, VOCAB)
+        per = (cu[1:] - cu[:-1]).long()
+        if bool((per == 1).all()):  # one token per request: one column for the step
+            col = torch.tensor(int(torch.randint(0, 5, (1,), generator=g)))
+        else:  # each token its own column (its position in its request)
+            col = torch.cat([torch.arange(int(k)) for k in per])
     with guard():
         sampled = gumbel_sample(
             logits,
@@ -223,6 +229,196 @@ def case_gumbel_sample(g, side, guard):
             use_fp64=bool(flags[1]),
         )
     return [sampled, cache]
+
+
+def _logit_rows(g):
+    """A batch's logits rows: requests with 1-3 rows each (drafts), their request slots
+    and each row's position inside its request."""
+    n, idx, _ = _batch(g)
+    per = _ints(g, 4, (n,), low=1)
+    expanded = idx.repeat_interleave(per.long())
+    local = torch.cat([torch.arange(int(k), dtype=torch.int32) for k in per])
+    return expanded, local, torch.randn(expanded.shape[0], VOCAB, generator=g) * 3
+
+
+def case_min_p(g, side, guard):
+    from vllm.v1.worker.gpu.sample.min_p import apply_min_p
+
+    expanded, _, logits = _logit_rows(g)
+    min_p = torch.rand(MAX_REQS, generator=g) * 0.3
+    min_p[torch.randperm(MAX_REQS, generator=g)[:3]] = 0.0
+    with guard():
+        apply_min_p(logits, expanded, min_p)
+    return [logits]
+
+
+def case_penalties(g, side, guard):
+    from vllm.v1.worker.gpu.sample.penalties import apply_penalties
+
+    expanded, local, logits = _logit_rows(g)
+    tokens = _ints(g, VOCAB, (expanded.shape[0],))
+    rep = 1.0 + torch.rand(MAX_REQS, generator=g)
+    freq = torch.rand(MAX_REQS, generator=g) - 0.5
+    pres = torch.rand(MAX_REQS, generator=g) - 0.5
+    off = torch.randperm(MAX_REQS, generator=g)[:2]  # requests without penalties
+    rep[off], freq[off], pres[off] = 1.0, 0.0, 0.0
+    rep[torch.randperm(MAX_REQS, generator=g)[:2]] = 1.0  # frequency/presence only
+    mask = torch.randint(-(2**31), 2**31 - 1, (MAX_REQS, (VOCAB + 31) // 32), generator=g, dtype=torch.int32)
+    counts = _ints(g, 3, (MAX_REQS, VOCAB)) * (torch.rand(MAX_REQS, VOCAB, generator=g) < 0.05)
+    with guard():
+        apply_penalties(logits, expanded, tokens, local, rep, freq, pres, mask, counts)
+    return [logits]
+
+
+def case_bincount(g, side, guard):
+    from vllm.v1.worker.gpu.sample.penalties import bincount
+
+    n, idx, _ = _batch(g)
+    all_ids = _ints(g, VOCAB, (MAX_REQS, MODEL_LEN))
+    prompt_len = _ints(g, MODEL_LEN // 2, (MAX_REQS,), low=1)
+    prefill_len = prompt_len + _ints(g, MODEL_LEN // 2, (MAX_REQS,))
+    mask = _ints(g, 1000, (MAX_REQS, (VOCAB + 31) // 32))
+    counts = _ints(g, 5, (MAX_REQS, VOCAB))
+    longest = int(prefill_len[idx.long()].max())
+    with guard():
+        bincount(idx, all_ids, prompt_len, prefill_len, mask, counts, longest)
+    return [mask, counts]
+
+
+def _distinct(g, rows: int, width: int) -> torch.Tensor:
+    return torch.stack([torch.randperm(VOCAB, generator=g)[:width] for _ in range(rows)]).to(torch.int32)
+
+
+def case_logit_bias(g, side, guard):
+    from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
+
+    expanded, _, logits = _logit_rows(g)
+    allowed, bias_ids, stops = _distinct(g, MAX_REQS, 6), _distinct(g, MAX_REQS, 5), _distinct(g, MAX_REQS, 4)
+    n_allowed = _ints(g, 7, (MAX_REQS,)) * (torch.rand(MAX_REQS, generator=g) < 0.5)
+    n_bias = _ints(g, 6, (MAX_REQS,))
+    bias = torch.randn(MAX_REQS, 5, generator=g)
+    n_stops = _ints(g, 5, (MAX_REQS,))
+    # some requests may emit only stop tokens: their rows end all -inf unless restored
+    only_stops = torch.rand(MAX_REQS, generator=g) < 0.3
+    allowed[only_stops, :4] = stops[only_stops]
+    n_allowed[only_stops] = n_stops[only_stops]
+    pos = _ints(g, 8, (expanded.shape[0],), torch.int64)
+    min_lens = _ints(g, 10, (MAX_REQS,))
+    restore = _ints(g, 2, (MAX_REQS,))
+    check = bool(torch.randint(0, 2, (1,), generator=g))
+    with guard():
+        apply_logit_bias(
+            logits,
+            expanded,
+            pos,
+            n_allowed,
+            allowed,
+            n_bias,
+            bias_ids,
+            bias,
+            min_lens,
+            n_stops,
+            restore,
+            stops,
+            check_all_masked_rows=check,
+        )
+    return [logits]
+
+
+def case_bad_words(g, side, guard):
+    from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
+
+    expanded, local, logits = _logit_rows(g)
+    tokens = expanded.shape[0]
+    words, width = 3, 8
+    lengths = _ints(g, 4, (MAX_REQS, words), low=1)
+    offsets = torch.zeros(MAX_REQS, words + 1, dtype=torch.int32)
+    offsets[:, 1:] = lengths.cumsum(1)
+    vocab = 6  # few distinct tokens, so prefixes do match
+    ids = _ints(g, vocab, (MAX_REQS, width))
+    all_ids = _ints(g, vocab, (MAX_REQS, MODEL_LEN))
+    prompt_len = _ints(g, 10, (MAX_REQS,), low=1)
+    total = prompt_len + _ints(g, 6, (MAX_REQS,))
+    # each request's drafts follow its committed tokens in input_ids (row 0: last committed)
+    input_ids = _ints(g, vocab, (tokens,))
+    num_words = _ints(g, words + 1, (MAX_REQS,))
+    with guard():
+        apply_bad_words(
+            logits, expanded, ids, offsets, num_words, all_ids, prompt_len, total, input_ids, local, words
+        )
+    return [logits]
+
+
+def case_logprobs(g, side, guard):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample.logprob import LogprobTokenIdsState, compute_topk_scores
+
+    expanded, _, logits = _logit_rows(g)
+    sampled = _ints(g, VOCAB, (expanded.shape[0],), torch.int64)
+    k = int(torch.randint(0, 4, (1,), generator=g))
+    custom = bool(torch.randint(0, 2, (1,), generator=g))
+    logits_mode = bool(torch.randint(0, 2, (1,), generator=g))
+    state = None
+    widest = 0
+    if custom:
+        state = LogprobTokenIdsState(MAX_REQS, torch.device("cpu"))
+        for r in range(MAX_REQS):
+            n = int(torch.randint(0, 4, (1,), generator=g))
+            ids = torch.randperm(VOCAB, generator=g)[:n].tolist()
+            state.add_request(r, SamplingParams(logprobs=k, logprob_token_ids=ids or None))
+            widest = max(widest, n)
+        state.apply_staged_writes()
+        if widest == 0:
+            state = None
+    with guard():
+        out = compute_topk_scores(
+            logits,
+            k,
+            sampled,
+            logprob_token_ids_state=state,
+            expanded_idx_mapping=expanded,
+            max_per_req_token_ids=widest if state is not None else 0,
+            logits_mode=logits_mode,
+        )
+    return [out.logprob_token_ids, out.logprobs, out.selected_token_ranks]
+
+
+def case_prompt_logprobs_token_ids(g, side, guard):
+    from vllm.v1.worker.gpu.sample.prompt_logprob import get_prompt_logprobs_token_ids
+
+    n, idx, qsl = _batch(g)
+    computed = _ints(g, 30, (MAX_REQS,))
+    all_ids = _ints(g, VOCAB, (MAX_REQS, MODEL_LEN))
+    tokens = int(qsl[-1])
+    with guard():
+        out = get_prompt_logprobs_token_ids(tokens, qsl, idx, computed, all_ids)
+    return [out]
+
+
+def case_grammar_bitmask(g, side, guard):
+    from vllm.v1.worker.gpu import structured_outputs
+
+    n, idx, cu = _batch(g)
+    logits = torch.randn(int(cu[-1]), VOCAB, generator=g)
+    stride = 3  # bitmask rows per grammar request (positions)
+    grammar = torch.randperm(n, generator=g)[: int(torch.randint(1, n + 1, (1,), generator=g))]
+    mapping = torch.tensor([int(r) * stride + p for r in grammar for p in range(stride)], dtype=torch.int32)
+    words = (VOCAB + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (mapping.shape[0], words), generator=g, dtype=torch.int32)
+    grid = (mapping.shape[0], 1)
+    with guard():
+        structured_outputs._apply_grammar_bitmask_kernel[grid](
+            logits,
+            logits.stride(0),
+            mapping,
+            cu,
+            bitmask,
+            bitmask.stride(0),
+            VOCAB,
+            MASK_STRIDE=stride,
+            BLOCK_SIZE=512,
+        )
+    return [logits]
 
 
 def _block_tables(side, groups: int, **kwargs):

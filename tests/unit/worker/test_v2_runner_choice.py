@@ -14,8 +14,9 @@ from vllm.ascend.errors import AscendConfigError
 from vllm.ascend.platform.npu import NPUPlatform, _check_v2_supported
 
 
-def _config(pcp=1, dcp=1, spec=None, kv=None):
+def _config(pcp=1, dcp=1, spec=None, kv=None, model=None):
     return SimpleNamespace(
+        model_config=model,
         parallel_config=SimpleNamespace(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp),
         speculative_config=spec,
         kv_transfer_config=kv,
@@ -35,6 +36,8 @@ def test_plain_configuration_runs_on_v2():
         (_config(pcp=2), "context parallelism"),
         (_config(spec=object()), "speculative decoding"),
         (_config(kv=object()), "KV transfer"),
+        (_config(model=SimpleNamespace(enable_prompt_embeds=True, uses_mrope=False)), "prompt embeddings"),
+        (_config(model=SimpleNamespace(enable_prompt_embeds=False, uses_mrope=True)), "M-RoPE"),
     ],
 )
 def test_what_v2_does_not_run_yet_is_refused_in_one_line(config, named):
@@ -50,28 +53,21 @@ def test_v2_with_the_npu_kernels_is_refused(monkeypatch):
         _check_v2_supported(_config())
 
 
-@pytest.mark.parametrize(
-    "params, named",
-    [
-        (dict(presence_penalty=0.5), "penalties"),
-        (dict(repetition_penalty=1.2), "penalties"),
-        (dict(logit_bias={1: 2.0}), "logit_bias"),
-        (dict(min_tokens=3), "min_tokens"),
-        (dict(min_p=0.1), "min_p"),
-        (dict(logprobs=2), "logprobs"),
-        (dict(prompt_logprobs=1), "logprobs"),
-        (dict(bad_words=["x"]), "bad_words"),
-    ],
-)
-def test_requests_v2_cannot_sample_yet_get_an_error(monkeypatch, params, named):
+def test_requests_v2_cannot_sample_yet_get_an_error(monkeypatch):
+    params = SamplingParams(thinking_token_budget=8)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match=named):
-        NPUPlatform.validate_request(None, SamplingParams(**params))
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        NPUPlatform.validate_request(None, params)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    NPUPlatform.validate_request(None, SamplingParams(**params))  # the V1 runner takes them
+    NPUPlatform.validate_request(None, params)  # the V1 runner takes it
 
 
 def test_plain_requests_pass_on_v2(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    for params in (dict(), dict(temperature=0.7, top_p=0.9, top_k=5, seed=3), dict(temperature=0.0)):
+    for params in (
+        dict(),
+        dict(temperature=0.7, top_p=0.9, top_k=5, seed=3),
+        dict(presence_penalty=0.5, repetition_penalty=1.2, logit_bias={1: 2.0}, min_tokens=3, min_p=0.1),
+        dict(logprobs=2, prompt_logprobs=1, bad_words=["x"]),
+    ):
         NPUPlatform.validate_request(None, SamplingParams(**params))

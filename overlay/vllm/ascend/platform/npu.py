@@ -141,10 +141,12 @@ def _register_kernel_overrides() -> None:
     from vllm.ascend.kernels.slot_mapping import register_slot_mapping_override
     from vllm.ascend.kernels.spec_decode import register_spec_decode_overrides
     from vllm.ascend.kernels.v2_runner import register_v2_runner_overrides
+    from vllm.ascend.kernels.v2_sampling import register_v2_sampling_overrides
 
     register_slot_mapping_override()
     register_spec_decode_overrides()
     register_v2_runner_overrides()
+    register_v2_sampling_overrides()
 
 
 def _adjust(what: str, reason: str) -> None:
@@ -179,6 +181,10 @@ def _check_v2_supported(vllm_config: VllmConfig) -> None:
         unsupported.append("KV transfer")
     if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
         unsupported.append("watermarking or HiSparse")
+    model = vllm_config.model_config
+    if model is not None and (model.enable_prompt_embeds or model.uses_mrope):
+        # their input kernels (prompt embeds: a table of data pointers; M-RoPE positions)
+        unsupported.append("prompt embeddings or M-RoPE models")
     if unsupported:
         raise AscendConfigError(
             f"Model Runner V2 on Ascend does not run {', '.join(unsupported)} yet: "
@@ -189,18 +195,8 @@ def _check_v2_supported(vllm_config: VllmConfig) -> None:
 def v2_unsupported_sampling(params) -> list[str]:
     """The sampling options whose Model Runner V2 kernels have no Ascend form yet."""
     found = []
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        found.append("penalties")
-    if params.logit_bias or params.allowed_token_ids or params.min_tokens:
-        found.append("logit_bias, allowed_token_ids or min_tokens")
-    if params.bad_words:
-        found.append("bad_words")
-    if params.min_p:
-        found.append("min_p")
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        found.append("logprobs")
-    if params.structured_outputs is not None:
-        found.append("structured outputs")
+    if params.thinking_token_budget is not None:
+        found.append("thinking_token_budget")
     return found
 
 

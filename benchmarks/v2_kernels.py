@@ -1,0 +1,155 @@
+"""Model Runner V2's per-step kernels on the host, two ways side by side: the Ascend torch
+forms (what host emulation and the NPU run) against upstream's Triton kernels run
+unchanged by Triton's interpreter (the other way host emulation could run them).
+
+    nox -s bench -- v2-kernels [--batch 32] [--vocab 32000] [--repeats 5]
+
+One decode step of ``--batch`` requests (one token each, block size 128, 2k-token
+contexts): the launchers a greedy/random step calls (positions and sequence lengths,
+sampled-token placement, block-table gather, slot mapping, a staged block-table write,
+Gumbel sampling at mixed temperatures, sampled counts, post-update), each timed as the
+median of ``--repeats`` calls, and their sum: the host time one step spends in these
+kernels. The interpreter side runs in a process of its own (vLLM must see Triton usable
+there). Host numbers on this machine, not NPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BLOCK = 128
+CONTEXT = 2048
+MAX_REQS = 256
+
+
+def _scenario(batch: int, vocab: int, side: str):
+    """name -> a callable running one launch of that kernel on a decode step's inputs."""
+    import torch
+
+    from vllm.v1.worker.gpu import input_batch as ib
+    from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    if side == "interpreter":
+        from vllm.v1.worker.gpu.block_table import BlockTables as tables_cls
+    else:
+        from vllm.ascend.worker.block_tables import NPUBlockTables as tables_cls
+
+    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    idx = torch.randperm(MAX_REQS, generator=g)[:batch].to(torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    computed = torch.full((MAX_REQS,), CONTEXT, dtype=torch.int32)
+    positions = torch.zeros(batch * 4, dtype=torch.int64)
+    seq_lens = torch.zeros(MAX_REQS, dtype=torch.int32)
+    input_ids = torch.zeros(batch * 4, dtype=torch.int32)
+    last = torch.randint(0, vocab, (MAX_REQS, 1), generator=g)
+    prefill = torch.full((MAX_REQS,), 16, dtype=torch.int32)
+    drafts = torch.zeros(MAX_REQS, 0, dtype=torch.int64)
+    blocks_per_req = CONTEXT // BLOCK + 2
+    tables = tables_cls([BLOCK], MAX_REQS, batch * 4, [blocks_per_req], cpu)
+    for r in range(MAX_REQS):
+        tables.append_block_ids(r, (list(range(r * 20, r * 20 + CONTEXT // BLOCK)),), overwrite=True)
+    tables.apply_staged_writes()
+    all_ids = torch.zeros(MAX_REQS, CONTEXT + 64, dtype=torch.int32)
+    total = torch.full((MAX_REQS,), CONTEXT, dtype=torch.int32)
+    state = StagedWriteTensor(MAX_REQS, dtype=torch.int32, device=cpu)
+    logits = torch.randn(batch, vocab, generator=g)
+    temperature = torch.where(torch.rand(MAX_REQS, generator=g) < 0.5, 0.0, 0.8)
+    seeds = torch.randint(0, 2**31, (MAX_REQS,), generator=g)
+    sampled = torch.randint(0, vocab, (batch, 1), generator=g)
+
+    def staged_write():
+        state.stage_write_elem(int(idx[0]), 5)
+        state.apply_write()
+
+    return {
+        "positions and seq_lens": lambda: ib.prepare_pos_seq_lens(idx, qsl, computed, positions, seq_lens),
+        "sampled-token placement": lambda: ib.combine_sampled_and_draft_tokens(
+            input_ids, idx, last, qsl, seq_lens, prefill, drafts, qsl, batch
+        ),
+        "block-table gather": lambda: tables.gather_block_tables(idx, batch),
+        "slot mapping": lambda: tables.compute_slot_mappings(idx, qsl, positions, batch),
+        "staged write": staged_write,
+        "Gumbel sampling": lambda: gumbel_sample(
+            logits, idx, temperature, seeds, positions[:batch], True, False
+        ),
+        "sampled counts": lambda: ib.get_num_sampled_and_rejected(
+            torch.ones(batch, dtype=torch.int32), seq_lens, qsl, idx, prefill
+        ),
+        "post-update": lambda: ib.post_update(
+            idx,
+            computed.clone(),
+            last,
+            None,
+            sampled,
+            torch.ones(batch, dtype=torch.int32),
+            torch.zeros(batch, dtype=torch.int32),
+            qsl,
+            all_ids,
+            total.clone(),
+        ),
+    }
+
+
+def measure(batch: int, vocab: int, repeats: int, side: str) -> dict[str, float]:
+    if side == "torch":
+        from vllm.platforms import current_platform
+
+        current_platform.register_triton_kernel_overrides()
+    out = {}
+    for name, launch in _scenario(batch, vocab, side).items():
+        launch()  # warm-up (the interpreter parses the kernel once)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            launch()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e3
+    return out
+
+
+def _interpreted(args) -> dict[str, float]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "VLLM_ASCEND_EMULATE": "1"}
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, __file__, "--side", "interpreter", "--batch", str(args.batch)]
+    cmd += ["--vocab", str(args.vocab), "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"the interpreter side failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--side", choices=["both", "torch", "interpreter"], default="both")
+    args = p.parse_args()
+    if args.side == "interpreter":
+        import triton  # noqa: F401  (before vLLM: its bootstrap hides Triton in host emulation)
+
+        print(json.dumps(measure(args.batch, args.vocab, args.repeats, "interpreter")))
+        return
+    print(f"decode step of {args.batch} requests, vocabulary {args.vocab}, median of {args.repeats} ...")
+    torch_ms = measure(args.batch, args.vocab, args.repeats, "torch")
+    interp_ms = _interpreted(args) if args.side == "both" else {}
+    print(f"{'kernel':26} {'torch forms ms':>15} {'interpreter ms':>15} {'ratio':>8}")
+    for name, ms in torch_ms.items():
+        other = interp_ms.get(name)
+        ratio = f"{other / ms:8.0f}x" if other else ""
+        print(f"{name:26} {ms:15.3f} {other if other is not None else float('nan'):15.3f} {ratio}")
+    total, other_total = sum(torch_ms.values()), sum(interp_ms.values()) if interp_ms else float("nan")
+    print(f"{'one step':26} {total:15.3f} {other_total:15.3f} {other_total / total:8.0f}x")
+
+
+if __name__ == "__main__":
+    main()

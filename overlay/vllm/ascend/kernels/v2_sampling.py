@@ -1,0 +1,398 @@
+"""Torch forms of Model Runner V2's logits-processing kernels (``vllm/v1/worker/gpu/sample``
+and the grammar bitmask of ``structured_outputs.py``): min-p, the repetition/frequency/
+presence penalties and the token counts they read, allowed token ids / logit bias /
+min-tokens, bad words, logprobs and ranks, and structured-output bitmasks. Same contract as ``v2_runner.py``: each has
+its Triton kernel's signature, fills the same outputs, takes every size from the tensors
+and reads nothing back to the host. Scatters that may meet the same token twice count
+with ``scatter_add_`` and compare with zero, so duplicates and masked-out padding never
+race.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_V2_SAMPLE = "vllm.v1.worker.gpu.sample."
+_NEG_INF = float("-inf")
+
+
+def _flags(num_rows: int, size: int, ids: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """[num_rows, size] bool: True where some ``ids[r, k]`` with ``on[r, k]`` names the column."""
+    hits = torch.zeros(num_rows, size, dtype=torch.int32, device=ids.device)
+    hits.scatter_add_(1, ids.long().clamp(0, size - 1), on.to(torch.int32))
+    return hits > 0
+
+
+def apply_min_p(
+    logits_ptr, logits_stride, expanded_idx_mapping_ptr, min_p_ptr, vocab_size, BLOCK_SIZE=None, **launch
+):
+    num_tokens, vocab = logits_ptr.shape[0], int(vocab_size)
+    if num_tokens == 0:
+        return
+    min_p = min_p_ptr[expanded_idx_mapping_ptr[:num_tokens].long()].to(torch.float32)
+    view = logits_ptr[:, :vocab]
+    threshold = view.to(torch.float32).max(dim=1).values + torch.log(min_p)
+    drop = (min_p != 0.0)[:, None] & (view < threshold[:, None])
+    view.masked_fill_(drop, _NEG_INF)
+
+
+def apply_penalties(
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    token_ids_ptr,
+    expanded_local_pos_ptr,
+    repetition_penalty_ptr,
+    frequency_penalty_ptr,
+    presence_penalty_ptr,
+    prompt_bin_mask_ptr,
+    prompt_bin_mask_stride,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    vocab_size,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    num_tokens, vocab = logits_ptr.shape[0], int(vocab_size)
+    if num_tokens == 0:
+        return
+    req = expanded_idx_mapping_ptr[:num_tokens].long()
+    rep = repetition_penalty_ptr[req].to(torch.float32)[:, None]
+    freq = frequency_penalty_ptr[req].to(torch.float32)[:, None]
+    pres = presence_penalty_ptr[req].to(torch.float32)[:, None]
+    used = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+
+    counts = output_bin_counts_ptr[req, :vocab].to(torch.int32)
+    # a draft position also counts the drafts before it in its request: the tokens at
+    # flat positions start+1 .. t, start = t - local position
+    t = torch.arange(num_tokens, device=req.device)
+    start = t - expanded_local_pos_ptr[:num_tokens].long()
+    earlier = (t[None, :] <= t[:, None]) & (t[None, :] > start[:, None])
+    tokens = token_ids_ptr[:num_tokens].long().clamp(0, vocab - 1)
+    counts.scatter_add_(1, tokens[None, :].expand(num_tokens, -1), earlier.to(torch.int32))
+    seen = counts > 0
+
+    words = prompt_bin_mask_ptr[req].to(torch.int64)  # [tokens, ceil(vocab / 32)] bit sets
+    bits = (words[:, :, None] >> torch.arange(32, device=req.device)) & 1
+    in_prompt = bits.reshape(num_tokens, -1)[:, :vocab].bool()
+
+    x = logits_ptr[:, :vocab].to(torch.float32)
+    scale = torch.where(in_prompt | seen, rep, 1.0)
+    x = x * torch.where(x > 0, 1.0 / scale, scale)
+    x = x - freq * counts
+    x = x - pres * seen
+    view = logits_ptr[:, :vocab]
+    view.copy_(torch.where(used, x.to(view.dtype), view))
+
+
+_BINCOUNT_ROWS = 16  # rows at a time: a [rows, vocab] count table each
+
+
+def bincount(
+    expanded_idx_mapping_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prompt_len_ptr,
+    prefill_len_ptr,
+    prompt_bin_mask_ptr,
+    prompt_bin_mask_stride,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    num_rows = expanded_idx_mapping_ptr.shape[0]
+    if num_rows == 0:
+        return
+    width = all_token_ids_ptr.shape[1]
+    words = prompt_bin_mask_ptr.shape[1]
+    vocab = output_bin_counts_ptr.shape[1]
+    column = torch.arange(width, device=all_token_ids_ptr.device)
+    weights = torch.ones(32, dtype=torch.int64, device=column.device) << torch.arange(
+        32, device=column.device
+    )
+    for first in range(0, num_rows, _BINCOUNT_ROWS):
+        req = expanded_idx_mapping_ptr[first : first + _BINCOUNT_ROWS].long()
+        rows = req.shape[0]
+        tokens = all_token_ids_ptr[req].long()
+        prompt = column[None, :] < prompt_len_ptr[req].long()[:, None]
+        output = ~prompt & (column[None, :] < prefill_len_ptr[req].long()[:, None])
+
+        present = _flags(rows, words * 32, tokens, prompt).to(torch.int64)
+        packed = (present.view(rows, words, 32) * weights).sum(dim=-1)  # bits 0..31 of each word
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(prompt_bin_mask_ptr.dtype)
+        prompt_bin_mask_ptr[req] = prompt_bin_mask_ptr[req] | packed
+
+        added = torch.zeros(rows, vocab, dtype=output_bin_counts_ptr.dtype, device=column.device)
+        added.scatter_add_(1, tokens.clamp(0, vocab - 1), output.to(added.dtype))
+        output_bin_counts_ptr.index_add_(0, req, added)
+
+
+def apply_bias(
+    logits_ptr,
+    logits_stride,
+    vocab_size,
+    expanded_idx_mapping_ptr,
+    num_allowed_token_ids_ptr,
+    allowed_token_ids_ptr,
+    allowed_token_ids_stride,
+    num_logit_bias_ptr,
+    bias_token_ids_ptr,
+    bias_token_ids_stride,
+    bias_ptr,
+    bias_stride,
+    pos_ptr,
+    min_lens_ptr,
+    num_stop_token_ids_ptr,
+    restore_when_all_masked_ptr,
+    stop_token_ids_ptr,
+    stop_token_ids_stride,
+    BLOCK_SIZE=None,
+    LOGITS_BLOCK_SIZE=None,
+    CHECK_ALL_MASKED_ROWS=False,
+    **launch,
+):
+    num_tokens, vocab = logits_ptr.shape[0], int(vocab_size)
+    if num_tokens == 0:
+        return
+    req = expanded_idx_mapping_ptr[:num_tokens].long()
+    view = logits_ptr[:, :vocab]
+    device = req.device
+
+    # allowed token ids: every other token to -inf
+    allowed = allowed_token_ids_ptr[req]
+    n_allowed = num_allowed_token_ids_ptr[req].long()
+    listed = torch.arange(allowed.shape[1], device=device)[None, :] < n_allowed[:, None]
+    keep = _flags(num_tokens, vocab, allowed, listed)
+    view.masked_fill_((n_allowed > 0)[:, None] & ~keep, _NEG_INF)
+
+    # logit bias: added at each listed token id (ids of one request are distinct)
+    ids = bias_token_ids_ptr[req]
+    listed = torch.arange(ids.shape[1], device=device)[None, :] < num_logit_bias_ptr[req].long()[:, None]
+    bias = torch.where(listed, bias_ptr[req].to(view.dtype), torch.zeros((), dtype=view.dtype, device=device))
+    rows = torch.arange(num_tokens, device=device)[:, None].expand_as(ids)
+    view.index_put_((rows, ids.long().clamp(0, vocab - 1)), bias, accumulate=True)
+
+    # min tokens: stop tokens to -inf until the request reaches its minimum length
+    stops = stop_token_ids_ptr[req]
+    n_stops = num_stop_token_ids_ptr[req].long()
+    active = (n_stops > 0) & (pos_ptr[:num_tokens].long() + 1 < min_lens_ptr[req].long())
+    listed = torch.arange(stops.shape[1], device=device)[None, :] < n_stops[:, None]
+    banned = _flags(num_tokens, vocab, stops, listed & active[:, None])
+    before = view.clone() if CHECK_ALL_MASKED_ROWS else None
+    view.masked_fill_(banned, _NEG_INF)
+    if CHECK_ALL_MASKED_ROWS:
+        # a row left with nothing but -inf gets its finite stop logits back
+        empty = (view.max(dim=1).values == _NEG_INF) & restore_when_all_masked_ptr[req].bool() & active
+        back = empty[:, None] & banned & torch.isfinite(before)
+        view.copy_(torch.where(back, before, view))
+
+
+def apply_bad_words(
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    bad_word_token_ids_ptr,
+    bad_word_token_ids_stride,
+    bad_word_offsets_ptr,
+    bad_word_offsets_stride,
+    num_bad_words_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prompt_len_ptr,
+    total_len_ptr,
+    input_ids_ptr,
+    expanded_local_pos_ptr,
+    **launch,
+):
+    """A bad word's last token is banned where the tokens before it (outputs, then this
+    step's drafts) end with the word's other tokens."""
+    num_tokens = logits_ptr.shape[0]
+    if num_tokens == 0:
+        return
+    device = logits_ptr.device
+    req = expanded_idx_mapping_ptr[:num_tokens].long()
+    words = bad_word_offsets_ptr.shape[1] - 1
+    width = bad_word_token_ids_ptr.shape[1]
+    offsets = bad_word_offsets_ptr[req].long()  # [tokens, words + 1]
+    start, end = offsets[:, :-1], offsets[:, 1:]
+    prefix = end - start - 1
+    local = expanded_local_pos_ptr[:num_tokens].long()
+    prompt_len = prompt_len_ptr[req].long()
+    output_len = total_len_ptr[req].long() - prompt_len
+    effective = (output_len + local)[:, None]  # tokens before this position, after the prompt
+    listed = torch.arange(words, device=device)[None, :] < num_bad_words_ptr[req].long()[:, None]
+    fits = listed & (prefix <= effective) & (prefix >= 0)
+
+    i = torch.arange(width, device=device)[None, None, :]
+    word = bad_word_token_ids_ptr[req].long()  # [tokens, width]
+    expected = word.gather(1, (start[:, :, None] + i).clamp(0, width - 1).flatten(1)).view(
+        num_tokens, words, width
+    )
+    at = effective[:, :, None] - prefix[:, :, None] + i  # output positions compared
+    from_drafts = at >= output_len[:, None, None]
+    first = (torch.arange(num_tokens, device=device) - local)[:, None, None]
+    draft_slot = (first + at - output_len[:, None, None] + 1).clamp(0, input_ids_ptr.shape[0] - 1)
+    committed = all_token_ids_ptr[req].long()
+    col = (prompt_len[:, None, None] + at).clamp(0, committed.shape[1] - 1)
+    actual = torch.where(
+        from_drafts,
+        input_ids_ptr.long()[draft_slot],
+        committed.gather(1, col.flatten(1)).view(num_tokens, words, width),
+    )
+    match = torch.where(i < prefix[:, :, None], expected == actual, True).all(dim=-1)
+    last = word.gather(1, (end - 1).clamp(0, width - 1))
+    vocab = logits_ptr.shape[1]
+    logits_ptr.masked_fill_(_flags(num_tokens, vocab, last, fits & match), _NEG_INF)
+
+
+# -- logprobs (logprob.py, prompt_logprob.py) ------------------------------------------
+def topk_log_softmax(
+    output_ptr,
+    logits_ptr,
+    logits_stride,
+    topk_ids_ptr,
+    topk_ids_stride,
+    topk,
+    vocab_size,
+    BLOCK_SIZE=None,
+    TOPK_BLOCK_SIZE=None,
+    **launch,
+):
+    rows, vocab, k = logits_ptr.shape[0], int(vocab_size), int(topk)
+    if rows == 0 or k == 0:
+        return
+    x = logits_ptr[:, :vocab].to(torch.float32)
+    top = x.max(dim=1, keepdim=True).values
+    lse = torch.log(torch.exp(x - top).sum(dim=1, keepdim=True))
+    picked = x.gather(1, topk_ids_ptr[:, :k].long())
+    output_ptr.view(-1)[: rows * k].copy_((picked - top - lse).reshape(-1))
+
+
+def token_ranks(output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size, BLOCK_SIZE=None, **launch):
+    rows, vocab = logits_ptr.shape[0], int(vocab_size)
+    if rows == 0:
+        return
+    view = logits_ptr[:, :vocab]
+    chosen = view.gather(1, token_ids_ptr[:rows].long().view(-1, 1))
+    output_ptr[:rows] = (view >= chosen).sum(dim=1).to(output_ptr.dtype)
+
+
+def fill_logprob_token_ids(
+    out_token_ids_ptr,
+    out_token_ids_stride,
+    out_valid_mask_ptr,
+    out_valid_mask_stride,
+    sampled_token_ids_ptr,
+    topk_indices_ptr,
+    topk_indices_stride,
+    expanded_idx_mapping_ptr,
+    num_per_req_token_ids_ptr,
+    per_req_token_ids_ptr,
+    per_req_token_ids_stride,
+    NUM_TOPK,
+    PADDED_COLS=None,
+    **launch,
+):
+    rows, cols = out_token_ids_ptr.shape[0], out_token_ids_ptr.shape[1] - 1
+    if rows == 0:
+        return
+    device = out_token_ids_ptr.device
+    out_token_ids_ptr[:, 0] = sampled_token_ids_ptr[:rows].to(out_token_ids_ptr.dtype)
+    out_valid_mask_ptr[:, 0] = True
+    req = expanded_idx_mapping_ptr[:rows].long()
+    custom = num_per_req_token_ids_ptr[req].long()
+    col = torch.arange(cols, device=device)[None, :]
+    listed = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+    width = min(cols, per_req_token_ids_ptr.shape[1])
+    listed[:, :width] = per_req_token_ids_ptr[req][:, :width].long()
+    top = int(NUM_TOPK)
+    if top > 0:
+        ranked = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+        ranked[:, :top] = topk_indices_ptr[:rows, :top].long()
+    else:
+        ranked = torch.zeros_like(listed)
+    valid = torch.where(custom[:, None] > 0, col < custom[:, None], col < top)
+    tokens = torch.where(custom[:, None] > 0, listed, ranked)
+    out = out_token_ids_ptr[:, 1:]
+    out.copy_(torch.where(valid, tokens.to(out.dtype), out))
+    mask = out_valid_mask_ptr[:, 1:]
+    mask.copy_(mask | valid)
+
+
+def prompt_logprobs_token_ids(
+    prompt_logprobs_token_ids_ptr,
+    query_start_loc_ptr,
+    idx_mapping_ptr,
+    num_computed_tokens_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    """Each scheduled token's next prompt token (the token its logprob is for)."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    size = prompt_logprobs_token_ids_ptr.shape[0]
+    if num_reqs == 0 or size == 0:
+        return
+    req = idx_mapping_ptr.long()
+    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
+    slot = torch.arange(size, device=qsl.device)
+    row = torch.searchsorted(qsl[1:], slot, right=True)
+    inside = row < num_reqs
+    row = row.clamp(max=num_reqs - 1)
+    target = num_computed_tokens_ptr[req].long()[row] + 1 + slot - qsl[row]
+    tokens = all_token_ids_ptr[req[row], target.clamp(0, all_token_ids_ptr.shape[1] - 1)]
+    out = prompt_logprobs_token_ids_ptr
+    out.copy_(torch.where(inside, tokens.to(out.dtype), out))
+
+
+# -- structured outputs (structured_outputs.py) ---------------------------------------
+def apply_grammar_bitmask(
+    logits_ptr,
+    logits_stride,
+    logits_indices_ptr,
+    cu_num_logits_ptr,
+    bitmask_ptr,
+    bitmask_stride,
+    vocab_size,
+    MASK_STRIDE,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    """Each mask row bans the tokens whose bit is 0 at (request, position), where that
+    position is among the request's logits this step."""
+    masks, vocab, rows = logits_indices_ptr.shape[0], int(vocab_size), logits_ptr.shape[0]
+    if masks == 0:
+        return
+    device = logits_ptr.device
+    mapping = logits_indices_ptr.long()
+    req, position = mapping // int(MASK_STRIDE), mapping % int(MASK_STRIDE)
+    start = cu_num_logits_ptr.long()[req]
+    active = position < cu_num_logits_ptr.long()[req + 1] - start
+    words = bitmask_ptr[:masks].to(torch.int64)
+    bits = (words[:, :, None] >> torch.arange(32, device=device)) & 1
+    banned = (bits == 0).reshape(masks, -1)[:, :vocab] & active[:, None]
+    hits = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+    hits.index_add_(0, (start + position).clamp(0, rows - 1), banned.to(torch.int32))
+    logits_ptr[:, :vocab].masked_fill_(hits > 0, _NEG_INF)
+
+
+KERNELS = {
+    _V2_SAMPLE + "min_p._min_p_kernel": apply_min_p,
+    _V2_SAMPLE + "penalties._penalties_kernel": apply_penalties,
+    _V2_SAMPLE + "penalties._bincount_kernel": bincount,
+    _V2_SAMPLE + "logit_bias._bias_kernel": apply_bias,
+    _V2_SAMPLE + "bad_words._bad_words_kernel": apply_bad_words,
+    _V2_SAMPLE + "logprob._topk_log_softmax_kernel": topk_log_softmax,
+    _V2_SAMPLE + "logprob._ranks_kernel": token_ranks,
+    _V2_SAMPLE + "logprob._fill_logprob_token_ids_kernel": fill_logprob_token_ids,
+    _V2_SAMPLE + "prompt_logprob._prompt_logprobs_token_ids_kernel": prompt_logprobs_token_ids,
+    "vllm.v1.worker.gpu.structured_outputs._apply_grammar_bitmask_kernel": apply_grammar_bitmask,
+}
+
+
+def register_v2_sampling_overrides() -> None:
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels(KERNELS)
