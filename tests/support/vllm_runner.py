@@ -39,21 +39,23 @@ def _run(spec: dict) -> dict:
         t0 = time.perf_counter()
         llm = LLM(model=spec["model"], **spec.get("engine", {}))
         startup = time.perf_counter() - t0
-        base = {
-            "max_tokens": spec.get("max_tokens", 16),
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": spec.get("logprobs"),
-            **spec.get("sampling", {}),
-        }
-        params = SamplingParams(**_from_json(base))
+        base = _from_json(
+            {
+                "max_tokens": spec.get("max_tokens", 16),
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": spec.get("logprobs"),
+                **spec.get("sampling", {}),
+            }
+        )
+        params = SamplingParams(**base)
         per_batch = [_from_json(b) for b in spec.get("batch_sampling") or [{}] * len(spec["batches"])]
         kv_dump = _kv_dump(llm, **spec["kv_dump"]) if "kv_dump" in spec else None
         results = []
         t0 = time.perf_counter()
         for batch, extra in zip(spec["batches"], per_batch, strict=True):
             outs = llm.generate(
-                batch, SamplingParams(**_from_json({**base, **extra})) if extra else params, use_tqdm=False
+                batch, SamplingParams(**{**base, **extra}) if extra else params, use_tqdm=False
             )
             results.append([_completion(o) for o in outs])
         generate = time.perf_counter() - t0

@@ -21,9 +21,10 @@ device-generic calls such as ``torch.Event()`` fail on a host without NPUs.
 
 The runner: vLLM 0.33 picks Model Runner V2 wherever it finds Triton usable, and several
 readers of that choice (config checks, the scheduler's request data, the input processor)
-run before any platform hook; the Ascend worker builds the V1 runner, so V1 is made the
-default here, for every process, unless the user set ``VLLM_USE_V2_MODEL_RUNNER``
-(the platform then refuses V2 at start-up).
+run before any platform hook; the Ascend V2 runner is opt-in while it gains features, so
+V1 is made the default here, for every process, unless the user set
+``VLLM_USE_V2_MODEL_RUNNER`` (the platform then builds the V2 runner, or refuses in one
+line what it does not run yet).
 
 In host emulation, Triton is marked absent as well (unless something imported it
 already): vLLM disables Triton on this platform anyway (no Triton driver for the

@@ -27,6 +27,18 @@ def pick(reference: Callable, npu: Callable) -> Callable:
     return npu if npu_kernels() else reference
 
 
+def request_of_token(ends: torch.Tensor, num_tokens: int):
+    """The tokens 0..num_tokens-1 of a ragged batch whose requests end at ``ends``
+    (inclusive cumulative counts, one per request, at least one request): each token's
+    request (clamped to the last), its position in that request, and whether it belongs
+    to a request at all (tokens past the last end do not). No read back to the host."""
+    end = ends.to(torch.int64).contiguous()
+    token = torch.arange(num_tokens, device=ends.device)
+    req = torch.searchsorted(end, token, right=True).clamp(max=end.numel() - 1)
+    start = torch.where(req > 0, end[(req - 1).clamp(min=0)], 0)
+    return req, token - start, token < end[-1]
+
+
 def kernel_dtypes() -> list[torch.dtype]:
     """Activation dtypes the selected kernels take: the torch_npu attention kernels take
     float16/bfloat16 only (npu_fused_infer_attention_score: query float16, bfloat16, int8)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.ascend.kernels import pick
+from vllm.ascend.kernels import pick, request_of_token
 
 _SPEC_UTILS = "vllm.v1.spec_decode.utils."
 _SAMPLER = "vllm.v1.sample.rejection_sampler."
@@ -48,16 +48,6 @@ def _grid(cu: torch.Tensor, width: int, num_tokens: int):
     inside = pos < count[:, None]
     index = (start[:, None] + pos).clamp(0, max(num_tokens - 1, 0))
     return index, inside, count
-
-
-def _request_of_token(cu: torch.Tensor, num_tokens: int):
-    """For each flat token: its request, its position in that request, and whether it
-    belongs to any request (tokens past ``cu[-1]`` do not)."""
-    end = cu.to(torch.int64).contiguous()
-    token = torch.arange(num_tokens, device=cu.device)
-    req = torch.searchsorted(end, token, right=True).clamp(max=end.numel() - 1)
-    start = torch.where(req > 0, end[(req - 1).clamp(min=0)], 0)
-    return req, token - start, token < end[-1]
 
 
 # -- drafter steps (vllm/v1/spec_decode/utils.py) ---------------------------------------
@@ -369,7 +359,7 @@ def npu_expand(output_ptr, input_ptr, cu_num_tokens_ptr, replace_from, replace_t
     num_tokens = output_ptr.numel()
     if num_tokens == 0 or input_ptr.numel() == 0:
         return
-    req, pos, owned = _request_of_token(cu_num_tokens_ptr, num_tokens)
+    req, pos, owned = request_of_token(cu_num_tokens_ptr, num_tokens)
     values = input_ptr.masked_fill(input_ptr == replace_from, replace_to)
     output_ptr.copy_(torch.where(owned & (pos < MAX_NUM_TOKENS), values[req], output_ptr))
 
@@ -429,7 +419,7 @@ def npu_sample_recovered_tokens(
     num_tokens = output_token_ids_ptr.numel()
     if num_tokens == 0:
         return
-    req, _, owned = _request_of_token(cu_num_draft_tokens_ptr, num_tokens)
+    req, _, owned = request_of_token(cu_num_draft_tokens_ptr, num_tokens)
     scores = _recovery_scores(
         draft_token_ids_ptr, draft_probs_ptr, target_probs_ptr, inv_q_ptr, req, NO_DRAFT_PROBS
     )

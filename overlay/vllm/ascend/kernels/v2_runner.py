@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm.ascend.kernels import request_of_token
+
 _V2 = "vllm.v1.worker.gpu."
 _MASK32 = 0xFFFFFFFF
 # gumbel.py: the draft's noise stream is offset by 2**30 positions
@@ -28,16 +30,6 @@ _DRAFT_NOISE_SALT = 1 << 30
 
 
 # -- helpers --------------------------------------------------------------------------
-def _rows_of(cu: torch.Tensor, num_rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the slots 0..size-1 of a ragged layout with offsets ``cu[0..num_rows]``:
-    the row each slot belongs to (clamped to a real row) and whether it belongs to one."""
-    slots = torch.arange(size, device=cu.device, dtype=torch.int64)
-    bounds = cu[1 : num_rows + 1].to(torch.int64)
-    rows = torch.searchsorted(bounds, slots, right=True)
-    inside = rows < num_rows
-    return rows.clamp(max=max(num_rows - 1, 0)), inside
-
-
 def _masked_set(target: torch.Tensor, index: tuple[torch.Tensor, ...], values, mask) -> None:
     """``target[index] = values`` where ``mask`` (integer tensors; masked-out entries may
     point anywhere valid, even at entries that are written)."""
@@ -62,11 +54,10 @@ def prepare_pos_seq_lens(
     qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
     seq_lens_ptr[:num_reqs] = (computed + qsl[1:] - qsl[:-1]).to(seq_lens_ptr.dtype)
     seq_lens_ptr[num_reqs:max_num_reqs] = 0
-    rows, inside = _rows_of(qsl, num_reqs, pos_ptr.shape[0])
     if num_reqs == 0:
         return
-    slots = torch.arange(pos_ptr.shape[0], device=pos_ptr.device)
-    positions = computed[rows] + slots - qsl[rows]
+    rows, offset, inside = request_of_token(qsl[1:], pos_ptr.shape[0])
+    positions = computed[rows] + offset
     pos_ptr.copy_(torch.where(inside, positions.to(pos_ptr.dtype), pos_ptr))
 
 
@@ -94,9 +85,8 @@ def combine_sampled_and_draft_tokens(
     query_end = query_start_loc_ptr[1 : num_reqs + 1].to(torch.int64)
     logits_start = query_end - num_logits
 
-    rows, _ = _rows_of(cu, num_reqs, logits_indices_ptr.shape[0])
-    slots = torch.arange(logits_indices_ptr.shape[0], device=cu.device)
-    logits_indices_ptr.copy_((logits_start[rows] + slots - cu[rows]).to(logits_indices_ptr.dtype))
+    rows, offset, _ = request_of_token(cu[1:], logits_indices_ptr.shape[0])
+    logits_indices_ptr.copy_((logits_start[rows] + offset).to(logits_indices_ptr.dtype))
 
     seq_len = seq_lens_ptr[:num_reqs].to(torch.int64)
     prefill_len = prefill_len_ptr[req].to(torch.int64)
@@ -143,9 +133,8 @@ def prepare_prefill_inputs(
     qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
     last_col = all_token_ids_ptr.shape[1] - 1
 
-    rows, inside = _rows_of(qsl, num_reqs, input_ids_ptr.shape[0])
-    slots = torch.arange(input_ids_ptr.shape[0], device=qsl.device)
-    cols = (computed[rows] + slots - qsl[rows]).clamp(0, last_col)
+    rows, offset, inside = request_of_token(qsl[1:], input_ids_ptr.shape[0])
+    cols = (computed[rows] + offset).clamp(0, last_col)
     tokens = all_token_ids_ptr[req[rows], cols]
     take = inside & prefilling[rows]
     input_ids_ptr.copy_(torch.where(take, tokens.to(input_ids_ptr.dtype), input_ids_ptr))
@@ -268,10 +257,9 @@ def expand_idx_mapping(
     if num_reqs == 0 or size == 0:
         return
     cu = cu_num_logits_ptr[: num_reqs + 1].to(torch.int64)
-    rows, _ = _rows_of(cu, num_reqs, size)
-    slots = torch.arange(size, device=cu.device)
+    rows, offset, _ = request_of_token(cu[1:], size)
     expanded_idx_mapping_ptr.copy_(idx_mapping_ptr[rows])
-    expanded_local_pos_ptr.copy_((slots - cu[rows]).to(expanded_local_pos_ptr.dtype))
+    expanded_local_pos_ptr.copy_(offset.to(expanded_local_pos_ptr.dtype))
 
 
 # -- staged state writes (buffer_utils.py) --------------------------------------------
@@ -294,10 +282,8 @@ def apply_write(
     size = write_contents_ptr.shape[0]
     if num_writes == 0 or size == 0:
         return
-    cu = torch.cat([write_cu_lens_ptr.new_zeros(1), write_cu_lens_ptr[:num_writes]]).to(torch.int64)
-    writes, _ = _rows_of(cu, num_writes, size)
-    element = torch.arange(size, device=cu.device)
-    col = write_starts_ptr[writes].to(torch.int64) + element - cu[writes]
+    writes, offset, _ = request_of_token(write_cu_lens_ptr[:num_writes], size)
+    col = write_starts_ptr[writes].to(torch.int64) + offset
     flat = write_indices_ptr[writes].to(torch.int64) * int(output_stride) + col
     output_ptr.view(-1).index_put_((flat,), write_contents_ptr.to(output_ptr.dtype))
 

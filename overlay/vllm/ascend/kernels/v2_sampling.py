@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from vllm.ascend.kernels import request_of_token
+
 _V2_SAMPLE = "vllm.v1.worker.gpu.sample."
 _NEG_INF = float("-inf")
+
+
+def _unpack_bits(words: torch.Tensor, size: int) -> torch.Tensor:
+    """[rows, ceil(size / 32)] int32 bit sets -> [rows, size] bool, bit i of word w at w*32+i."""
+    bits = (words.to(torch.int64)[:, :, None] >> torch.arange(32, device=words.device)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :size].bool()
 
 
 def _flags(num_rows: int, size: int, ids: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
@@ -72,9 +80,7 @@ def apply_penalties(
     counts.scatter_add_(1, tokens[None, :].expand(num_tokens, -1), earlier.to(torch.int32))
     seen = counts > 0
 
-    words = prompt_bin_mask_ptr[req].to(torch.int64)  # [tokens, ceil(vocab / 32)] bit sets
-    bits = (words[:, :, None] >> torch.arange(32, device=req.device)) & 1
-    in_prompt = bits.reshape(num_tokens, -1)[:, :vocab].bool()
+    in_prompt = _unpack_bits(prompt_bin_mask_ptr[req], vocab)
 
     x = logits_ptr[:, :vocab].to(torch.float32)
     scale = torch.where(in_prompt | seen, rep, 1.0)
@@ -336,12 +342,8 @@ def prompt_logprobs_token_ids(
     if num_reqs == 0 or size == 0:
         return
     req = idx_mapping_ptr.long()
-    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
-    slot = torch.arange(size, device=qsl.device)
-    row = torch.searchsorted(qsl[1:], slot, right=True)
-    inside = row < num_reqs
-    row = row.clamp(max=num_reqs - 1)
-    target = num_computed_tokens_ptr[req].long()[row] + 1 + slot - qsl[row]
+    row, offset, inside = request_of_token(query_start_loc_ptr[1 : num_reqs + 1], size)
+    target = num_computed_tokens_ptr[req].long()[row] + 1 + offset
     tokens = all_token_ids_ptr[req[row], target.clamp(0, all_token_ids_ptr.shape[1] - 1)]
     out = prompt_logprobs_token_ids_ptr
     out.copy_(torch.where(inside, tokens.to(out.dtype), out))
@@ -370,9 +372,7 @@ def apply_grammar_bitmask(
     req, position = mapping // int(MASK_STRIDE), mapping % int(MASK_STRIDE)
     start = cu_num_logits_ptr.long()[req]
     active = position < cu_num_logits_ptr.long()[req + 1] - start
-    words = bitmask_ptr[:masks].to(torch.int64)
-    bits = (words[:, :, None] >> torch.arange(32, device=device)) & 1
-    banned = (bits == 0).reshape(masks, -1)[:, :vocab] & active[:, None]
+    banned = ~_unpack_bits(bitmask_ptr[:masks], vocab) & active[:, None]
     hits = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
     hits.index_add_(0, (start + position).clamp(0, rows - 1), banned.to(torch.int32))
     logits_ptr[:, :vocab].masked_fill_(hits > 0, _NEG_INF)

@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 from vllm.v1.worker.gpu.block_table import BlockTables
 
 from vllm.ascend.context_parallel.placement import block_and_offset, owner
+from vllm.ascend.kernels import request_of_token
 
 
 class NPUBlockTables(BlockTables):
@@ -90,16 +91,13 @@ class NPUBlockTables(BlockTables):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         slot_mappings = self.slot_mappings if out is None else out
-        if self.num_kv_cache_groups == 0:
-            return slot_mappings[:, :num_tokens_padded]
         num_reqs = idx_mapping.shape[0]
+        if self.num_kv_cache_groups == 0 or num_reqs == 0:
+            slot_mappings.fill_(PAD_SLOT_ID)
+            return slot_mappings[:, :num_tokens_padded]
         size = slot_mappings.shape[1]
-        qsl = query_start_loc[: num_reqs + 1].to(torch.int64)
-        token = torch.arange(size, device=qsl.device)
-        row = torch.searchsorted(qsl[1:], token, right=True)
-        inside = row < num_reqs
-        row = row.clamp(max=max(num_reqs - 1, 0))
-        req = idx_mapping.long()[row] if num_reqs else torch.zeros_like(row)
+        row, _, inside = request_of_token(query_start_loc[1 : num_reqs + 1], size)
+        req = idx_mapping.long()[row]
         real = inside & (req >= 0)  # -1: a dummy request that owns no blocks
         req = req.clamp(min=0)
         pos = positions[:size].to(torch.int64) if positions.shape[0] >= size else _padded(positions, size)
