@@ -2,7 +2,8 @@
 wrote for a DP deployment, and the checks every DP test makes on it.
 
 A *step* of a rank starts at its metadata all-reduce: ``int32[ROWS, dp]`` on the DP
-group (``vllm.ascend.worker.dp_step``); upstream's own is ``int32[4, dp]``. A rank's
+group (``vllm.ascend.worker.dp_step``) with the V1 runner, where upstream's own would be
+``int32[4, dp]``; Model Runner V2's is upstream's ``int32[V2_ROWS, dp]``. A rank's
 collectives on groups that span DP replicas (DP, EP, world), from its first metadata
 all-reduce on and split into steps, must be the same (op, dtype, group size) on every
 member of its DP group, with exactly one metadata collective per step. Idle ranks' dummy
@@ -19,6 +20,10 @@ from pathlib import Path
 
 from vllm.ascend.worker.dp_step import ROWS, UPSTREAM_ROWS
 
+# Model Runner V2 agrees on a step in one all-reduce of its own (upstream's
+# vllm/v1/worker/gpu/dp_utils.py: tokens, graph mode, uniform length, query length,
+# micro-batching, requests, draft skipping)
+V2_ROWS = 7
 RECORDER_DIR = Path(__file__).resolve().parents[1] / "dp_recorder"
 
 
@@ -50,37 +55,41 @@ def _metadata(entry: dict, dp: int, rows: int) -> bool:
     )
 
 
-def steps(entries: list[dict], dp: int, replica: int) -> list[list[tuple]]:
+def steps(entries: list[dict], dp: int, replica: int, rows: int = ROWS) -> list[list[tuple]]:
     """A rank's steps, each the (op, dtype, group size) of its collectives that span DP
     replicas (``replica`` global ranks each), metadata first. Collectives inside one
     replica (its TP group: e.g. gathering logits to sample, which a dummy step does not do)
     are that replica's own business."""
     out: list[list[tuple]] = []
     for entry in entries:
-        if _metadata(entry, dp, ROWS):
+        if _metadata(entry, dp, rows):
             out.append([])
         if out and len({rank // replica for rank in entry["ranks"]}) > 1:
             out[-1].append((entry["op"], entry["dtype"], len(entry["ranks"])))
     return out
 
 
-def check(out: Path, dp: int) -> dict[int, int]:
-    """Assert the one-collective rule on a recorded run; return global rank -> steps."""
+def check(out: Path, dp: int, rows: int = ROWS) -> dict[int, int]:
+    """Assert the one-collective rule on a recorded run (``rows``: the metadata tensor's,
+    ``V2_ROWS`` for Model Runner V2); return global rank -> steps."""
     by_rank = read(out)
     assert by_rank, f"the recorder wrote nothing under {out}"
     counts = {}
     groups: dict[tuple, list[int]] = defaultdict(list)
     for rank, entries in by_rank.items():
-        upstream = [e for e in entries if _metadata(e, dp, UPSTREAM_ROWS)]
-        assert not upstream, f"rank {rank} issued {len(upstream)} upstream-style DP metadata all-reduces"
-        packed = [e for e in entries if _metadata(e, dp, ROWS)]
+        for other in {UPSTREAM_ROWS, ROWS} - {rows}:  # V1's upstream exchange; V1's packed one on V2
+            extra = [e for e in entries if _metadata(e, dp, other)]
+            assert not extra, (
+                f"rank {rank} issued {len(extra)} int32[{other}, dp] DP metadata all-reduces too"
+            )
+        packed = [e for e in entries if _metadata(e, dp, rows)]
         assert packed, f"rank {rank} issued no DP metadata all-reduce"
         groups[tuple(packed[0]["ranks"])].append(rank)
         counts[rank] = len(packed)
     for members, ranks in groups.items():
         assert sorted(ranks) == sorted(members), f"DP group {members} recorded only ranks {sorted(ranks)}"
         replica = members[1] - members[0]  # global rank = DP rank x ranks per replica + local rank
-        sequences = {rank: steps(by_rank[rank], dp, replica) for rank in ranks}
+        sequences = {rank: steps(by_rank[rank], dp, replica, rows) for rank in ranks}
         first, *others = ranks
         for rank in others:
             a, b = sequences[first], sequences[rank]

@@ -16,6 +16,9 @@ A tiny Qwen3-MoE (softmax top-k routing, renormalised: the routing of Mixtral an
 Qwen MoE models, which upstream computes with a CUDA kernel) is served with TP=2 + EP
 under each strategy and with DP=2 + EP, against transformers.
 
+Model Runner V2 (opt-in so far) serves the quantized checkpoint with TP=2 + EP under MC2
+and the Qwen3-MoE with DP=2 + EP, each against the same oracle as the V1 runs.
+
 Every engine writes which strategies its MoE layers ran ("Ascend MoE: first step with
 the <name> strategy"), so each test also proves the strategy it forced really ran.
 """
@@ -101,12 +104,16 @@ def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quant
         }
     ]
     runs += _tp2_ep_runs(quantized.path, strategies)
-    result, output = run_spec({"runs": runs}, timeout=1200)
+    # MC2 once more on Model Runner V2: W8A8 layers, TP and EP through V2's forward
+    [v2_run] = _tp2_ep_runs(quantized.path, ["mc2"])
+    runs.append({**v2_run, "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}})
+    result, output = run_spec({"runs": runs}, timeout=1500)
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(runs)
+    assert "Ascend model runner: NPUModelRunnerV2" in output
     tokens = [[r["token_ids"] for r in run["batches"][0]] for run in result["runs"]]
     tied = quantized.check("tp1", PROMPTS, tokens[0])
-    for strategy, got in zip(strategies, tokens[1:]):
+    for strategy, got in zip([*strategies, "mc2 on V2"], tokens[1:]):
         tied |= quantized.check(f"tp2 ep {strategy}", PROMPTS, got)
         for i, (tp1, tp2) in enumerate(zip(tokens[0], got)):
             assert i in tied or tp1 == tp2, (strategy, PROMPTS[i], tp1, tp2)
@@ -181,14 +188,19 @@ DP_SERVERS = {
     ),
     # DP 2 with EP 2, the Qwen3-MoE (softmax routing) against transformers.
     "dp2_ep_qwen3_moe": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
+    # The same on Model Runner V2: its own DP step agreement (one all-reduce per step) with
+    # the Ascend MoE strategies and idle ranks' dummy steps.
+    "dp2_ep_qwen3_moe_v2": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
 }
+V2_SERVERS = {"dp2_ep_qwen3_moe_v2"}
 
 
 @pytest.mark.parametrize("name", DP_SERVERS)
 def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quantized, tmp_path):
     extra, prompts, must_run = DP_SERVERS[name]
     expert_parallel = "--enable-expert-parallel" in extra
-    softmax_routed = name.endswith("qwen3_moe")
+    softmax_routed = "qwen3_moe" in name
+    v2 = name in V2_SERVERS
     quantized_model = expert_parallel and not softmax_routed
     model = (
         tiny_models["qwen3_moe"]
@@ -215,7 +227,8 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
     else:
         expected = dict(zip(prompts, hf_greedy(model, prompts, MAX_TOKENS)))
     recorded = tmp_path / "collectives"
-    with vllm_server(model, args, log, timeout=420, env=dp_collectives.recorder_env(recorded)) as base:
+    env = {**dp_collectives.recorder_env(recorded), "VLLM_USE_V2_MODEL_RUNNER": "1" if v2 else "0"}
+    with vllm_server(model, args, log, timeout=420, env=env) as base:
         # One request alone: the other DP rank has nothing to do and runs dummy steps.
         first = _complete(base, model, prompts[1])
         # Then every prompt at once, spread over both ranks.
@@ -231,9 +244,10 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
         # while the instance is up (a stop may cut the ranks' last step short): one DP metadata
         # collective per step, the same collectives on both DP ranks (docs/data_parallel.md)
         dp_collectives.settle(recorded)
-        steps = dp_collectives.check(recorded, 2)
+        steps = dp_collectives.check(recorded, 2, dp_collectives.V2_ROWS if v2 else dp_collectives.ROWS)
         assert len(steps) == 2 * tp, steps  # every worker of DP 2 x TP tp recorded
     text = log.read_text()
+    assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text
     assert must_run <= _strategies_used(text), (must_run, _strategies_used(text))
     if quantized_model:
         assert "quantization=ascend" in text

@@ -67,9 +67,9 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
             "error: --block-size 16 is not supported by the Ascend NPU attention kernels",
         ),
         (
-            ("--dtype", "bfloat16"),
+            ("--dtype", "bfloat16", "--enable-prompt-embeds"),
             {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-            "error: Model Runner V2 on Ascend does not run the NPU kernels",
+            "error: Model Runner V2 on Ascend does not run prompt embeddings",
         ),
     ],
 )

@@ -47,10 +47,12 @@ def test_what_v2_does_not_run_yet_is_refused_in_one_line(config, named):
     assert named in message and "VLLM_USE_V2_MODEL_RUNNER" in message and "\n" not in message
 
 
-def test_v2_with_the_npu_kernels_is_refused(monkeypatch):
+def test_v2_runs_with_the_npu_kernels(monkeypatch):
+    # end to end through the contract double: tests/engine/test_npu_path.py
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
-    with pytest.raises(AscendConfigError, match="the NPU kernels"):
-        _check_v2_supported(_config())
+    _check_v2_supported(_config())
+    with pytest.raises(AscendConfigError, match="speculative decoding"):
+        _check_v2_supported(_config(spec=object()))
 
 
 def test_requests_v2_cannot_sample_yet_get_an_error(monkeypatch):

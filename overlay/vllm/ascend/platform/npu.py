@@ -167,12 +167,8 @@ def _check_runner(vllm_config: VllmConfig) -> None:
 
 def _check_v2_supported(vllm_config: VllmConfig) -> None:
     """What the Ascend V2 runner does not run yet, refused at start-up in one line."""
-    from vllm.ascend.kernels import npu_kernels
-
     pc = vllm_config.parallel_config
     unsupported = []
-    if npu_kernels():
-        unsupported.append("the NPU kernels (host emulation's reference kernels only, so far)")
     if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
         unsupported.append("context parallelism")
     if vllm_config.speculative_config is not None:

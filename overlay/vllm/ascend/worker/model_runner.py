@@ -12,13 +12,12 @@ import torch
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend.attention.kv_layout import connector_addresses_planes
 from vllm.ascend.kernels import npu_kernels
-from vllm.ascend.worker import dp_step
+from vllm.ascend.worker import dp_step, profiling
 
 logger = init_logger(__name__)
 
@@ -182,20 +181,11 @@ class NPUModelRunner(GPUModelRunner):
 
     # -- memory profiling with attention -------------------------------------------------
     def profile_run(self, randomize_inputs: bool = False) -> None:
-        """Upstream's profile forward, but with attention: a temporary KV cache large
-        enough for the dummy batch lets the attention kernels run (their workspaces are
-        part of the peak), and is released afterwards. Only with the NPU kernels; the
-        reference kernels in host emulation have nothing to size."""
+        """Upstream's profile forward with attention (``worker/profiling.py``), with the
+        NPU kernels only: the reference kernels in host emulation have nothing to size."""
         if not npu_kernels():
             return super().profile_run(randomize_inputs)
-        self._init_profiling_kv_cache()
-        split = self._profile_split(self.max_num_tokens)
-        logger.info(
-            "Memory profile with attention: %d tokens in %d requests, %d KV blocks",
-            sum(split),
-            len(split),
-            self.cache_config.num_gpu_blocks,
-        )
+        profiling.init_profiling_kv_cache(self, self._profile_split(self.max_num_tokens))
         try:
             self._profiling_with_attention = True
             super().profile_run(randomize_inputs)
@@ -209,19 +199,6 @@ class NPUModelRunner(GPUModelRunner):
         split = [num_tokens // num_reqs] * num_reqs
         split[-1] += num_tokens % num_reqs
         return split
-
-    def _init_profiling_kv_cache(self) -> None:
-        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups_from_builder
-
-        block_size = self.cache_config.block_size
-        split = self._profile_split(self.max_num_tokens)
-        blocks = 1 + sum(cdiv(n, block_size) for n in split)  # + vLLM's null block
-        builder = get_kv_cache_config_builder(self.vllm_config)
-        groups = get_kv_cache_groups_from_builder(builder, self.vllm_config, self.get_kv_cache_spec())
-        config = builder.get_kv_cache_config_from_groups(self.vllm_config, groups, num_blocks=blocks)
-        self.initialize_kv_cache(config, is_profiling=True)
-        self.cache_config.num_gpu_blocks = config.num_blocks
 
     def _dummy_run(self, num_tokens: int, *args, **kwargs):
         armed = self._dp_step is not None and self._dp_step.arm(

@@ -6,7 +6,8 @@ are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
 (hook: ``block_tables_cls``). V2 needs no DP step sync of ours (it agrees on a step's
 padding in one all-reduce) and no generator bookkeeping (its sampling noise is a hash
-of seed, position and token, not a generator's state).
+of seed, position and token, not a generator's state). With the NPU kernels its memory
+profile runs attention, as the V1 runner's does (``worker/profiling.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend.kernels import npu_kernels
+from vllm.ascend.worker import profiling
 from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.model_runner import refuse_plane_blind_connector
 
@@ -28,6 +31,7 @@ logger = init_logger(__name__)
 class NPUModelRunnerV2(GPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
         self.device_layer = ascend_device.current()
+        self._profiling_with_attention = False
         super().__init__(vllm_config, device)
 
     @property
@@ -43,3 +47,31 @@ class NPUModelRunnerV2(GPUModelRunner):
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
         refuse_plane_blind_connector(self.vllm_config, is_profiling)
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)
+
+    # -- memory profiling with attention (worker/profiling.py) ---------------------------
+    def profile_run(self, randomize_inputs: bool = False) -> None:
+        if not npu_kernels():
+            return super().profile_run(randomize_inputs)
+        profiling.init_profiling_kv_cache(self, profiling.even_split(self.max_num_tokens, self.max_num_reqs))
+        self._profiling_with_attention = True
+        try:
+            super().profile_run(randomize_inputs)
+        finally:
+            self._profiling_with_attention = False
+            self._release_profiling_kv_cache()
+
+    def _dummy_run(self, num_tokens: int, *args, skip_attn: bool = False, is_profile: bool = False, **kwargs):
+        if is_profile and self._profiling_with_attention:
+            skip_attn = False
+        return super()._dummy_run(num_tokens, *args, skip_attn=skip_attn, is_profile=is_profile, **kwargs)
+
+    def _release_profiling_kv_cache(self) -> None:
+        """Drop the profiling cache before the worker sizes the real one (V2 has no
+        clean-up of its own for this: upstream never profiles with a KV cache)."""
+        self.device_layer.synchronize()
+        self.kv_caches.clear()
+        for layer in self.compilation_config.static_forward_context.values():
+            if hasattr(layer, "kv_cache"):
+                layer.kv_cache = torch.tensor([])
+        del self.kv_cache_config
+        self.cache_config.num_gpu_blocks = None

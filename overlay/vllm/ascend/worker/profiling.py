@@ -1,0 +1,42 @@
+"""The memory profile with attention, for both model runners.
+
+Upstream profiles one forward of the largest batch without attention (a GPU backend's
+workspace is small or pre-allocated). The NPU attention kernels allocate theirs per call,
+so with the NPU kernels the profile forward runs attention too, over a temporary KV cache
+just large enough for the dummy batch (each dummy request attends over its own tokens,
+as a prefill would), released before the real cache is sized."""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+
+logger = init_logger(__name__)
+
+
+def even_split(num_tokens: int, max_num_reqs: int) -> list[int]:
+    """Requests of near-equal length, as both runners' dummy prefill batches split."""
+    num_reqs = min(num_tokens, max_num_reqs)
+    base, extra = divmod(num_tokens, num_reqs)
+    return [base + (i >= num_reqs - extra) for i in range(num_reqs)]
+
+
+def init_profiling_kv_cache(runner, split: list[int]) -> None:
+    """Give ``runner`` a KV cache that holds every request of ``split``, plus vLLM's
+    null block, through upstream's own KV-cache planning."""
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups_from_builder
+
+    vllm_config = runner.vllm_config
+    blocks = 1 + sum(cdiv(n, vllm_config.cache_config.block_size) for n in split)
+    builder = get_kv_cache_config_builder(vllm_config)
+    groups = get_kv_cache_groups_from_builder(builder, vllm_config, runner.get_kv_cache_spec())
+    config = builder.get_kv_cache_config_from_groups(vllm_config, groups, num_blocks=blocks)
+    runner.initialize_kv_cache(config, is_profiling=True)
+    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    logger.info(
+        "Memory profile with attention: %d tokens in %d requests, %d KV blocks",
+        sum(split),
+        len(split),
+        config.num_blocks,
+    )
