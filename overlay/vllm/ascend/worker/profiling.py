@@ -1,8 +1,9 @@
 """The memory profile with attention, for both model runners.
 
 Upstream profiles one forward of the largest batch without attention (a GPU backend's
-workspace is small or pre-allocated). The NPU attention kernels allocate theirs per call,
-so with the NPU kernels the profile forward runs attention too, over a temporary KV cache
+workspace is small or pre-allocated). The NPU attention kernels' workspaces should count
+in the peak (not measured on an NPU), so with the NPU kernels the profile forward runs
+attention too, over a temporary KV cache
 just large enough for the dummy batch (each dummy request attends over its own tokens,
 as a prefill would), released before the real cache is sized."""
 
@@ -15,7 +16,8 @@ logger = init_logger(__name__)
 
 
 def even_split(num_tokens: int, max_num_reqs: int) -> list[int]:
-    """Requests of near-equal length, as both runners' dummy prefill batches split."""
+    """Requests of near-equal length, split as Model Runner V2's dummy batch is (the V1
+    runner's puts the remainder on its last request: ``NPUModelRunner._profile_split``)."""
     num_reqs = min(num_tokens, max_num_reqs)
     base, extra = divmod(num_tokens, num_reqs)
     return [base + (i >= num_reqs - extra) for i in range(num_reqs)]
