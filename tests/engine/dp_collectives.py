@@ -102,9 +102,9 @@ def check(out: Path, dp: int, rows: int = ROWS) -> dict[int, int]:
     return counts
 
 
-def step_counts(out: Path, dp: int) -> dict[int, int]:
+def step_counts(out: Path, dp: int, rows: int = ROWS) -> dict[int, int]:
     """Global rank -> metadata all-reduces recorded so far (cheap; for windows of a run)."""
-    return {rank: sum(_metadata(e, dp, ROWS) for e in entries) for rank, entries in read(out).items()}
+    return {rank: sum(_metadata(e, dp, rows) for e in entries) for rank, entries in read(out).items()}
 
 
 def settle(out: Path, quiet: float = 1.0, timeout: float = 30.0) -> None:

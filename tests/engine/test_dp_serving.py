@@ -31,32 +31,36 @@ SINGLE_REQUEST_BOUND = 90  # seconds for one 12-token request; a DP hang never a
 IDLE_STEPS = 100
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--data-parallel-size", "2"]
 MTP_K = 2
+# The DeepSeek instance on each runner: V2 agrees on a step in its own all-reduce
+# (dp_collectives.V2_ROWS) and its drafter runs through kernels/v2_spec_decode.py.
+MOE = ("moe", "moe_v2")
+V2 = {"moe_v2"}
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
-    recorded = root / "collectives"
-    started = {
-        "moe": VllmServer(
-            tiny_models["deepseek_v3"],
-            [
-                *COMMON,
-                "--enable-expert-parallel",
-                "--speculative-config",
-                f'{{"method": "deepseek_mtp", "num_speculative_tokens": {MTP_K}}}',
-            ],
-            root / "moe.log",
-            dp_collectives.recorder_env(recorded),
-        ),
-        "dense": VllmServer(tiny_models["qwen2"], COMMON, root / "dense.log"),
-    }
+    moe = [
+        *COMMON,
+        "--enable-expert-parallel",
+        "--speculative-config",
+        f'{{"method": "deepseek_mtp", "num_speculative_tokens": {MTP_K}}}',
+    ]
+    started = {}
+    for name in MOE:
+        recorded = root / f"collectives-{name}"
+        env = {
+            **dp_collectives.recorder_env(recorded),
+            "VLLM_USE_V2_MODEL_RUNNER": "1" if name in V2 else "0",
+        }
+        started[name] = VllmServer(tiny_models["deepseek_v3"], moe, root / f"{name}.log", env)
+        started[name].recorded, started[name].model = recorded, tiny_models["deepseek_v3"]
+    started["dense"] = VllmServer(tiny_models["qwen2"], COMMON, root / "dense.log")
+    started["dense"].model = tiny_models["qwen2"]
     try:
         deadline = time.monotonic() + 900
         for server in started.values():
             server.wait(deadline)
-        started["moe"].recorded = recorded
-        started["moe"].model, started["dense"].model = tiny_models["deepseek_v3"], tiny_models["qwen2"]
         yield started
     finally:
         for server in started.values():
@@ -82,7 +86,7 @@ def _complete(server, prompt: str, max_tokens: int = MAX_TOKENS, timeout: float 
     return response.json()["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("kind", [*MOE, "dense"])
 def test_a_single_request_completes_within_a_bound(servers, kind):
     """Fewer requests than DP ranks: the idle rank must not hold the busy one up."""
     server = servers[kind]
@@ -95,7 +99,7 @@ def test_a_single_request_completes_within_a_bound(servers, kind):
     assert got == hf_greedy(server.model, PROMPTS[1:2], MAX_TOKENS)[0]
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("kind", [*MOE, "dense"])
 def test_dp2_equals_transformers_for_concurrent_requests(servers, kind):
     server = servers[kind]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -103,27 +107,33 @@ def test_dp2_equals_transformers_for_concurrent_requests(servers, kind):
     assert got == hf_greedy(server.model, PROMPTS, MAX_TOKENS)
 
 
-def test_one_rank_idles_for_100_steps_while_the_other_serves(servers):
+@pytest.mark.parametrize("kind", MOE)
+def test_one_rank_idles_for_100_steps_while_the_other_serves(servers, kind):
     """One long request: one rank decodes it, the other runs dummy steps all along. Both
     must take the same number of steps (lock step), at least 100, and the output must be
     right."""
-    server = servers["moe"]
+    server = servers[kind]
+    rows = dp_collectives.V2_ROWS if kind in V2 else dp_collectives.ROWS
     dp_collectives.settle(server.recorded)
-    before = dp_collectives.step_counts(server.recorded, 2)
+    before = dp_collectives.step_counts(server.recorded, 2, rows)
     tokens = IDLE_STEPS + 20  # the tiny model's random MTP layer has its drafts mostly rejected
     got = _complete(server, PROMPTS[0], max_tokens=tokens)
     dp_collectives.settle(server.recorded)  # the ranks' last steps may still be being written
-    after = dp_collectives.step_counts(server.recorded, 2)
+    after = dp_collectives.step_counts(server.recorded, 2, rows)
     taken = {rank: after[rank] - before.get(rank, 0) for rank in after}
-    print(f"DP=2 MoE + MTP k={MTP_K}: {tokens} tokens of one request took {taken} steps per rank")
+    print(f"DP=2 MoE + MTP k={MTP_K} ({kind}): {tokens} tokens of one request took {taken} steps per rank")
     assert len(taken) == 2 and len(set(taken.values())) == 1, taken
     assert min(taken.values()) >= IDLE_STEPS, taken
+    # every busy step emits at least one token of the request (and a wave ends with a few
+    # idle steps): two metadata collectives per step would count twice the tokens
+    assert max(taken.values()) < 2 * tokens, taken
     assert got == hf_greedy(server.model, PROMPTS[:1], tokens)[0]
 
 
-def test_one_metadata_collective_per_step_and_identical_sequences(servers):
+@pytest.mark.parametrize("kind", MOE)
+def test_one_metadata_collective_per_step_and_identical_sequences(servers, kind):
     """Runs after the others (module order): checks everything the instance did so far."""
-    server = servers["moe"]
+    server = servers[kind]
     _complete(server, PROMPTS[2])  # at least one step with the drafter after start-up
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     drafts = sum(
@@ -133,8 +143,10 @@ def test_one_metadata_collective_per_step_and_identical_sequences(servers):
     )
     assert drafts > 0, "the drafter never ran: the check below would not cover its coordination"
     dp_collectives.settle(server.recorded)
-    steps = dp_collectives.check(server.recorded, 2)
+    steps = dp_collectives.check(
+        server.recorded, 2, dp_collectives.V2_ROWS if kind in V2 else dp_collectives.ROWS
+    )
     print(
-        f"DP=2 MoE + MTP k={MTP_K}: {steps} steps per rank, one DP metadata collective each "
-        f"(upstream: {1 + min(MTP_K, 2)} per step)"
+        f"DP=2 MoE + MTP k={MTP_K} ({kind}): {steps} steps per rank, one DP metadata collective each "
+        + ("(V2's own step agreement)" if kind in V2 else f"(upstream V1: {1 + min(MTP_K, 2)} per step)")
     )

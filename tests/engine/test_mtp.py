@@ -3,7 +3,7 @@ with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equ
 greedy decoding token for token (Hugging Face transformers, which test_oracle holds
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
 caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
-test_dp_serving.py).
+test_dp_serving.py); on the V1 runner and on Model Runner V2 (the ``v2_`` runs).
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -74,6 +74,10 @@ RUNS = {
         }
     },
 }
+# The same on Model Runner V2 (its drafter and rejection sampler through the torch forms
+# of kernels/v2_spec_decode.py), beside the V1 runs in the same process.
+V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+RUNS.update({f"v2_{name}": {**RUNS[name], "env": V2} for name in ("k2", "k2_preempted", "k2_all_accepted")})
 
 
 @pytest.fixture(scope="module")
@@ -81,30 +85,34 @@ def single_rank(tiny_models):
     model = tiny_models["deepseek_v3"]
     runs = []
     for name, run in RUNS.items():
-        batches = [PROMPTS] if name == "k2_preempted" else [PROMPTS, *([p] for p in SINGLES), PREFIX_PROMPTS]
+        preempted = name.endswith("k2_preempted")
+        batches = [PROMPTS] if preempted else [PROMPTS, *([p] for p in SINGLES), PREFIX_PROMPTS]
         runs.append(
             {
                 "model": str(model),
                 "batches": batches,
                 "max_tokens": MAX_TOKENS,
+                "report_runner": True,
                 **run,
                 "env": {**IN_PROCESS, **run.get("env", {})},
             }
         )
     # Random sampling with a fixed seed: the same request twice in one batch, then again.
-    runs.append(
-        {
-            "model": str(model),
-            "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
-            "max_tokens": MAX_TOKENS,
-            "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
-            "engine": {**ENGINE, "speculative_config": mtp(2)},
-            "env": IN_PROCESS,
-        }
-    )
+    for env in ({}, V2):
+        runs.append(
+            {
+                "model": str(model),
+                "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
+                "max_tokens": MAX_TOKENS,
+                "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
+                "engine": {**ENGINE, "speculative_config": mtp(2)},
+                "report_runner": True,
+                "env": {**IN_PROCESS, **env},
+            }
+        )
     result, output = run_spec({"runs": runs}, timeout=1800)
     clean_shutdown(output)
-    names = [*RUNS, "random"]
+    names = [*RUNS, "random", "v2_random"]
     return model, dict(zip(names, result["runs"])), output
 
 
@@ -115,7 +123,13 @@ def _acceptance(counters: dict) -> tuple[float, float]:
     return (accepted / drafts if drafts else 0.0), (accepted / steps if steps else 0.0)
 
 
-@pytest.mark.parametrize("run", ["k1", "k2"])
+def test_each_run_used_the_runner_it_asked_for(single_rank):
+    _, runs, _ = single_rank
+    for name, run in runs.items():
+        assert run["runner"] == ("NPUModelRunnerV2" if name.startswith("v2_") else "NPUModelRunner"), name
+
+
+@pytest.mark.parametrize("run", ["k1", "k2", "v2_k2"])
 def test_greedy_mtp_equals_plain_decoding(single_rank, run):
     model, runs, _ = single_rank
     batches = runs[run]["batches"]
@@ -182,9 +196,10 @@ def test_mtp_layer_weights_load_from_the_checkpoint(single_rank):
         assert abs(got[name][0] - value) <= 1e-6 * max(1.0, abs(value)), (name, got[name][0], value)
 
 
-def test_greedy_mtp_under_preemption(single_rank):
+@pytest.mark.parametrize("runner", ["", "v2_"])
+def test_greedy_mtp_under_preemption(single_rank, runner):
     model, runs, _ = single_rank
-    run = runs["k2_preempted"]
+    run = runs[runner + "k2_preempted"]
     assert run["counters"].get("vllm:num_preemptions", 0) > 0, run["counters"]
     assert _tokens(run["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
 
@@ -204,12 +219,13 @@ def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
 
 
-def test_accepted_drafts_keep_the_target_exact(single_rank):
+@pytest.mark.parametrize("runner", ["", "v2_"])
+def test_accepted_drafts_keep_the_target_exact(single_rank, runner):
     """Every draft accepted (synthetic mode, k = 2): a request emits its first token, then
     [draft, draft, bonus] per step, so tokens 0, 3, 6, ... are the target's own picks and
     must equal transformers' greedy token after everything emitted before them."""
     model, runs, _ = single_rank
-    run = runs["k2_all_accepted"]
+    run = runs[runner + "k2_all_accepted"]
     rate, per_step = _acceptance(run["counters"])
     assert rate == 1.0 and per_step == 2.0, run["counters"]
     prompts = PROMPTS + SINGLES + PREFIX_PROMPTS
@@ -228,20 +244,23 @@ def test_accepted_drafts_keep_the_target_exact(single_rank):
     assert drafts_unlike_target > 0
 
 
-def test_random_sampling_with_seed_is_reproducible(single_rank):
+@pytest.mark.parametrize("runner", ["", "v2_"])
+def test_random_sampling_with_seed_is_reproducible(single_rank, runner):
     _, runs, _ = single_rank
-    first, second = runs["random"]["batches"]
+    first, second = runs[runner + "random"]["batches"]
     assert first[0]["token_ids"] == first[1]["token_ids"] == second[0]["token_ids"]
     assert len(set(first[0]["token_ids"])) > 1
-    rate, per_step = _acceptance(runs["random"]["counters"])
-    print(f"MTP k2 random sampling: acceptance rate {rate:.3f}, per step {per_step:.3f}")
+    rate, per_step = _acceptance(runs[runner + "random"]["counters"])
+    print(f"MTP k2 random sampling {runner}: acceptance rate {rate:.3f}, per step {per_step:.3f}")
 
 
-def test_mtp_tp2_expert_parallel(tiny_models):
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_mtp_tp2_expert_parallel(tiny_models, runner):
     """TP = 2 with expert parallelism and MC2 forced: the drafter's MoE layer runs through
     the same strategy and groups as the target's (no second group initialisation)."""
     model = tiny_models["deepseek_v3"]
     spec = {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0"},
         "model": str(model),
         "batches": [PROMPTS],
         "max_tokens": MAX_TOKENS,
@@ -257,5 +276,6 @@ def test_mtp_tp2_expert_parallel(tiny_models):
     result, output = run_spec(spec, timeout=1200)
     clean_shutdown(output)
     assert "first step with the mc2 strategy" in output
+    assert f"Ascend model runner: NPUModelRunner{'V2' if runner == 'v2' else ''}\n" in output
     assert _tokens(result["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert result["counters"]["vllm:spec_decode_num_draft_tokens"] > 0

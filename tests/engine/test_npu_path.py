@@ -17,9 +17,8 @@ quantized test below, where it is forced; the A3 MC2 arguments run in
 tests/unit/moe/test_moe_strategies.py (hidden size 1024).
 Qwen2 and the MLA model run a fourth engine with context parallelism (PCP=2; TP=2 with
 DCP=2): decode with the log-sum-exp and the cross-rank correction npu_attention_update,
-and a fifth on Model Runner V2 (TP=2, with expert parallelism for the MoE model, no MTP:
-V2 refuses speculative decoding so far), whose model forward must make no host read
-either.
+and a fifth on Model Runner V2 (TP=2, with expert parallelism and MTP k=2 for the MoE
+model), whose model forward must make no host read either.
 The NPU runs must produce the reference's greedy tokens for every
 prompt (prefill, chunked prefill with 128-token steps, prefix-cache hits over 128-token
 blocks, decode). Two implementations may legitimately pick different tokens only where the
@@ -170,8 +169,12 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
             engine.update(CONTEXT_PARALLEL[arch], distributed_executor_backend="mp")
         if name == "npu_v2":
             engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
-            if arch == MLA512:
-                engine.update(enable_expert_parallel=True)
+            if arch == MLA512:  # V2's drafter and rejection sampler: kernels/v2_spec_decode.py
+                engine.update(
+                    enable_expert_parallel=True,
+                    speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
+                    disable_log_stats=False,
+                )
         if name in ("npu_tp1", "npu_cp"):  # several history chunks: dense TND calls + npu_attention_update
             env = {**env, "VLLM_ASCEND_PREFILL_CHUNK_TOKENS": "192"}
         if name != "reference":
@@ -222,7 +225,8 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         warnings.warn(line, NearTieDivergence, stacklevel=2)
 
     if arch == MLA512:  # the drafter really drafted and the target really verified
-        assert outputs["npu_tp2"]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+        for name in ("npu_tp2", "npu_v2"):
+            assert outputs[name]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0, name
 
     assert not _call_counts(tmp_path / "reference"), "the reference run must not call torch_npu"
     for name in npu_runs:

@@ -60,6 +60,9 @@ MLA = {
         {},
     ),
 }
+# On Model Runner V2 (the rest on V1): V1 prefill -> V2 decode (2P1D, 1P2D, the killed-decode
+# fault case) and V2 prefill -> V1 decode (DeepSeek-V3 TP2 + EP -> DP2 + EP).
+V2_INSTANCES = {"d_tp1", "p_ds"}
 PROXIES = {
     "2p1d": (["p_tp1", "p_pcp2"], ["d_tp1"]),
     "1p2d": (["p_tp1"], ["d_tp1", "d_dcp2"]),
@@ -124,6 +127,7 @@ def _instance(model, name: str, spec, tmp) -> VllmServer:
             *args,
         ],
         tmp / f"{name}.log",
+        env={"VLLM_USE_V2_MODEL_RUNNER": "1"} if name in V2_INSTANCES else None,
     )
     server.kv_port, server.model = kv_port, model
     return server
@@ -281,6 +285,12 @@ def test_xpyd_equals_transformers_for_16_concurrent_requests(cluster, pair):
     assert sum(after[n] - before[n] for n in prefill) == 16
     assert sum(after[n] - before[n] for n in decode) == 16
     assert all(after[n] > before[n] for n in prefill + decode), (before, after)
+
+
+def test_each_instance_runs_the_runner_it_was_given(cluster):
+    for name in (*GQA, *MLA):
+        v2 = "V2" if name in V2_INSTANCES else ""
+        assert f"Ascend model runner: NPUModelRunner{v2}\n" in cluster[name].log.read_text(), name
 
 
 @pytest.mark.parametrize("pair", ["cp", "ds"])

@@ -1,5 +1,5 @@
 """Model Runner V2's kernels: the Ascend torch forms (vllm.ascend.kernels.v2_runner,
-vllm.ascend.kernels.v2_sampling and the block tables of vllm.ascend.worker.block_tables) against upstream's own Triton
+v2_sampling and v2_spec_decode, and the block tables of vllm.ascend.worker.block_tables) against upstream's own Triton
 kernels run unchanged by Triton's interpreter in a process of its own
 (``v2_kernel_cases.py``: the same random cases through upstream's launchers on both
 sides). The torch forms also run under a guard that fails on any read-back to the host."""

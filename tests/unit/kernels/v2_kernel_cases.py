@@ -1,7 +1,7 @@
 """Random cases for Model Runner V2's kernels, run two ways: through upstream's Triton
 kernels under Triton's interpreter (the oracle: upstream's code unchanged, in a process
 of its own, ``python -m tests.unit.kernels.v2_kernel_cases OUT``) and through the
-Ascend torch forms (``vllm.ascend.kernels.v2_runner`` and ``v2_sampling``, the block tables of
+Ascend torch forms (``vllm.ascend.kernels.v2_runner``, ``v2_sampling`` and ``v2_spec_decode``, the block tables of
 ``vllm.ascend.worker.block_tables``) in the test process. Each case calls upstream's own
 launcher (or drives a block-tables object) and returns every tensor it touched."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import SimpleNamespace
 
 if __name__ == "__main__":
     # The interpreter runs upstream's kernels on host tensors. vLLM takes Triton as
@@ -482,6 +483,206 @@ def case_block_tables_slots(g, side, guard):
     with guard():
         out = tables.compute_slot_mappings(idx, qsl, positions, padded)
     return [out, tables.slot_mappings]
+
+
+# -- speculative decoding (kernels/v2_spec_decode.py) -----------------------------------
+SPEC_STEPS = 3
+SPEC_VOCAB = 8300  # two of the statistics' 8192-wide blocks, nine of the resampler's 1024
+
+
+def _spec_batch(g):
+    """Requests with 0..SPEC_STEPS drafts each: (n, request slots, cu_num_logits,
+    each row's request slot, each row's position inside its request)."""
+    n, idx, _ = _batch(g)
+    per = _ints(g, SPEC_STEPS + 2, (n,), low=1)
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[1:] = per.cumsum(0)
+    expanded = idx.repeat_interleave(per.long())
+    local = torch.cat([torch.arange(int(k), dtype=torch.int32) for k in per])
+    return n, idx, cu, expanded, local
+
+
+def case_gather_draft_sampled(g, side, guard):
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+    n, idx, cu, expanded, local = _spec_batch(g)
+    rows = int(cu[-1])
+    input_ids = _ints(g, VOCAB, (rows + 5,))
+    positions = _ints(g, 40, (rows + 5,), torch.int64)
+    logits_indices = torch.randperm(rows + 5, generator=g)[:rows].to(torch.int64)
+    prefill_len = _ints(g, 40, (MAX_REQS,), low=1)
+    with guard():
+        draft, pos = gather_draft_sampled(input_ids, positions, logits_indices, expanded, local, prefill_len)
+    return [draft, pos]
+
+
+def case_flatten_sampled(g, side, guard):
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler
+
+    n, _, cu, _, _ = _spec_batch(g)
+    sampled = _ints(g, VOCAB, (n, SPEC_STEPS + 1), torch.int64)
+    num_sampled = torch.minimum(_ints(g, SPEC_STEPS + 2, (n,), low=1), (cu[1:] - cu[:-1]))
+    flat = torch.zeros(int(cu[-1]), dtype=torch.int64)
+    with guard():
+        rejection_sampler._flatten_sampled_kernel[(n,)](flat, sampled, sampled.stride(0), num_sampled, cu)
+    return [flat]
+
+
+def _interpreter_log1p() -> None:
+    """Triton's interpreter has no libdevice; upstream's resampler (draft-logits residual)
+    calls ``tldevice.log1p``: the oracle gets numpy's, on the interpreter's own tensors."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
+
+    def log1p(x):
+        return tl.tensor(TensorHandle(np.log1p(x.handle.data), x.handle.dtype), x.type)
+
+    rejection_sampler_utils.tldevice = SimpleNamespace(log1p=log1p)
+
+
+def case_rejection_sample(g, side, guard):
+    """Upstream's whole standard rejection sampler (statistics, the accept/reject walk,
+    resampling, insertion) over greedy and random requests and placeholder drafts, for
+    each of: one-hot drafts or the draft's logits, real or synthetic acceptance, float32
+    or float64 noise."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
+
+    if side == "oracle":
+        _interpreter_log1p()
+    out = []
+    for flags in range(8):
+        n, idx, cu, expanded, local = _spec_batch(g)
+        rows = int(cu[-1])
+        logits = torch.randn(rows, SPEC_VOCAB, generator=g) * 2
+        draft_sampled = _ints(g, SPEC_VOCAB, (rows,), torch.int64)
+        # most drafts are the target's argmax, so walks go past their first draft
+        lucky = (torch.rand(rows, generator=g) < 0.7) & (local > 0)
+        logits[lucky.nonzero()[:, 0] - 1, draft_sampled[lucky]] += 12.0
+        draft_sampled[(torch.rand(rows, generator=g) < 0.1) & (local > 0)] = -1  # placeholders
+        temp = torch.rand(MAX_REQS, generator=g) + 0.5
+        temp[torch.randperm(MAX_REQS, generator=g)[:3]] = 0.0
+        seeds = torch.randint(-(2**62), 2**62, (MAX_REQS,), generator=g, dtype=torch.int64)
+        pos = _ints(g, 1000, (rows,), torch.int64)
+        draft_logits = torch.randn(MAX_REQS, SPEC_STEPS, SPEC_VOCAB, generator=g) * 2 if flags & 1 else None
+        rates = torch.tensor([0.9, 0.6, 0.3]) if flags & 2 else None
+        with guard():
+            sampled, num_sampled = rejection_sample(
+                logits,
+                draft_logits,
+                draft_sampled,
+                cu,
+                pos,
+                idx,
+                expanded,
+                local,
+                temp,
+                seeds,
+                SPEC_STEPS,
+                rates,
+                use_fp64=bool(flags & 4),
+            )
+        # entries past num_sampled are left unwritten (torch.empty) on both sides
+        kept = torch.arange(SPEC_STEPS + 1)[None, :] < num_sampled[:, None]
+        out += [torch.where(kept, sampled, -2), num_sampled]
+    return out
+
+
+def _draft_buffers(g):
+    return SimpleNamespace(
+        input_ids=_ints(g, VOCAB, (64,)),
+        positions=_ints(g, MODEL_LEN, (64,), torch.int64),
+        query_start_loc=_ints(g, 64, (MAX_REQS + 1,)),
+        seq_lens=_ints(g, MODEL_LEN, (MAX_REQS,)),
+    )
+
+
+def case_draft_prefill_inputs(g, side, guard):
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepare_prefill_inputs
+
+    n, idx, qsl = _batch(g)
+    tokens = int(qsl[-1])
+    batch = SimpleNamespace(
+        num_reqs=n,
+        input_ids=_ints(g, VOCAB, (tokens,)),
+        positions=_ints(g, MODEL_LEN, (tokens,), torch.int64),
+        idx_mapping=idx,
+        query_start_loc=qsl,
+        seq_lens=_ints(g, MODEL_LEN, (n,), low=1),
+    )
+    buffers = _draft_buffers(g)
+    qlen = qsl[1:] - qsl[:-1]
+    num_rejected = torch.minimum(_ints(g, 3, (n,)), qlen - 1)
+    num_sampled = _ints(g, 3, (n,))
+    last_sampled = _ints(g, VOCAB, (MAX_REQS, 1), torch.int64)
+    next_prefill = _ints(g, VOCAB, (MAX_REQS,))
+    last_token_indices = _ints(g, 64, (MAX_REQS,), torch.int64)
+    step = torch.tensor(2, dtype=torch.int64)
+    with guard():
+        prepare_prefill_inputs(
+            last_token_indices,
+            step,
+            buffers,
+            batch,
+            num_sampled,
+            num_rejected,
+            last_sampled,
+            next_prefill,
+            MAX_REQS,
+        )
+    return [last_token_indices, step, *vars(buffers).values()]
+
+
+def case_draft_decode_inputs(g, side, guard):
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepare_decode_inputs
+
+    n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
+    drafts = _ints(g, VOCAB, (MAX_REQS, SPEC_STEPS), torch.int64)
+    target_seq_lens = _ints(g, MODEL_LEN + 1, (n,), low=4)
+    num_rejected = _ints(g, 3, (n,))
+    buffers = _draft_buffers(g)
+    buffers.positions[:n] = torch.where(
+        torch.rand(n, generator=g) < 0.3, MODEL_LEN - 1, buffers.positions[:n]
+    )
+    sample_src = _ints(g, 99, (MAX_REQS,), torch.int64)
+    advance = bool(torch.randint(0, 2, (1,), generator=g))
+    with guard():
+        prepare_decode_inputs(
+            drafts[:n, 0], target_seq_lens, num_rejected, buffers, sample_src, MODEL_LEN, MAX_REQS, advance
+        )
+    return [sample_src, *vars(buffers).values()]
+
+
+def case_update_draft_inputs(g, side, guard):
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import update_draft_inputs
+
+    n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
+    hidden = 40
+    drafts = _ints(g, VOCAB, (n,), torch.int64)
+    step = torch.tensor(int(torch.randint(0, SPEC_STEPS, (1,), generator=g)), dtype=torch.int64)
+    hidden_states = torch.randn(n + 2, hidden, generator=g)
+    out = _ints(g, VOCAB, (MAX_REQS, SPEC_STEPS), torch.int64)
+    next_hidden = torch.randn(MAX_REQS, hidden, generator=g)
+    buffers = _draft_buffers(g)
+    sample_src = _ints(g, 99, (MAX_REQS,), torch.int64)
+    advance = bool(torch.randint(0, 2, (1,), generator=g))
+    with guard():
+        update_draft_inputs(
+            drafts,
+            step,
+            hidden_states,
+            out,
+            next_hidden,
+            buffers,
+            sample_src,
+            n,
+            MODEL_LEN,
+            SPEC_STEPS,
+            advance,
+        )
+    return [out, next_hidden, sample_src, *vars(buffers).values()]
 
 
 CASES = {name.removeprefix("case_"): fn for name, fn in dict(globals()).items() if name.startswith("case_")}

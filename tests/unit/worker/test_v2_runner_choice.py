@@ -29,13 +29,22 @@ def test_plain_configuration_runs_on_v2():
     _check_v2_supported(_config())
 
 
+def test_mtp_runs_on_v2():
+    # end to end: tests/engine/test_mtp.py (the v2_ runs)
+    _check_v2_supported(_config(spec=SimpleNamespace(method="mtp")))
+
+
+def test_kv_transfer_runs_on_v2():
+    # end to end (V2 decode and V2 prefill beside V1 instances): tests/engine/test_pd_serving.py
+    _check_v2_supported(_config(kv=object()))
+
+
 @pytest.mark.parametrize(
     "config, named",
     [
         (_config(dcp=2), "context parallelism"),
         (_config(pcp=2), "context parallelism"),
-        (_config(spec=object()), "speculative decoding"),
-        (_config(kv=object()), "KV transfer"),
+        (_config(spec=SimpleNamespace(method="eagle3")), "speculative method 'eagle3'"),
         (_config(model=SimpleNamespace(enable_prompt_embeds=True, uses_mrope=False)), "prompt embeddings"),
         (_config(model=SimpleNamespace(enable_prompt_embeds=False, uses_mrope=True)), "M-RoPE"),
     ],
@@ -51,8 +60,8 @@ def test_v2_runs_with_the_npu_kernels(monkeypatch):
     # end to end through the contract double: tests/engine/test_npu_path.py
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     _check_v2_supported(_config())
-    with pytest.raises(AscendConfigError, match="speculative decoding"):
-        _check_v2_supported(_config(spec=object()))
+    with pytest.raises(AscendConfigError, match="context parallelism"):
+        _check_v2_supported(_config(pcp=2))
 
 
 def test_requests_v2_cannot_sample_yet_get_an_error(monkeypatch):

@@ -116,7 +116,9 @@ def build_app(
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 instance.in_flight -= 1
                 pool.mark_down(instance, e)
-            except httpx.RemoteProtocolError as e:  # closed before answering: try again, do not rest it
+            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+                # closed (or reset: a busy host sends RST) before answering, as a keep-alive
+                # connection the far end timed out is: try again, do not rest it
                 instance.in_flight -= 1
                 logger.warning(
                     "%s instance %s dropped the connection (%s); trying again", pool.role, instance.url, e

@@ -142,11 +142,13 @@ def _register_kernel_overrides() -> None:
     from vllm.ascend.kernels.spec_decode import register_spec_decode_overrides
     from vllm.ascend.kernels.v2_runner import register_v2_runner_overrides
     from vllm.ascend.kernels.v2_sampling import register_v2_sampling_overrides
+    from vllm.ascend.kernels.v2_spec_decode import register_v2_spec_decode_overrides
 
     register_slot_mapping_override()
     register_spec_decode_overrides()
     register_v2_runner_overrides()
     register_v2_sampling_overrides()
+    register_v2_spec_decode_overrides()
 
 
 def _adjust(what: str, reason: str) -> None:
@@ -171,10 +173,10 @@ def _check_v2_supported(vllm_config: VllmConfig) -> None:
     unsupported = []
     if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
         unsupported.append("context parallelism")
-    if vllm_config.speculative_config is not None:
-        unsupported.append("speculative decoding")
-    if vllm_config.kv_transfer_config is not None:
-        unsupported.append("KV transfer")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method != "mtp":
+        # the torch forms (kernels/v2_spec_decode.py) cover the MTP drafter's kernels
+        unsupported.append(f"speculative method {spec.method!r} (MTP runs)")
     if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
         unsupported.append("watermarking or HiSparse")
     model = vllm_config.model_config

@@ -1,8 +1,9 @@
 """Start-up checks for ``--speculative-config`` on the Ascend platform.
 
 Upstream's drafter, rejection sampler and MTP model run unchanged; the platform supplies
-their kernels (``kernels/spec_decode.py``), the side-stream copy of the draft tokens
-(``worker/model_runner.py``) and multi-token decode rows in MLA (``attention/mla.py``).
+their kernels (``kernels/spec_decode.py``; on Model Runner V2 ``kernels/v2_spec_decode.py``),
+the side-stream copy of the draft tokens (V1: ``worker/model_runner.py``) and multi-token
+decode rows in MLA (``attention/mla.py``).
 What this platform has not been built or tested for is refused here, in one line.
 """
 
@@ -37,8 +38,8 @@ def validate_speculative_config(vllm_config) -> None:
         )
     if spec.rejection_sample_method == "block":
         raise ValueError(
-            "speculative rejection_sample_method 'block' runs only in upstream's V2 model "
-            "runner, which the Ascend platform does not use: use 'standard'"
+            "speculative rejection_sample_method 'block' runs upstream Triton kernels with "
+            "no Ascend implementation: use 'standard'"
         )
     if spec.rejection_sample_method == "fly":
         raise ValueError(
