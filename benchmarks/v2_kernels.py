@@ -9,8 +9,10 @@ contexts): the launchers a greedy/random step calls (positions and sequence leng
 sampled-token placement, block-table gather, slot mapping, a staged block-table write,
 Gumbel sampling at mixed temperatures, sampled counts, post-update), each timed as the
 median of ``--repeats`` calls, and their sum: the host time one step spends in these
-kernels. The interpreter side runs in a process of its own (vLLM must see Triton usable
-there). Host numbers on this machine, not NPU time.
+kernels; then what MTP with two draft tokens adds (the standard rejection sampler over
+three logits rows per request, the draft step's input kernels). The interpreter side
+runs in a process of its own (vLLM must see Triton usable there). Host numbers on this
+machine, not NPU time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 BLOCK = 128
 CONTEXT = 2048
 MAX_REQS = 256
+MTP_STEPS = 2
 
 
 def _scenario(batch: int, vocab: int, side: str):
@@ -70,6 +73,50 @@ def _scenario(batch: int, vocab: int, side: str):
         state.stage_write_elem(int(idx[0]), 5)
         state.apply_write()
 
+    # MTP k=2: every request verifies two drafts (3 logits rows), then drafts again
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar import speculator as tdar
+
+    k = MTP_STEPS
+    spec_cu = torch.arange(batch + 1, dtype=torch.int32) * (k + 1)
+    spec_rows = batch * (k + 1)
+    spec_logits = torch.randn(spec_rows, vocab, generator=g)
+    spec_drafts = torch.randint(0, vocab, (spec_rows,), generator=g)
+    spec_expanded = idx.repeat_interleave(k + 1)
+    spec_local = torch.arange(k + 1, dtype=torch.int32).repeat(batch)
+    spec_pos = torch.arange(spec_rows, dtype=torch.int64) + CONTEXT
+    draft_tokens = torch.randint(0, vocab, (MAX_REQS, k), generator=g)
+    buffers = SimpleNamespace(
+        input_ids=torch.zeros(batch * 4, dtype=torch.int32),
+        positions=torch.zeros(batch * 4, dtype=torch.int64),
+        query_start_loc=torch.zeros(MAX_REQS + 1, dtype=torch.int32),
+        seq_lens=torch.zeros(MAX_REQS, dtype=torch.int32),
+    )
+    sample_src = torch.zeros(MAX_REQS, dtype=torch.int64)
+    hidden = torch.randn(batch, 1024, generator=g)
+    next_hidden = torch.zeros(MAX_REQS, 1024)
+    step = torch.tensor(0, dtype=torch.int64)
+    zeros = torch.zeros(batch, dtype=torch.int32)
+
+    def draft_inputs():
+        tdar.prepare_decode_inputs(
+            draft_tokens[:batch, 0], seq_lens[:batch], zeros, buffers, sample_src, 4096, MAX_REQS
+        )
+        tdar.update_draft_inputs(
+            draft_tokens[:batch, 0],
+            step,
+            hidden,
+            draft_tokens,
+            next_hidden,
+            buffers,
+            sample_src,
+            batch,
+            4096,
+            k,
+        )
+
     return {
         "positions and seq_lens": lambda: ib.prepare_pos_seq_lens(idx, qsl, computed, positions, seq_lens),
         "sampled-token placement": lambda: ib.combine_sampled_and_draft_tokens(
@@ -96,6 +143,20 @@ def _scenario(batch: int, vocab: int, side: str):
             all_ids,
             total.clone(),
         ),
+        "MTP: verification": lambda: rejection_sample(
+            spec_logits,
+            None,
+            spec_drafts,
+            spec_cu,
+            spec_pos,
+            idx,
+            spec_expanded,
+            spec_local,
+            temperature,
+            seeds,
+            k,
+        ),
+        "MTP: draft-step inputs": draft_inputs,
     }
 
 
@@ -147,8 +208,11 @@ def main() -> None:
         other = interp_ms.get(name)
         ratio = f"{other / ms:8.0f}x" if other else ""
         print(f"{name:26} {ms:15.3f} {other if other is not None else float('nan'):15.3f} {ratio}")
-    total, other_total = sum(torch_ms.values()), sum(interp_ms.values()) if interp_ms else float("nan")
-    print(f"{'one step':26} {total:15.3f} {other_total:15.3f} {other_total / total:8.0f}x")
+    for label, mtp in (("one step", False), ("added by MTP k=2", True)):
+        names = [name for name in torch_ms if name.startswith("MTP: ") == mtp]
+        total = sum(torch_ms[n] for n in names)
+        other_total = sum(interp_ms[n] for n in names) if interp_ms else float("nan")
+        print(f"{label:26} {total:15.3f} {other_total:15.3f} {other_total / total:8.0f}x")
 
 
 if __name__ == "__main__":

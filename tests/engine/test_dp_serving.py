@@ -86,6 +86,15 @@ def _complete(server, prompt: str, max_tokens: int = MAX_TOKENS, timeout: float 
     return response.json()["choices"][0]["token_ids"]
 
 
+def test_each_instance_runs_the_runner_it_was_given(servers):
+    for kind in (*MOE, "dense"):
+        v2 = kind in V2
+        text = servers[kind].log.read_text()
+        assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text, kind
+        # sync on V1, and on V2 with MTP (docs/runtime.md)
+        assert "Ascend model runner scheduling: sync\n" in text, kind
+
+
 @pytest.mark.parametrize("kind", [*MOE, "dense"])
 def test_a_single_request_completes_within_a_bound(servers, kind):
     """Fewer requests than DP ranks: the idle rank must not hold the busy one up."""

@@ -1,8 +1,8 @@
 """Model Runner V2 (opt-in) against the V1 runner, the same model and prompts in one
 runner process: the sampling options whose V2 kernels run as the Ascend torch forms
 (penalties, logit bias, allowed tokens, min tokens with stop ids, bad words, min-p,
-logprobs and prompt logprobs) give the same greedy tokens and logprobs as V1's torch
-sampler, an implementation that shares no code with them."""
+logprobs and prompt logprobs, the thinking-token budget) give the same greedy tokens and
+logprobs as V1's torch sampler, an implementation that shares no code with them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ import pytest
 from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.prompts import PROMPTS
 
-ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "enable_prefix_caching": False}
+# Reasoning markers for the thinking budget: pieces of the tiny Llama's vocabulary that some
+# prompts contain (its vocabulary is random byte pairs; no model here reasons).
+REASONING = {"reasoning_start_str": " and", "reasoning_end_str": " done"}
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "seed": 0,
+    "enable_prefix_caching": False,
+    "reasoning_config": REASONING,
+}
 BATCHES = {  # name -> the sampling options of one batch (greedy, 16 tokens)
     "plain": {},
     "penalties": {"repetition_penalty": 1.4, "frequency_penalty": 0.6, "presence_penalty": 0.4},
@@ -24,6 +33,8 @@ BATCHES = {  # name -> the sampling options of one batch (greedy, 16 tokens)
     "bad_words": {"bad_words": ["pon", "pro", "mil", "arned", "of"]},
     "min_p": {"min_p": 0.2},
     "logprobs": {"logprobs": 3, "prompt_logprobs": 2},
+    # a prompt ending its reasoning marker's span beyond the budget gets the end forced
+    "thinking_budget": {"thinking_token_budget": 2},
 }
 
 
@@ -59,7 +70,7 @@ def _close(a, b, what):
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_v2_samples_as_v1(outputs, name):
+def test_v2_samples_as_v1(outputs, name, tiny_models):
     v1, v2 = outputs[name]
     assert [r["token_ids"] for r in v2] == [r["token_ids"] for r in v1]
     if name == "plain":
@@ -68,6 +79,13 @@ def test_v2_samples_as_v1(outputs, name):
     plain = [r["token_ids"] for r in outputs["plain"][0]]
     if name not in ("logprobs", "min_p"):  # these do not change greedy tokens
         assert [r["token_ids"] for r in v1] != plain, name
+    if name == "thinking_budget":  # the end marker was forced, right away, for some prompts
+        from transformers import AutoTokenizer
+
+        end = AutoTokenizer.from_pretrained(tiny_models["llama"]).encode(
+            REASONING["reasoning_end_str"], add_special_tokens=False
+        )
+        assert any(r["token_ids"][: len(end)] == end for r in v2), (end, [r["token_ids"] for r in v2])
     if name == "logprobs":
         for i, (a, b) in enumerate(zip(v1, v2)):
             for step, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"])):

@@ -248,6 +248,7 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
         assert len(steps) == 2 * tp, steps  # every worker of DP 2 x TP tp recorded
     text = log.read_text()
     assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text
+    assert f"Ascend model runner scheduling: {'async' if v2 else 'sync'}\n" in text
     assert must_run <= _strategies_used(text), (must_run, _strategies_used(text))
     if quantized_model:
         assert "quantization=ascend" in text

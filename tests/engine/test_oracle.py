@@ -78,6 +78,9 @@ def served(tiny_models):
             clean_shutdown(output)  # no traceback from an engine core, no force-kill
             cache[arch] = {name: run["batches"] for name, run in zip(ENGINES, result["runs"])}
             cache[arch]["runners"] = {name: run["runner"] for name, run in zip(ENGINES, result["runs"])}
+            cache[arch]["async"] = {
+                name: run["async_scheduling"] for name, run in zip(ENGINES, result["runs"])
+            }
         return cache[arch]
 
     return get
@@ -111,11 +114,14 @@ def test_tensor_parallel_2_equals_1(arch, tiny_models, served):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_model_runner_v2_matches_transformers(arch, tiny_models, served):
-    """Model Runner V2 with chunked prefill and prefix caching, the other in-process
-    engines on V1 (the default), in the same process."""
+    """Model Runner V2 with chunked prefill and prefix caching (and async scheduling), the
+    other in-process engines on V1 (the default), in the same process."""
     runners = served(arch)["runners"]
     assert runners["v2"] == "NPUModelRunnerV2"
     assert runners["prefix"] == runners["chunked"] == "NPUModelRunner"
+    # V2 keeps upstream's default async scheduling; the platform turns it off for V1
+    scheduling = served(arch)["async"]
+    assert scheduling["v2"] and not scheduling["prefix"] and not scheduling["tp2"], scheduling
     batches = served(arch)["v2"]
     assert max(r["prompt_len"] for r in batches[0]) > 2 * CHUNK_BUDGET
     assert _tokens(batches[0]) == hf_greedy(tiny_models[arch], PROMPTS)

@@ -16,7 +16,8 @@ with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
 prefix cache). Output per run: {"batches": [[{"token_ids": [...], "logprobs": [[[id,
 lp], ...] per step] and "prompt_logprobs" (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
-"chats": [...], "startup_s": t, "generate_s": t (all batches), "counters": {name: value}}
+"chats": [...], "startup_s": t, "generate_s": t (all batches), "counters": {name: value}, "async_scheduling": bool (the
+engine's final setting)}
 (vLLM's counter metrics, when the engine has ``"disable_log_stats": false``); with "runs"
 the output is {"runs": [...]}.
 """
@@ -66,6 +67,7 @@ def _run(spec: dict) -> dict:
         counters = _counters(llm)
         drafter = llm.collective_rpc(_drafter_parameters)[0] if spec.get("drafter_parameters") else None
         runner = llm.collective_rpc(_runner_class)[0] if spec.get("report_runner") else None
+        async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -87,6 +89,7 @@ def _run(spec: dict) -> dict:
         "counters": counters,
         "drafter_parameters": drafter,
         "runner": runner,
+        "async_scheduling": async_scheduling,
         "kv_dump": kv_dump,
     }
 

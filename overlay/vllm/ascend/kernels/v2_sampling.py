@@ -1,7 +1,8 @@
 """Torch forms of Model Runner V2's logits-processing kernels (``vllm/v1/worker/gpu/sample``
 and the grammar bitmask of ``structured_outputs.py``): min-p, the repetition/frequency/
 presence penalties and the token counts they read, allowed token ids / logit bias /
-min-tokens, bad words, logprobs and ranks, and structured-output bitmasks. Same contract as ``v2_runner.py``: each has
+min-tokens, bad words, logprobs and ranks, structured-output bitmasks and thinking-token
+budgets. Same contract as ``v2_runner.py``: each has
 its Triton kernel's signature, fills the same outputs, takes every size from the tensors
 and reads nothing back to the host. Scatters that may meet the same token twice count
 with ``scatter_add_`` and compare with zero, so duplicates and masked-out padding never
@@ -378,6 +379,153 @@ def apply_grammar_bitmask(
     logits_ptr[:, :vocab].masked_fill_(hits > 0, _NEG_INF)
 
 
+# -- thinking_budget.py -----------------------------------------------------------------
+def _marker_hits(
+    tokens: torch.Tensor, marker: torch.Tensor, length: int, limit: torch.Tensor
+) -> torch.Tensor:
+    """[rows, width]: ``marker`` (``length`` ids) starts at column p and ends by ``limit``."""
+    width = tokens.shape[1]
+    padded = torch.nn.functional.pad(tokens, (0, length), value=-1)
+    hit = torch.arange(width, device=tokens.device)[None, :] + length <= limit[:, None]
+    for j in range(length):
+        hit = hit & (padded[:, j : j + width] == marker[j])
+    return hit
+
+
+def _last(hit: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """The last column with a hit in each row, else ``fallback``."""
+    column = torch.arange(hit.shape[1], device=hit.device)[None, :]
+    return torch.where(hit.any(dim=1), torch.where(hit, column, -1).max(dim=1).values, fallback)
+
+
+def update_committed_marker_cache(
+    req_ids_ptr,
+    thinking_token_budget_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    total_len_ptr,
+    cached_last_start_ptr,
+    cached_last_end_ptr,
+    cached_scan_pos_ptr,
+    reasoning_start_token_ids_ptr,
+    natural_reasoning_end_token_ids_ptr,
+    START_LEN,
+    NATURAL_END_LEN,
+    MAX_LEN,
+    BLOCK,
+    **launch,
+):
+    """The last reasoning start and natural end markers in each budgeted request's
+    committed tokens: a first scan takes the nearest block (of ``BLOCK`` tokens, counted
+    back from the end) holding any marker; later ones extend the cached markers over the
+    tokens added since."""
+    req = req_ids_ptr.long()
+    if req.shape[0] == 0:
+        return
+    total = total_len_ptr[req].long()
+    scan = cached_scan_pos_ptr[req].long()
+    last_start = cached_last_start_ptr[req].long()
+    last_end = cached_last_end_ptr[req].long()
+    reset = scan > total
+    scan = torch.where(reset, 0, scan)
+    last_start = torch.where(reset, -1, last_start)
+    last_end = torch.where(reset, -1, last_end)
+    cold = (scan == 0) & (last_start < 0) & (last_end < 0)
+
+    tokens = all_token_ids_ptr[req]
+    start_hit = _marker_hits(tokens, reasoning_start_token_ids_ptr, int(START_LEN), total)
+    end_hit = _marker_hits(tokens, natural_reasoning_end_token_ids_ptr, int(NATURAL_END_LEN), total)
+    column = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    since = column >= scan[:, None]
+    warm_start = _last(start_hit & since, last_start)
+    warm_end = _last(end_hit & since, last_end)
+    block = (total[:, None] - 1 - column) // int(BLOCK)
+    nearest = torch.where(start_hit | end_hit, block, torch.iinfo(torch.int64).max).min(dim=1).values
+    in_nearest = block == nearest[:, None]
+    cold_start = _last(start_hit & in_nearest, torch.full_like(total, -1))
+    cold_end = _last(end_hit & in_nearest, torch.full_like(total, -1))
+
+    active = thinking_token_budget_ptr[req] >= 0
+    updates = (
+        (cached_last_start_ptr, torch.where(cold, cold_start, warm_start)),
+        (cached_last_end_ptr, torch.where(cold, cold_end, warm_end)),
+        (cached_scan_pos_ptr, (total - (int(MAX_LEN) - 1)).clamp(min=0)),
+    )
+    for cache, value in updates:
+        cache[req] = torch.where(active, value.to(cache.dtype), cache[req])
+
+
+def apply_thinking_budget(
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    thinking_token_budget_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    total_len_ptr,
+    input_ids_ptr,
+    expanded_local_pos_ptr,
+    cached_last_start_ptr,
+    cached_last_end_ptr,
+    reasoning_start_token_ids_ptr,
+    natural_reasoning_end_token_ids_ptr,
+    reasoning_end_token_ids_ptr,
+    START_LEN,
+    NATURAL_END_LEN,
+    END_LEN,
+    **launch,
+):
+    """Once a request has reasoned for its budget (counting the draft tokens before each
+    row), force the next token of the reasoning end sequence."""
+    rows = logits_ptr.shape[0]
+    if rows == 0:
+        return
+    start_len, natural_len, end_len = int(START_LEN), int(NATURAL_END_LEN), int(END_LEN)
+    device = logits_ptr.device
+    req = expanded_idx_mapping_ptr[:rows].long()
+    local = expanded_local_pos_ptr[:rows].long()
+    total = total_len_ptr[req].long()
+    effective = total + local
+    # each row's effective tokens at positions total - back .. total + rows - 1: committed
+    # tokens, then the drafts before it (input ids after the row's first, already committed one)
+    back = max(start_len, natural_len, end_len)
+    offset = torch.arange(-back, rows, device=device)[None, :]
+    position = total[:, None] + offset
+    committed = all_token_ids_ptr[req[:, None], position.clamp(0, all_token_ids_ptr.shape[1] - 1)]
+    first = torch.arange(rows, device=device) - local
+    drafted = input_ids_ptr[(first[:, None] + offset + 1).clamp(0, input_ids_ptr.shape[0] - 1)]
+    tokens = torch.where(position < total[:, None], committed.to(torch.int64), drafted.to(torch.int64))
+
+    def last_marker(marker, length, cached):
+        # markers may start from max(0, total - length + 1) and must end by the row
+        hits = _marker_hits(tokens, marker, length, effective - total + back)
+        lowest = (total - length + 1).clamp(min=0) - total + back
+        hits = hits & (offset + back >= lowest[:, None])
+        found = _last(hits, torch.full_like(total, -1))
+        return torch.where(found >= 0, found - back + total, cached)
+
+    last_start = last_marker(reasoning_start_token_ids_ptr, start_len, cached_last_start_ptr[req].long())
+    last_end = last_marker(natural_reasoning_end_token_ids_ptr, natural_len, cached_last_end_ptr[req].long())
+    budget = thinking_token_budget_ptr[req].long()
+    reasoned = effective - (last_start + start_len)
+    force = (budget >= 0) & (last_start >= 0) & (last_start > last_end) & (reasoned >= budget)
+
+    # the end sequence may already be under way: continue after its longest begun prefix
+    begun = torch.zeros_like(total)
+    for prefix in range(1, end_len):
+        match = prefix <= effective
+        for j in range(prefix):
+            column = local - prefix + j + back  # position effective - prefix + j
+            match = match & (
+                tokens.gather(1, column[:, None].clamp(min=0))[:, 0] == reasoning_end_token_ids_ptr[j]
+            )
+        begun = torch.where(match, prefix, begun)
+    token = reasoning_end_token_ids_ptr.long()[begun]
+    lanes = torch.arange(rows, device=device)
+    old = logits_ptr[lanes, token]
+    logits_ptr[lanes, token] = torch.where(force, torch.full_like(old, 1.0e9), old)
+
+
 KERNELS = {
     _V2_SAMPLE + "min_p._min_p_kernel": apply_min_p,
     _V2_SAMPLE + "penalties._penalties_kernel": apply_penalties,
@@ -389,6 +537,8 @@ KERNELS = {
     _V2_SAMPLE + "logprob._fill_logprob_token_ids_kernel": fill_logprob_token_ids,
     _V2_SAMPLE + "prompt_logprob._prompt_logprobs_token_ids_kernel": prompt_logprobs_token_ids,
     "vllm.v1.worker.gpu.structured_outputs._apply_grammar_bitmask_kernel": apply_grammar_bitmask,
+    _V2_SAMPLE + "thinking_budget._update_committed_marker_cache_kernel": update_committed_marker_cache,
+    _V2_SAMPLE + "thinking_budget._thinking_budget_kernel": apply_thinking_budget,
 }
 
 

@@ -190,14 +190,6 @@ def _check_v2_supported(vllm_config: VllmConfig) -> None:
         )
 
 
-def v2_unsupported_sampling(params) -> list[str]:
-    """The sampling options whose Model Runner V2 kernels have no Ascend form yet."""
-    found = []
-    if params.thinking_token_budget is not None:
-        found.append("thinking_token_budget")
-    return found
-
-
 class NPUPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = "npu"
@@ -274,20 +266,6 @@ class NPUPlatform(Platform):
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         return not cls.emulated
-
-    @classmethod
-    def validate_request(cls, processed_inputs, params) -> None:
-        from vllm import envs as vllm_envs
-        from vllm.sampling_params import SamplingParams
-
-        if not vllm_envs.VLLM_USE_V2_MODEL_RUNNER or not isinstance(params, SamplingParams):
-            return
-        unsupported = v2_unsupported_sampling(params)
-        if unsupported:
-            raise ValueError(
-                f"{', '.join(unsupported)}: not supported by Model Runner V2 on Ascend yet "
-                "(the server runs with VLLM_USE_V2_MODEL_RUNNER=1; the default V1 runner supports them)"
-            )
 
     @classmethod
     def is_uva_available(cls) -> bool:
@@ -458,9 +436,18 @@ class NPUPlatform(Platform):
             _adjust("graph capture off", "ACL graph capture is not wired up yet")
         compilation_config.cudagraph_capture_sizes = []
 
-        if scheduler_config.async_scheduling:
+        if scheduler_config.async_scheduling and not vllm_config.use_v2_model_runner:
+            # Model Runner V2 keeps it (upstream's default there); the V1 runner, which
+            # this distribution is retiring, has never been checked with it
             scheduler_config.async_scheduling = False
-            _adjust("async scheduling off", "the Ascend runner synchronises each step")
+            _adjust("async scheduling off", "not verified on the V1 model runner; Model Runner V2 runs it")
+        elif scheduler_config.async_scheduling and vllm_config.speculative_config is not None:
+            scheduler_config.async_scheduling = False
+            _adjust(
+                "async scheduling off with speculative decoding",
+                "the Ascend attention kernels take each request's exact sequence length from the "
+                "host, and with drafts in flight the host knows only an upper bound",
+            )
         if parallel_config.enable_dbo:
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")

@@ -147,6 +147,8 @@ class NPUWorker(Worker):
             from vllm.ascend.worker.model_runner import NPUModelRunner as runner_cls
         if self.rank == 0:
             logger.info("Ascend model runner: %s", runner_cls.__name__)
+            scheduling = "async" if self.vllm_config.scheduler_config.async_scheduling else "sync"
+            logger.info("Ascend model runner scheduling: %s", scheduling)
         return runner_cls(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
