@@ -257,15 +257,14 @@ def test_random_sampling_with_seed_is_reproducible(single_rank, runner):
     print(f"MTP k2 random sampling {runner}: acceptance rate {rate:.3f}, per step {per_step:.3f}")
 
 
-@pytest.mark.parametrize("runner", ["v2"])
-def test_mtp_tp2_expert_parallel(tiny_models, runner):
+def test_mtp_tp2_expert_parallel_on_v2(tiny_models):
     """TP = 2 with expert parallelism and MC2 forced: the drafter's MoE layer runs through
     the same strategy and groups as the target's (no second group initialisation). On
     Model Runner V2; the V1 runner's TP = 2 + EP + MC2 with MTP runs through the NPU
     kernels in test_npu_path.py's quantized test."""
     model = tiny_models["deepseek_v3"]
     spec = {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0"},
+        "env": V2,
         "model": str(model),
         "batches": [PROMPTS],
         "max_tokens": MAX_TOKENS,
@@ -281,6 +280,6 @@ def test_mtp_tp2_expert_parallel(tiny_models, runner):
     result, output = run_spec(spec, timeout=1200)
     clean_shutdown(output)
     assert "first step with the mc2 strategy" in output
-    assert f"Ascend model runner: NPUModelRunner{'V2' if runner == 'v2' else ''}\n" in output
+    assert "Ascend model runner: NPUModelRunnerV2\n" in output
     assert _tokens(result["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert result["counters"]["vllm:spec_decode_num_draft_tokens"] > 0

@@ -485,12 +485,37 @@ def case_block_tables_slots(g, side, guard):
     return [out, tables.slot_mappings]
 
 
+# reasoning markers of the thinking-budget cases: start, natural end, forced end
+THINK_START = torch.tensor([3, 4], dtype=torch.int32)
+THINK_NATURAL_END = torch.tensor([5, 8], dtype=torch.int32)
+THINK_END = torch.tensor([6, 7, 5], dtype=torch.int32)
+
+
+def _thinking_budget(guard, logits, idx, expanded, budget, all_ids, total, input_ids, local, *cache):
+    from vllm.v1.worker.gpu.sample.thinking_budget import apply_thinking_budget
+
+    with guard():
+        apply_thinking_budget(
+            logits,
+            idx,
+            expanded,
+            budget,
+            all_ids,
+            total,
+            input_ids,
+            local,
+            *cache,
+            THINK_START,
+            THINK_NATURAL_END,
+            THINK_END,
+        )
+    return [logits, *cache]
+
+
 def case_thinking_budget(g, side, guard):
     """Upstream's thinking-budget step (marker cache update, then the forced end token)
     over a small vocabulary where the markers occur by chance: requests with and
     without a budget, first scans and cached ones (some stale), draft rows."""
-    from vllm.v1.worker.gpu.sample.thinking_budget import apply_thinking_budget
-
     vocab = 10
     n, idx, cu, expanded, local = _spec_batch(g)
     rows = int(cu[-1])
@@ -503,43 +528,23 @@ def case_thinking_budget(g, side, guard):
     last_start = torch.where(cold, -1, _ints(g, MODEL_LEN, (MAX_REQS,), low=-1))
     last_end = torch.where(cold, -1, _ints(g, MODEL_LEN, (MAX_REQS,), low=-1))
     scan = torch.where(cold, 0, _ints(g, MODEL_LEN, (MAX_REQS,)))  # some past total: stale
-    start = torch.tensor([3, 4], dtype=torch.int32)
-    natural_end = torch.tensor([5, 8], dtype=torch.int32)
-    end = torch.tensor([6, 7, 5], dtype=torch.int32)
     for r in range(MAX_REQS):  # most requests are reasoning; some have begun the end sequence
         t = int(total[r])
         if t >= 16 and bool(torch.rand(1, generator=g) < 0.7):
             k = int(torch.randint(2, 15, (1,), generator=g))
-            all_ids[r, t - k : t - k + 2] = start
+            all_ids[r, t - k : t - k + 2] = THINK_START
             tail = int(torch.randint(0, 3, (1,), generator=g))
             if tail and k > tail + 2:
-                all_ids[r, t - tail : t] = end[:tail]
-    with guard():
-        apply_thinking_budget(
-            logits,
-            idx,
-            expanded,
-            budget,
-            all_ids,
-            total,
-            input_ids,
-            local,
-            last_start,
-            last_end,
-            scan,
-            start,
-            natural_end,
-            end,
-        )
-    return [logits, last_start, last_end, scan]
+                all_ids[r, t - tail : t] = THINK_END[:tail]
+    return _thinking_budget(
+        guard, logits, idx, expanded, budget, all_ids, total, input_ids, local, last_start, last_end, scan
+    )
 
 
 def case_thinking_budget_long(g, side, guard):
     """First scans over committed tokens spanning several of the scan's 1024-token blocks,
     each holding one start and one natural end marker somewhere (the scan keeps only the
     nearest block with a marker)."""
-    from vllm.v1.worker.gpu.sample.thinking_budget import apply_thinking_budget
-
     length = 2600
     n, idx, cu, expanded, local = _spec_batch(g)
     rows = int(cu[-1])
@@ -551,35 +556,17 @@ def case_thinking_budget_long(g, side, guard):
         s_at, e_at = (int(x) for x in torch.randint(0, t - 2, (2,), generator=g))
         if r == 0:  # on either side of the nearest block's lower edge
             s_at, e_at = t - 1024, t - 1026
-        all_ids[r, s_at : s_at + 2] = torch.tensor([3, 4])
-        all_ids[r, e_at : e_at + 2] = torch.tensor([5, 8])
+        all_ids[r, s_at : s_at + 2] = THINK_START
+        all_ids[r, e_at : e_at + 2] = THINK_NATURAL_END
     budget = _ints(g, 3000, (MAX_REQS,))
     input_ids = filler[torch.randint(0, 4, (rows + 2,), generator=g)].to(torch.int32)
     logits = torch.randn(rows, 10, generator=g)
     last_start = torch.full((MAX_REQS,), -1, dtype=torch.int32)
     last_end = torch.full((MAX_REQS,), -1, dtype=torch.int32)
     scan = torch.zeros(MAX_REQS, dtype=torch.int32)
-    start = torch.tensor([3, 4], dtype=torch.int32)
-    natural_end = torch.tensor([5, 8], dtype=torch.int32)
-    end = torch.tensor([6, 7, 5], dtype=torch.int32)
-    with guard():
-        apply_thinking_budget(
-            logits,
-            idx,
-            expanded,
-            budget,
-            all_ids,
-            total,
-            input_ids,
-            local,
-            last_start,
-            last_end,
-            scan,
-            start,
-            natural_end,
-            end,
-        )
-    return [logits, last_start, last_end, scan]
+    return _thinking_budget(
+        guard, logits, idx, expanded, budget, all_ids, total, input_ids, local, last_start, last_end, scan
+    )
 
 
 # -- speculative decoding (kernels/v2_spec_decode.py) -----------------------------------

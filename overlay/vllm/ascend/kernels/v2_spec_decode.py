@@ -82,10 +82,10 @@ def _blocks(logits: torch.Tensor, num_blocks: int, block_size: int) -> torch.Ten
     )
 
 
-def _max_and_sumexp(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    top = blocks.max(dim=-1).values
+def _sumexp(blocks: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Each block's sum of exp(logit - its maximum ``top``); 0 for an all -inf block."""
     sumexp = torch.exp(blocks - top[..., None]).sum(dim=-1)
-    return top, torch.where(top > _NEG_INF, sumexp, torch.zeros_like(sumexp))
+    return torch.where(top > _NEG_INF, sumexp, torch.zeros_like(sumexp))
 
 
 def _global_lse(local_max: torch.Tensor, local_sumexp: torch.Tensor) -> torch.Tensor:
@@ -177,7 +177,7 @@ def compute_local_logits_stats(
 
     blocks = _blocks(target_logits_ptr[:n, : int(vocab_size)].to(torch.float32), num_blocks, size)
     top, where = blocks.max(dim=-1)
-    _, sumexp = _max_and_sumexp(blocks)
+    sumexp = _sumexp(blocks, top)
     first = torch.arange(num_blocks, device=where.device) * size
     rows = draft_row[:, None]
     _set_rows(target_local_argmax_ptr, where + first, rows & greedy[:, None])
@@ -187,7 +187,9 @@ def compute_local_logits_stats(
         step = local_pos.clamp(max=draft_logits_ptr.shape[1] - 1)
         draft = draft_logits_ptr[req, step, : int(vocab_size)].to(torch.float32)
         draft = draft / torch.where(greedy, 1.0, temp)[:, None]  # stored before temperature
-        draft_top, draft_sumexp = _max_and_sumexp(_blocks(draft, num_blocks, size))
+        draft_blocks = _blocks(draft, num_blocks, size)
+        draft_top = draft_blocks.max(dim=-1).values
+        draft_sumexp = _sumexp(draft_blocks, draft_top)
         _set_rows(draft_local_max_ptr, draft_top, rows & ~greedy[:, None])
         _set_rows(draft_local_sumexp_ptr, draft_sumexp, rows & ~greedy[:, None])
 
