@@ -1,7 +1,8 @@
 """Data parallelism served end to end in host emulation (gloo): `vllm serve
 --data-parallel-size 2` with the tiny DeepSeek-V3 (MoE + MLA, expert parallelism over the
-two ranks, MTP k = 2) and with the tiny Qwen2 (dense), against Hugging Face transformers'
-greedy tokens (which test_oracle and test_mtp hold DP = 1 to).
+two ranks, MTP k = 2; on the V1 runner and on Model Runner V2) and with the tiny Qwen2
+(dense, on Model Runner V2, the default), against Hugging Face transformers' greedy
+tokens (which test_oracle and test_mtp hold DP = 1 to).
 
 Every worker of the DeepSeek instance runs under the collective recorder
 (``tests/dp_recorder``): the last test reads back what each rank issued and checks one
@@ -88,11 +89,12 @@ def _complete(server, prompt: str, max_tokens: int = MAX_TOKENS, timeout: float 
 
 def test_each_instance_runs_the_runner_it_was_given(servers):
     for kind in (*MOE, "dense"):
-        v2 = kind in V2
+        v2 = kind in V2 or kind == "dense"  # the dense instance: the default runner
         text = servers[kind].log.read_text()
         assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text, kind
         # sync on V1, and on V2 with MTP (docs/runtime.md)
-        assert "Ascend model runner scheduling: sync\n" in text, kind
+        scheduling = "async" if kind == "dense" else "sync"
+        assert f"Ascend model runner scheduling: {scheduling}\n" in text, kind
 
 
 @pytest.mark.parametrize("kind", [*MOE, "dense"])

@@ -16,8 +16,9 @@ A tiny Qwen3-MoE (softmax top-k routing, renormalised: the routing of Mixtral an
 Qwen MoE models, which upstream computes with a CUDA kernel) is served with TP=2 + EP
 under each strategy and with DP=2 + EP, against transformers.
 
-Model Runner V2 (opt-in so far) serves the quantized checkpoint with TP=2 + EP under MC2
-and the Qwen3-MoE with DP=2 + EP, each against the same oracle as the V1 runs.
+Every engine runs Model Runner V2 (the default) but two, on the V1 runner: the quantized
+checkpoint with TP=2 + EP under MC2 and the Qwen3-MoE with DP=2 + EP, each against the
+same oracle as the V2 runs.
 
 Every engine writes which strategies its MoE layers ran ("Ascend MoE: first step with
 the <name> strategy"), so each test also proves the strategy it forced really ran.
@@ -104,16 +105,19 @@ def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quant
         }
     ]
     runs += _tp2_ep_runs(quantized.path, strategies)
-    # MC2 once more on Model Runner V2: W8A8 layers, TP and EP through V2's forward
-    [v2_run] = _tp2_ep_runs(quantized.path, ["mc2"])
-    runs.append({**v2_run, "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}})
+    # MC2 once more on the V1 runner (the runs above are on Model Runner V2, the default)
+    [v1_run] = _tp2_ep_runs(quantized.path, ["mc2"])
+    runs.append({**v1_run, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})
     result, output = run_spec({"runs": runs}, timeout=1500)
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(runs)
-    assert "Ascend model runner: NPUModelRunnerV2" in output
+    assert (
+        "Ascend model runner: NPUModelRunnerV2\n" in output
+        and "Ascend model runner: NPUModelRunner\n" in output
+    )
     tokens = [[r["token_ids"] for r in run["batches"][0]] for run in result["runs"]]
     tied = quantized.check("tp1", PROMPTS, tokens[0])
-    for strategy, got in zip([*strategies, "mc2 on V2"], tokens[1:]):
+    for strategy, got in zip([*strategies, "mc2 on V1"], tokens[1:]):
         tied |= quantized.check(f"tp2 ep {strategy}", PROMPTS, got)
         for i, (tp1, tp2) in enumerate(zip(tokens[0], got)):
             assert i in tied or tp1 == tp2, (strategy, PROMPTS[i], tp1, tp2)
@@ -188,11 +192,11 @@ DP_SERVERS = {
     ),
     # DP 2 with EP 2, the Qwen3-MoE (softmax routing) against transformers.
     "dp2_ep_qwen3_moe": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
-    # The same on Model Runner V2: its own DP step agreement (one all-reduce per step) with
-    # the Ascend MoE strategies and idle ranks' dummy steps.
-    "dp2_ep_qwen3_moe_v2": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
+    # The same on the V1 runner (the rest run Model Runner V2, the default, with its own DP
+    # step agreement: one all-reduce per step): its DP step sync of the Ascend hook.
+    "dp2_ep_qwen3_moe_v1": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
 }
-V2_SERVERS = {"dp2_ep_qwen3_moe_v2"}
+V1_SERVERS = {"dp2_ep_qwen3_moe_v1"}
 
 
 @pytest.mark.parametrize("name", DP_SERVERS)
@@ -200,7 +204,7 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
     extra, prompts, must_run = DP_SERVERS[name]
     expert_parallel = "--enable-expert-parallel" in extra
     softmax_routed = "qwen3_moe" in name
-    v2 = name in V2_SERVERS
+    v2 = name not in V1_SERVERS
     quantized_model = expert_parallel and not softmax_routed
     model = (
         tiny_models["qwen3_moe"]

@@ -3,7 +3,8 @@ with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equ
 greedy decoding token for token (Hugging Face transformers, which test_oracle holds
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
 caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
-test_dp_serving.py); on the V1 runner and on Model Runner V2 (the ``v2_`` runs).
+test_dp_serving.py); on Model Runner V2 (the default) and on the V1 runner (the ``v1_``
+runs).
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -74,10 +75,10 @@ RUNS = {
         }
     },
 }
-# The same on Model Runner V2 (its drafter and rejection sampler through the torch forms
-# of kernels/v2_spec_decode.py), beside the V1 runs in the same process.
-V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-RUNS.update({f"v2_{name}": {**RUNS[name], "env": V2} for name in ("k2", "k2_preempted", "k2_all_accepted")})
+# The runs above are on Model Runner V2 (its drafter and rejection sampler through the
+# torch forms of kernels/v2_spec_decode.py); the same on the V1 runner in the same process.
+V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+RUNS.update({f"v1_{name}": {**RUNS[name], "env": V1} for name in ("k2", "k2_preempted", "k2_all_accepted")})
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def single_rank(tiny_models):
             }
         )
     # Random sampling with a fixed seed: the same request twice in one batch, then again.
-    for env in ({}, V2):
+    for env in ({}, V1):
         runs.append(
             {
                 "model": str(model),
@@ -112,7 +113,7 @@ def single_rank(tiny_models):
         )
     result, output = run_spec({"runs": runs}, timeout=1800)
     clean_shutdown(output)
-    names = [*RUNS, "random", "v2_random"]
+    names = [*RUNS, "random", "v1_random"]
     return model, dict(zip(names, result["runs"])), output
 
 
@@ -126,13 +127,13 @@ def _acceptance(counters: dict) -> tuple[float, float]:
 def test_each_run_used_the_runner_it_asked_for(single_rank):
     _, runs, _ = single_rank
     for name, run in runs.items():
-        v2 = name.startswith("v2_")
-        assert run["runner"] == ("NPUModelRunnerV2" if v2 else "NPUModelRunner"), name
+        v1 = name.startswith("v1_")
+        assert run["runner"] == ("NPUModelRunner" if v1 else "NPUModelRunnerV2"), name
         # off with drafts: the attention kernels need exact host sequence lengths (docs/runtime.md)
         assert not run["async_scheduling"], name
 
 
-@pytest.mark.parametrize("run", ["k1", "k2", "v2_k2"])
+@pytest.mark.parametrize("run", ["k1", "k2", "v1_k2"])
 def test_greedy_mtp_equals_plain_decoding(single_rank, run):
     model, runs, _ = single_rank
     batches = runs[run]["batches"]
@@ -199,7 +200,7 @@ def test_mtp_layer_weights_load_from_the_checkpoint(single_rank):
         assert abs(got[name][0] - value) <= 1e-6 * max(1.0, abs(value)), (name, got[name][0], value)
 
 
-@pytest.mark.parametrize("runner", ["", "v2_"])
+@pytest.mark.parametrize("runner", ["", "v1_"])
 def test_greedy_mtp_under_preemption(single_rank, runner):
     model, runs, _ = single_rank
     run = runs[runner + "k2_preempted"]
@@ -222,7 +223,7 @@ def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("runner", ["", "v2_"])
+@pytest.mark.parametrize("runner", ["", "v1_"])
 def test_accepted_drafts_keep_the_target_exact(single_rank, runner):
     """Every draft accepted (synthetic mode, k = 2): a request emits its first token, then
     [draft, draft, bonus] per step, so tokens 0, 3, 6, ... are the target's own picks and
@@ -247,7 +248,7 @@ def test_accepted_drafts_keep_the_target_exact(single_rank, runner):
     assert drafts_unlike_target > 0
 
 
-@pytest.mark.parametrize("runner", ["", "v2_"])
+@pytest.mark.parametrize("runner", ["", "v1_"])
 def test_random_sampling_with_seed_is_reproducible(single_rank, runner):
     _, runs, _ = single_rank
     first, second = runs[runner + "random"]["batches"]
@@ -257,14 +258,13 @@ def test_random_sampling_with_seed_is_reproducible(single_rank, runner):
     print(f"MTP k2 random sampling {runner}: acceptance rate {rate:.3f}, per step {per_step:.3f}")
 
 
-def test_mtp_tp2_expert_parallel_on_v2(tiny_models):
+def test_mtp_tp2_expert_parallel(tiny_models):
     """TP = 2 with expert parallelism and MC2 forced: the drafter's MoE layer runs through
     the same strategy and groups as the target's (no second group initialisation). On
     Model Runner V2; the V1 runner's TP = 2 + EP + MC2 with MTP runs through the NPU
     kernels in test_npu_path.py's quantized test."""
     model = tiny_models["deepseek_v3"]
     spec = {
-        "env": V2,
         "model": str(model),
         "batches": [PROMPTS],
         "max_tokens": MAX_TOKENS,

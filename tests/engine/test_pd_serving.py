@@ -60,9 +60,10 @@ MLA = {
         {},
     ),
 }
-# On Model Runner V2 (the rest on V1): V1 prefill -> V2 decode (2P1D, 1P2D, the killed-decode
-# fault case) and V2 prefill -> V1 decode (DeepSeek-V3 TP2 + EP -> DP2 + EP).
-V2_INSTANCES = {"d_tp1", "p_ds"}
+# On the V1 runner (the rest on Model Runner V2, the default): V2 prefill -> V1 decode
+# (2P1D, 1P2D, the killed-decode fault case) and V1 prefill -> V2 decode (DeepSeek-V3
+# TP2 + EP -> DP2 + EP); the PCP prefill -> DCP decode pair runs on V2 at both ends.
+V1_INSTANCES = {"d_tp1", "p_ds"}
 PROXIES = {
     "2p1d": (["p_tp1", "p_pcp2"], ["d_tp1"]),
     "1p2d": (["p_tp1"], ["d_tp1", "d_dcp2"]),
@@ -127,7 +128,7 @@ def _instance(model, name: str, spec, tmp) -> VllmServer:
             *args,
         ],
         tmp / f"{name}.log",
-        env={"VLLM_USE_V2_MODEL_RUNNER": "1"} if name in V2_INSTANCES else None,
+        env={"VLLM_USE_V2_MODEL_RUNNER": "0"} if name in V1_INSTANCES else None,
     )
     server.kv_port, server.model = kv_port, model
     return server
@@ -289,7 +290,7 @@ def test_xpyd_equals_transformers_for_16_concurrent_requests(cluster, pair):
 
 def test_each_instance_runs_the_runner_it_was_given(cluster):
     for name in (*GQA, *MLA):
-        v2 = name in V2_INSTANCES
+        v2 = name not in V1_INSTANCES
         text = cluster[name].log.read_text()
         assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text, name
         # V2 keeps upstream's async scheduling, with the connector

@@ -45,16 +45,25 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
         print("RUNTIME_CALLS", torch_npu.npu.runtime_calls)
         import os
         print("V2", config.use_v2_model_runner, "ENV", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+        embeds = EngineArgs(
+            model={str(tiny_models["qwen2"])!r}, dtype="bfloat16", enable_prompt_embeds=True
+        ).create_engine_config()
+        print("EMBEDS V2", embeds.use_v2_model_runner)
     """,
         NPU_HOST,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "PLATFORM NPUPlatform 128" in result.stdout
     assert "RUNTIME_CALLS []" in result.stdout
-    # the worker builds the V1 runner: every reader of the choice must say V1. vLLM sees no
-    # Triton driver on this host (V1 either way), so the bootstrap's default is what is checked:
-    # it decides wherever Triton is found
-    assert "V2 False ENV 0" in result.stdout
+    # Model Runner V2 by default though vLLM sees no Triton driver on this host (the platform
+    # registers torch forms of V2's kernels): every reader of the choice must say V2 ...
+    assert "V2 True ENV None" in result.stdout
+    # ... and V1 where the Ascend V2 runner does not run the configuration yet, named
+    assert "EMBEDS V2 False" in result.stdout
+    assert (
+        "Model Runner V2 does not yet support prompt embeddings; using the V1 model runner"
+        in result.stdout + result.stderr
+    )
 
 
 @pytest.mark.parametrize(

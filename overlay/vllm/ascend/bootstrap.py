@@ -19,13 +19,6 @@ is marked absent without being imported: importing it names torch's PrivateUse1
 backend "npu", after which torch takes "npu" for the current accelerator and
 device-generic calls such as ``torch.Event()`` fail on a host without NPUs.
 
-The runner: vLLM 0.33 picks Model Runner V2 wherever it finds Triton usable, and several
-readers of that choice (config checks, the scheduler's request data, the input processor)
-run before any platform hook; the Ascend V2 runner is opt-in while it gains features, so
-V1 is made the default here, for every process, unless the user set
-``VLLM_USE_V2_MODEL_RUNNER`` (the platform then builds the V2 runner, or refuses in one
-line what it does not run yet).
-
 In host emulation, Triton is marked absent as well (unless something imported it
 already): vLLM disables Triton on this platform anyway (no Triton driver for the
 host), but importing it leaves nanobind objects that complain at interpreter exit,
@@ -40,7 +33,6 @@ AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 if "torch" not in sys.modules:
     os.environ.setdefault(AUTOLOAD_VARIABLE, "0")
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 from vllm.ascend import envs  # noqa: E402
 from vllm.ascend.device import npu_runtime  # noqa: E402

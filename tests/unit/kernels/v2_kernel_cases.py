@@ -164,6 +164,21 @@ def case_expand_idx_mapping(g, side, guard):
     return [expanded, local]
 
 
+def case_dcp_local_seq_lens(g, side, guard):
+    from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+
+    n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
+    size = int(torch.randint(2, 5, (1,), generator=g))
+    seq_lens = _ints(g, 300, (MAX_REQS,))
+    out = torch.full((MAX_REQS,), -7, dtype=torch.int32)
+    results = []
+    for interleave in (1, 2, 8):
+        for rank in range(size):
+            with guard():
+                results.append(prepare_dcp_local_seq_lens(out, seq_lens, n, size, rank, interleave).clone())
+    return results
+
+
 def case_staged_write(g, side, guard):
     from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 

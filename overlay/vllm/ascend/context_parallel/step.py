@@ -52,6 +52,7 @@ class CPStep:
     history_lens: list[int]  # their full sequence lengths
     local_rows: int
     local_index: list[int] | None = None  # PCP > 1 only
+    num_local_tokens: int = 0  # rows of local_index that are tokens (the rest pad to local_rows)
     gather_order: list[int] | None = None
     restore: list[int] | None = None
     device_tensors: dict = field(default_factory=dict)  # device copies of the index lists (tensor())
@@ -194,5 +195,6 @@ def _add_pcp_split(step: CPStep, query_start: list[int], runs_of) -> None:
     mine = per_rank[step.rank.pcp_rank]
     step.local_rows = rows
     step.local_index = list(range(ndec)) + mine + [0] * (rows - ndec - len(mine))
+    step.num_local_tokens = ndec + len(mine)
     step.gather_order = order
     step.restore = restore

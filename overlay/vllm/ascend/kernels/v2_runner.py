@@ -262,6 +262,26 @@ def expand_idx_mapping(
     expanded_local_pos_ptr.copy_(offset.to(expanded_local_pos_ptr.dtype))
 
 
+def dcp_local_seq_lens(
+    out_ptr,
+    seq_lens_ptr,
+    dcp_size,
+    dcp_rank,
+    cp_interleave,
+    num_reqs,
+    max_num_reqs,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    """Tokens of each request this DCP rank holds (KV dealt round-robin in runs of
+    ``cp_interleave``); 0 past ``num_reqs``."""
+    width = dcp_size * cp_interleave
+    seq = seq_lens_ptr[:num_reqs].to(out_ptr.dtype)
+    rest = (seq % width - dcp_rank * cp_interleave).clamp(min=0, max=cp_interleave)
+    out_ptr[:num_reqs] = seq // width * cp_interleave + rest
+    out_ptr[num_reqs:max_num_reqs] = 0
+
+
 # -- staged state writes (buffer_utils.py) --------------------------------------------
 def apply_write(
     output_ptr,
@@ -463,6 +483,7 @@ KERNELS = {
     _V2 + "input_batch._post_update_num_computed_tokens_kernel": post_update_num_computed_tokens,
     _V2 + "input_batch._expand_idx_mapping_kernel": expand_idx_mapping,
     _V2 + "buffer_utils._apply_write_kernel": apply_write,
+    _V2 + "cp_utils._dcp_local_seq_lens_kernel": dcp_local_seq_lens,
     _V2 + "sample.gumbel._temperature_kernel": apply_temperature,
     _V2 + "sample.gumbel._gumbel_sample_kernel": gumbel_sample,
 }

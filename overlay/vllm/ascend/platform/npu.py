@@ -156,38 +156,42 @@ def _adjust(what: str, reason: str) -> None:
 
 
 def _check_runner(vllm_config: VllmConfig) -> None:
-    """Every reader of ``use_v2_model_runner`` must agree with the runner the Ascend
-    worker builds: V1 by default (the bootstrap defaults VLLM_USE_V2_MODEL_RUNNER to 0),
-    V2 when asked for, for what it runs so far (``worker/model_runner_v2.py``)."""
+    """Every reader of ``use_v2_model_runner`` agrees with the runner the Ascend worker
+    builds: Model Runner V2 by default; V1 for what V2 does not run here yet (upstream's
+    choice falls back, naming them: ``model_runner_v2_unsupported_features``) or when
+    ``VLLM_USE_V2_MODEL_RUNNER=0``. A V2 that was asked for and cannot run is refused."""
     try:
         v2 = vllm_config.use_v2_model_runner
     except ValueError as exc:  # upstream's own refusal (e.g. HiSparse with V2 off)
         raise AscendConfigError(str(exc)) from None
-    if v2:
-        _check_v2_supported(vllm_config)
+    if not v2:
+        return
+    if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
+        # upstream runs these on V2 only
+        raise AscendConfigError("watermarking and HiSparse are not supported on Ascend yet")
+    unsupported = v2_unsupported_features(vllm_config)
+    if unsupported:
+        raise AscendConfigError(
+            f"Model Runner V2 on Ascend does not run {', '.join(unsupported)} yet: "
+            "unset VLLM_USE_V2_MODEL_RUNNER (the V1 runner is then chosen) or set it to 0"
+        )
 
 
-def _check_v2_supported(vllm_config: VllmConfig) -> None:
-    """What the Ascend V2 runner does not run yet, refused at start-up in one line."""
-    pc = vllm_config.parallel_config
+def v2_unsupported_features(vllm_config: VllmConfig) -> list[str]:
+    """What the Ascend V2 runner does not run yet."""
     unsupported = []
-    if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
-        unsupported.append("context parallelism")
     spec = vllm_config.speculative_config
     if spec is not None and spec.method != "mtp":
         # the torch forms (kernels/v2_spec_decode.py) cover the MTP drafter's kernels
         unsupported.append(f"speculative method {spec.method!r} (MTP runs)")
-    if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
-        unsupported.append("watermarking or HiSparse")
+    # (read with defaults: upstream's config checks also ask about partial model configs)
     model = vllm_config.model_config
-    if model is not None and (model.enable_prompt_embeds or model.uses_mrope):
-        # their input kernels (prompt embeds: a table of data pointers; M-RoPE positions)
-        unsupported.append("prompt embeddings or M-RoPE models")
-    if unsupported:
-        raise AscendConfigError(
-            f"Model Runner V2 on Ascend does not run {', '.join(unsupported)} yet: "
-            "unset VLLM_USE_V2_MODEL_RUNNER (the default V1 runner does)"
-        )
+    if getattr(model, "enable_prompt_embeds", False):
+        # its input kernel reads a table of data pointers
+        unsupported.append("prompt embeddings")
+    if getattr(model, "uses_mrope", False):
+        unsupported.append("M-RoPE models")
+    return unsupported
 
 
 class NPUPlatform(Platform):
@@ -299,6 +303,10 @@ class NPUPlatform(Platform):
         # the V2 kernels on the paths the platform allows have torch forms
         # (vllm.ascend.kernels.v2_runner, worker/block_tables.py)
         return True
+
+    @classmethod
+    def model_runner_v2_unsupported_features(cls, vllm_config: VllmConfig) -> list[str]:
+        return v2_unsupported_features(vllm_config)
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:

@@ -1,21 +1,22 @@
-"""The Ascend model runner: upstream's GPU model runner with device calls routed to
-vllm.ascend.device. Upstream's Triton kernels that have no torch fallback (slot mapping,
-the speculative-decoding steps and rejection sampler) are replaced by vllm.ascend.kernels
-(registered by the platform). Prefill context parallel (PCP) runs here: each PCP rank
-runs its share of the step's tokens (``vllm.ascend.context_parallel.step``) and the
-ranks' hidden states are gathered back into the step's order after the model."""
+"""The Ascend V1 model runner, for what the default runner (``model_runner_v2.py``) does
+not run yet or ``VLLM_USE_V2_MODEL_RUNNER=0``: upstream's V1 GPU model runner with device
+calls routed to vllm.ascend.device. Upstream's Triton kernels that have no torch fallback
+(slot mapping, the speculative-decoding steps and rejection sampler) are replaced by
+vllm.ascend.kernels (registered by the platform). Prefill context parallel (PCP) runs here: each PCP rank
+runs its share of the step's tokens and the ranks' hidden states are gathered back into
+the step's order after the model (``vllm.ascend.context_parallel.forward``)."""
 
 from __future__ import annotations
 
 import torch
 
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend.attention.kv_layout import connector_addresses_planes
+from vllm.ascend.context_parallel import forward as pcp_forward
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.worker import dp_step, profiling
 
@@ -111,35 +112,14 @@ class NPUModelRunner(GPUModelRunner):
     def _model_forward(
         self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **model_kwargs
     ):
-        step = _pcp_split_step()
-        if step is None:
-            return super()._model_forward(
-                input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
-            )
-        from vllm.distributed.parallel_state import get_pcp_group
-
-        local, order, restore = (
-            step.tensor(n, self.device) for n in ("local_index", "gather_order", "restore")
-        )
-        ctx = get_forward_context()
-        permuted: dict[int, torch.Tensor] = {}
-        for name, slots in ctx.slot_mapping.items():
-            if id(slots) not in permuted:  # layers of one KV-cache group share one tensor
-                ordered = slots[order.clamp(min=0)]
-                permuted[id(slots)] = torch.where(order >= 0, ordered, torch.full_like(ordered, -1))
-            ctx.slot_mapping[name] = permuted[id(slots)]
-        hidden = super()._model_forward(
-            None if input_ids is None else input_ids[local],
-            None if positions is None else positions[..., local],
-            intermediate_tensors,
-            None if inputs_embeds is None else inputs_embeds[local],
+        inputs = dict(
+            input_ids=input_ids,
+            positions=positions,
+            intermediate_tensors=intermediate_tensors,
+            inputs_embeds=inputs_embeds,
             **model_kwargs,
         )
-        gathered = get_pcp_group().all_gather(hidden.contiguous(), dim=0)
-        num_rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        rows = torch.zeros(num_rows, dtype=torch.int64, device=restore.device)  # padding rows: any row
-        rows[: restore.shape[0]] = restore
-        return gathered[rows]
+        return pcp_forward.run_model(super()._model_forward, inputs, self.device)
 
     # -- seeded sampling on the host ------------------------------------------------------
     # A request whose prefill is still partial samples a token that is thrown away, and
@@ -237,16 +217,3 @@ def refuse_plane_blind_connector(vllm_config, is_profiling: bool) -> None:
             f"KV connector {name} is not supported on Ascend: the Ascend KV cache splits each "
             "layer into K/V (MLA: latent/rope) planes, which upstream connectors do not address"
         )
-
-
-def _pcp_split_step():
-    """The step plan of this forward when PCP splits its tokens (None otherwise: no
-    context parallelism, PCP off, or a dummy forward without attention metadata)."""
-    metadata = get_forward_context().attn_metadata
-    if not isinstance(metadata, dict):
-        return None
-    for m in metadata.values():
-        step = getattr(m, "cp_step", None)
-        if step is not None and step.split:
-            return step
-    return None

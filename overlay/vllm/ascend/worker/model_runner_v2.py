@@ -1,12 +1,15 @@
-"""The Ascend model runner on upstream's Model Runner V2 (``vllm/v1/worker/gpu``).
+"""The Ascend model runner on upstream's Model Runner V2 (``vllm/v1/worker/gpu``): the
+default runner (``worker/model_runner.py``, on upstream's V1 runner, serves what this one
+does not run yet: ``platform/npu.py``, ``v2_unsupported_features``).
 
 A thin subclass: V2 asks the platform for its streams and events (hook patch
 ``v2-runner-make-its-streams-and-events-through-the-platform``), its Triton kernels
 are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered by the
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
-(hook: ``block_tables_cls``). V2 needs no DP step sync of ours (it agrees on a step's
-padding in one all-reduce) and no generator bookkeeping (its sampling noise is a hash
-of seed, position and token, not a generator's state). With the NPU kernels its memory
+(hook: ``block_tables_cls``). Prefill context parallel splits a step's tokens around
+the model call (hook: ``model_forward``), as on V1. V2 needs no DP step sync of ours (it
+agrees on a step's padding in one all-reduce) and no generator bookkeeping (its sampling
+noise is a hash of seed, position and token, not a generator's state). With the NPU kernels its memory
 profile runs attention, as the V1 runner's does (``worker/profiling.py``).
 """
 
@@ -20,6 +23,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend.context_parallel import forward as pcp_forward
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.worker import profiling
 from vllm.ascend.worker.block_tables import NPUBlockTables
@@ -43,6 +47,16 @@ class NPUModelRunnerV2(GPUModelRunner):
 
         rank = rank_layout(pc)  # slots over PCP x DCP, not DCP alone
         return functools.partial(NPUBlockTables, layout=(rank.cp, rank.cp_rank))
+
+    # -- prefill context parallel: the attention backends plan it from the whole step and
+    # shard the KV over PCP x DCP; the model call runs this rank's share (hook patch
+    # ``v2-runner-let-a-hardware-runner-split-prefill-context-parallel``) --------------
+    def build_pcp_manager(self):
+        return None  # upstream's manager rewrites the batch first and keeps KV replicas
+
+    def model_forward(self, model_inputs: dict):
+        plain = super().model_forward
+        return pcp_forward.run_model(lambda **inputs: plain(inputs), model_inputs, self.device)
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
         refuse_plane_blind_connector(self.vllm_config, is_profiling)
