@@ -154,11 +154,13 @@ def block_and_offset(position, block_size: int, cp: int, interleave: int):
     return slot // block_size, slot % block_size
 
 
-def local_count(seq_len: int, cp_rank: int, cp: int, interleave: int) -> int:
-    """How many of positions ``0 .. seq_len - 1`` CP rank ``cp_rank`` stores."""
+def local_count(seq_len, cp_rank: int, cp: int, interleave: int):
+    """How many of positions ``0 .. seq_len - 1`` CP rank ``cp_rank`` stores (``seq_len``
+    an int, or an integer tensor of lengths, elementwise)."""
     cycle = cp * interleave
-    full, rest = divmod(seq_len, cycle)
-    return full * interleave + min(max(rest - cp_rank * interleave, 0), interleave)
+    rest = seq_len % cycle - cp_rank * interleave
+    held = rest.clamp(0, interleave) if hasattr(rest, "clamp") else min(max(rest, 0), interleave)
+    return seq_len // cycle * interleave + held
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int, interleave: int) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.ascend.context_parallel.placement import local_count
 from vllm.ascend.kernels import request_of_token
 
 _V2 = "vllm.v1.worker.gpu."
@@ -273,12 +274,10 @@ def dcp_local_seq_lens(
     BLOCK_SIZE=None,
     **launch,
 ):
-    """Tokens of each request this DCP rank holds (KV dealt round-robin in runs of
-    ``cp_interleave``); 0 past ``num_reqs``."""
-    width = dcp_size * cp_interleave
+    """Tokens of each request this DCP rank holds (the placement's count); 0 past
+    ``num_reqs``."""
     seq = seq_lens_ptr[:num_reqs].to(out_ptr.dtype)
-    rest = (seq % width - dcp_rank * cp_interleave).clamp(min=0, max=cp_interleave)
-    out_ptr[:num_reqs] = seq // width * cp_interleave + rest
+    out_ptr[:num_reqs] = local_count(seq, dcp_rank, dcp_size, cp_interleave)
     out_ptr[num_reqs:max_num_reqs] = 0
 
 

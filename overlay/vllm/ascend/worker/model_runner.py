@@ -2,9 +2,10 @@
 not run yet or ``VLLM_USE_V2_MODEL_RUNNER=0``: upstream's V1 GPU model runner with device
 calls routed to vllm.ascend.device. Upstream's Triton kernels that have no torch fallback
 (slot mapping, the speculative-decoding steps and rejection sampler) are replaced by
-vllm.ascend.kernels (registered by the platform). Prefill context parallel (PCP) runs here: each PCP rank
-runs its share of the step's tokens and the ranks' hidden states are gathered back into
-the step's order after the model (``vllm.ascend.context_parallel.forward``)."""
+vllm.ascend.kernels (registered by the platform). Prefill context parallel (PCP) runs
+here: each PCP rank runs its share of the step's tokens and the ranks' hidden states
+are gathered back into the step's order after the model
+(``vllm.ascend.context_parallel.forward``)."""
 
 from __future__ import annotations
 

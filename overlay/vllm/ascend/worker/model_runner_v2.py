@@ -9,8 +9,9 @@ platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUB
 (hook: ``block_tables_cls``). Prefill context parallel splits a step's tokens around
 the model call (hook: ``model_forward``), as on V1. V2 needs no DP step sync of ours (it
 agrees on a step's padding in one all-reduce) and no generator bookkeeping (its sampling
-noise is a hash of seed, position and token, not a generator's state). With the NPU kernels its memory
-profile runs attention, as the V1 runner's does (``worker/profiling.py``).
+noise is a hash of seed, position and token, not a generator's state). With the NPU
+kernels its memory profile runs attention, as the V1 runner's does
+(``worker/profiling.py``).
 """
 
 from __future__ import annotations
