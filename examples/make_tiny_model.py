@@ -4,6 +4,7 @@
     python examples/make_tiny_model.py --arch qwen2 --out /tmp/tiny-qwen2
     python examples/make_tiny_model.py --arch deepseek_v3 --out /tmp/tiny-dsv3
     python examples/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-qwen3-moe
+    python examples/make_tiny_model.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
 
 Nothing is downloaded: the weights are random (seeded), saved as safetensors, and the
 tokenizer is a byte-level BPE trained here with the `tokenizers` library on a small
@@ -19,7 +20,12 @@ and one MTP layer (`num_nextn_predict_layers: 1`) whose weights are stored as la
 `num_hidden_layers`, where vLLM's DeepSeek MTP model reads them; transformers
 ignores them. `qwen3_moe` is a Qwen3-MoE: GQA attention with q/k norms and MoE layers
 with softmax top-k routing (renormalised, `norm_topk_prob`), the routing of Mixtral and
-the Qwen MoE models.
+the Qwen MoE models. `qwen2_vl` is a Qwen2-VL: a Qwen2 decoder with M-RoPE (rotary
+positions in temporal/height/width sections, `mrope_section` summing to head_dim / 2) and
+a one-block vision tower; on text-only prompts its three position rows are equal, so it
+generates like a plain rotary model while running vLLM's M-RoPE path. It also gets the
+vision special tokens its config names and an image/video preprocessor config, which
+vLLM's start-up needs (it profiles with dummy images) unless `limit_mm_per_prompt` is 0.
 """
 
 from __future__ import annotations
@@ -47,19 +53,33 @@ Once upon a time there was a small model that learned to count: one two three fo
 Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 and punctuation , . ; : ! ? ( ) [ ] { }
 """
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+# qwen2_vl only (appended after SPECIAL, so the other archs' vocabularies are unchanged)
+VL_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's image/video preprocessor; pixel bounds kept small (4..64 merged tokens per
+# image) so an engine that profiles with images stays cheap.
+VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 56 * 56,
+    "max_pixels": 64 * 28 * 28,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
+def build_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL,
+        special_tokens=SPECIAL + list(extra_special),
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -119,6 +139,8 @@ def make_model(args, tok: Tokenizer):
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -140,6 +162,37 @@ def make_model(args, tok: Tokenizer):
             norm_topk_prob=True,
         )
         return Qwen3MoeForCausalLM(config)
+    if args.arch == "qwen2_vl":
+        half = args.hidden_size // args.heads // 2  # rotary pairs per head, split over t/h/w
+        h = w = (half - half // 4) // 2  # Qwen2-VL's own split is 16/24/24 of 64
+        tie = cfg.pop("tie_word_embeddings")
+        text = dict(
+            **cfg,
+            num_key_value_heads=args.kv_heads or args.heads // 2,
+            rope_parameters={"rope_type": "default", "mrope_section": [half - h - w, h, w]},
+        )
+        vision = dict(
+            depth=1,
+            embed_dim=32,
+            num_heads=2,
+            mlp_ratio=2,
+            hidden_size=args.hidden_size,  # merger output = the decoder's width
+            patch_size=VL_PREPROCESSOR["patch_size"],
+            temporal_patch_size=VL_PREPROCESSOR["temporal_patch_size"],
+            spatial_merge_size=VL_PREPROCESSOR["merge_size"],
+            initializer_range=args.init_range,  # as the decoder's, so image features are not ~0
+        )
+        ids = {n: tok.token_to_id(t) for n, t in zip(("start", "end", "image", "video"), VL_SPECIAL)}
+        config = Qwen2VLConfig(
+            text_config=text,
+            vision_config=vision,
+            vision_start_token_id=ids["start"],
+            vision_end_token_id=ids["end"],
+            image_token_id=ids["image"],
+            video_token_id=ids["video"],
+            tie_word_embeddings=tie,
+        )
+        return Qwen2VLForConditionalGeneration(config)
     config = DeepseekV3Config(
         **cfg,
         num_key_value_heads=args.heads,
@@ -199,7 +252,9 @@ def mtp_layer_weights(
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "deepseek_v3", "qwen3_moe"])
+    p.add_argument(
+        "--arch", required=True, choices=["llama", "qwen2", "deepseek_v3", "qwen3_moe", "qwen2_vl"]
+    )
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=512)
@@ -208,7 +263,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument(
-        "--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2, qwen3_moe)"
+        "--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2, qwen3_moe, qwen2_vl)"
     )
     p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe)")
     p.add_argument(
@@ -236,7 +291,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(args.vocab_size)
+    tok = build_tokenizer(args.vocab_size, VL_SPECIAL if args.arch == "qwen2_vl" else ())
     if tok.get_vocab_size() > args.vocab_size:
         p.error(f"tokenizer has {tok.get_vocab_size()} tokens, more than --vocab-size {args.vocab_size}")
     torch.manual_seed(args.seed)
@@ -258,6 +313,9 @@ def main(argv: list[str] | None = None) -> Path:
         mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)
         weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
         save_file(weights, weights_path, metadata={"format": "pt"})
+    if args.arch == "qwen2_vl":
+        config["text_config"]["dtype"] = args.dtype  # the decoder's own copy
+        (args.out / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR, indent=2))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
     print(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters -> {args.out}")
     return args.out

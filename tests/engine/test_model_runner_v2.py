@@ -1,8 +1,16 @@
-"""Model Runner V2 (opt-in) against the V1 runner, the same model and prompts in one
+"""Model Runner V2 (the default) against the V1 runner, the same model and prompts in one
 runner process: the sampling options whose V2 kernels run as the Ascend torch forms
 (penalties, logit bias, allowed tokens, min tokens with stop ids, bad words, min-p,
 logprobs and prompt logprobs, the thinking-token budget) give the same greedy tokens and
-logprobs as V1's torch sampler, an implementation that shares no code with them."""
+logprobs as V1's torch sampler, an implementation that shares no code with them.
+
+A third engine runs on V2 what V1 served alone before: n-gram speculative decoding
+(greedy tokens equal to plain decoding, drafts accepted where the output repeats) and
+prompt embeddings (equal to the text prompts they embed, and to transformers), both
+under chunked prefill, so embeddings and drafts cross chunk boundaries. A fourth serves a
+Qwen2-VL on V2 (M-RoPE positions, text prompts, chunked prefill) against transformers. Two
+more draft with a separate draft model: the target itself (every draft must be accepted)
+and a smaller Llama with other weights (drafts rejected; the tokens must not change)."""
 
 from __future__ import annotations
 
@@ -11,15 +19,16 @@ import math
 import pytest
 
 from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
+from tests.support.models import LLAMA_DRAFT, QWEN2_VL
+from tests.support.oracle import hf_greedy
 from tests.support.prompts import PROMPTS
 
 # Reasoning markers for the thinking budget: pieces of the tiny Llama's vocabulary that some
 # prompts contain (its vocabulary is random byte pairs; no model here reasons).
 REASONING = {"reasoning_start_str": " and", "reasoning_end_str": " done"}
+BASE = {"dtype": "float32", "max_model_len": 512, "seed": 0}
 ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 512,
-    "seed": 0,
+    **BASE,
     "enable_prefix_caching": False,
     "reasoning_config": REASONING,
 }
@@ -35,7 +44,13 @@ BATCHES = {  # name -> the sampling options of one batch (greedy, 16 tokens)
     "logprobs": {"logprobs": 3, "prompt_logprobs": 2},
     # a prompt ending its reasoning marker's span beyond the budget gets the end forced
     "thinking_budget": {"thinking_token_budget": 2},
+    # three allowed tokens: the greedy output falls into a cycle, which n-gram drafts hit
+    "cycle": {"allowed_token_ids": [5, 17, 40]},
 }
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# the third engine's batches: text, the cycling batch, then the prompts as embeddings
+# (every other one; the rest stay text in the same batch)
+EMBEDDED = [{"embeds_of": p} if i % 2 == 0 else p for i, p in enumerate(PROMPTS)]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +67,114 @@ def outputs(tiny_models):
         }
         for v2 in ("0", "1")
     ]
+    runs.append(
+        {
+            "model": str(tiny_models["llama"]),
+            "engine": {
+                **ENGINE,
+                "speculative_config": NGRAM,
+                "enable_prompt_embeds": True,
+                "enable_chunked_prefill": True,
+                "max_num_batched_tokens": 16,
+                "max_num_seqs": 4,
+                "disable_log_stats": False,
+            },
+            "batches": [PROMPTS, PROMPTS, EMBEDDED],
+            "batch_sampling": [{}, BATCHES["cycle"], {}],
+            "max_tokens": 16,
+            "env": IN_PROCESS,
+            "report_runner": True,
+        }
+    )
+    runs.append(
+        {
+            "model": str(tiny_models[QWEN2_VL]),
+            # (vLLM profiles the vision tower with dummy images at start-up)
+            "engine": {
+                **BASE,
+                "enable_chunked_prefill": True,
+                "max_num_batched_tokens": 16,
+                "max_num_seqs": 4,
+            },
+            "batches": [PROMPTS],
+            "max_tokens": 16,
+            "env": IN_PROCESS,
+            "report_runner": True,
+        }
+    )
+    for draft, k in ((tiny_models["llama"], 3), (tiny_models[LLAMA_DRAFT], 2)):
+        runs.append(
+            {
+                "model": str(tiny_models["llama"]),
+                "engine": {
+                    **BASE,
+                    "speculative_config": {
+                        "method": "draft_model",
+                        "model": str(draft),
+                        "num_speculative_tokens": k,
+                    },
+                    "enable_chunked_prefill": True,
+                    "max_num_batched_tokens": 16,
+                    "max_num_seqs": 4,
+                    "disable_log_stats": False,
+                },
+                "batches": [PROMPTS],
+                "max_tokens": 16,
+                "env": IN_PROCESS,
+                "report_runner": True,
+            }
+        )
     result, output = run_spec({"runs": runs}, timeout=900)
     clean_shutdown(output)
-    v1, v2 = result["runs"]
-    assert (v1["runner"], v2["runner"]) == ("NPUModelRunner", "NPUModelRunnerV2")
-    return {name: (a, b) for name, a, b in zip(BATCHES, v1["batches"], v2["batches"])}
+    v1, v2, extra, mrope, *drafted = result["runs"]
+    assert [r["runner"] for r in result["runs"]] == ["NPUModelRunner"] + ["NPUModelRunnerV2"] * 5
+    pairs = {name: (a, b) for name, a, b in zip(BATCHES, v1["batches"], v2["batches"])}
+    return pairs, extra, mrope, drafted
+
+
+def _ids(batch):
+    return [r["token_ids"] for r in batch]
+
+
+def test_v2_ngram_drafts_keep_greedy_tokens(outputs):
+    pairs, extra, *_ = outputs
+    plain, cycle, _ = extra["batches"]
+    assert _ids(plain) == _ids(pairs["plain"][0])
+    assert _ids(cycle) == _ids(pairs["cycle"][0])
+    counters = extra["counters"]
+    assert counters["vllm:spec_decode_num_draft_tokens"] > 0, counters
+    # the cycling outputs repeat: drafts taken from them are accepted
+    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0, counters
+
+
+def test_v2_draft_model_keeps_greedy_tokens(outputs):
+    pairs, _, _, (itself, smaller) = outputs
+    plain = _ids(pairs["plain"][0])
+    for run in (itself, smaller):
+        assert _ids(run["batches"][0]) == plain
+        assert run["counters"]["vllm:spec_decode_num_draft_tokens"] > 0, run["counters"]
+    # the target drafting for itself: every draft is its own greedy token
+    counters = itself["counters"]
+    assert counters["vllm:spec_decode_num_accepted_tokens"] == counters["vllm:spec_decode_num_draft_tokens"]
+    # other weights: drafts were rejected, and the output above is still the target's
+    counters = smaller["counters"]
+    assert counters["vllm:spec_decode_num_accepted_tokens"] < counters["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_v2_mrope_model_equals_transformers(outputs, tiny_models):
+    # text only: the three position rows are equal, so this checks that they are the
+    # model's prefill positions and then the decode positions, not their channel split
+    _, _, mrope, _ = outputs
+    [batch] = mrope["batches"]
+    assert _ids(batch) == hf_greedy(tiny_models[QWEN2_VL], PROMPTS)
+
+
+def test_v2_prompt_embeds_equal_their_text(outputs, tiny_models):
+    pairs, extra, *_ = outputs
+    plain, _, embedded = extra["batches"]
+    assert _ids(embedded) == _ids(plain)
+    assert [r["prompt_len"] for r in embedded] == [r["prompt_len"] for r in plain]
+    assert _ids(embedded[::2]) == hf_greedy(tiny_models["llama"], PROMPTS[::2])
 
 
 def _close(a, b, what):
@@ -71,12 +189,12 @@ def _close(a, b, what):
 
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_v2_samples_as_v1(outputs, name, tiny_models):
-    v1, v2 = outputs[name]
+    v1, v2 = outputs[0][name]
     assert [r["token_ids"] for r in v2] == [r["token_ids"] for r in v1]
     if name == "plain":
         return
     # the option changed what was generated (else this case tests nothing)
-    plain = [r["token_ids"] for r in outputs["plain"][0]]
+    plain = [r["token_ids"] for r in outputs[0]["plain"][0]]
     if name not in ("logprobs", "min_p"):  # these do not change greedy tokens
         assert [r["token_ids"] for r in v1] != plain, name
     if name == "thinking_budget":  # the end marker was forced, right away, for some prompts

@@ -16,12 +16,18 @@ QWEN3_MOE = "qwen3_moe"
 MLA512 = "deepseek_v3_mla512"
 # A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
 QWEN2_KV1 = "qwen2_kv1"
+# A Qwen2-VL (M-RoPE positions; text prompts only): tests/engine/test_model_runner_v2.py.
+QWEN2_VL = "qwen2_vl"
+# A smaller Llama with other weights: a separate draft model for the tiny Llama.
+LLAMA_DRAFT = "llama_draft"
 # name: make_tiny_model.py's options
 VARIANTS = {
     **{arch: ["--arch", arch] for arch in ARCHS},
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],
     QWEN3_MOE: ["--arch", "qwen3_moe"],
+    QWEN2_VL: ["--arch", "qwen2_vl"],
+    LLAMA_DRAFT: ["--arch", "llama", "--seed", "1", "--layers", "1"],
 }
 
 

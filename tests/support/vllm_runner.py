@@ -2,7 +2,8 @@
 
     python -m tests.support.vllm_runner '<json spec>'
 
-Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...],
+Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...] (a prompt:
+text, or {"embeds_of": text}: the model's input embeddings of its tokens, as prompt embeddings),
 "chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
 "batch_sampling": [{...SamplingParams...} per batch] (added to "sampling" for that batch),
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
@@ -29,6 +30,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _run(spec: dict) -> dict:
@@ -55,6 +57,7 @@ def _run(spec: dict) -> dict:
         results = []
         t0 = time.perf_counter()
         for batch, extra in zip(spec["batches"], per_batch, strict=True):
+            batch = [_prompt(p, llm) for p in batch]
             outs = llm.generate(
                 batch, SamplingParams(**{**base, **extra}) if extra else params, use_tqdm=False
             )
@@ -92,6 +95,25 @@ def _run(spec: dict) -> dict:
         "async_scheduling": async_scheduling,
         "kv_dump": kv_dump,
     }
+
+
+def _prompt(prompt, llm):
+    """A prompt as the spec gives it: text, or {"embeds_of": text}: the model's own input
+    embeddings of the text's tokens (as the tokenizer makes them for a text prompt), given
+    as prompt embeddings (the engine needs "enable_prompt_embeds")."""
+    if not (isinstance(prompt, dict) and "embeds_of" in prompt):
+        return prompt
+    import torch
+    from safetensors import safe_open
+
+    model_dir = llm.llm_engine.vllm_config.model_config.model
+    ids = llm.get_tokenizer()(prompt["embeds_of"]).input_ids
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names = [n for n in f.keys() if n.endswith("embed_tokens.weight")]  # noqa: SIM118 (not iterable)
+            if names:
+                return {"prompt_embeds": f.get_tensor(names[0])[torch.tensor(ids)].float()}
+    raise ValueError(f"no embed_tokens weight in {model_dir}")
 
 
 def _from_json(sampling: dict) -> dict:

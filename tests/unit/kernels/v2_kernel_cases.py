@@ -179,6 +179,23 @@ def case_dcp_local_seq_lens(g, side, guard):
     return results
 
 
+def case_rope_positions(g, side, guard):
+    from vllm.v1.worker.gpu.mm.rope import RopeState
+
+    dims = int(torch.randint(3, 5, (1,), generator=g))  # M-RoPE's 3 channels, or 4
+    n, idx, qsl = _batch(g)
+    state = RopeState(dims, MAX_REQS, max_num_tokens=40, max_model_len=MODEL_LEN, device=torch.device("cpu"))
+    state.prefill_positions.gpu.copy_(_ints(g, 500, (MAX_REQS * dims, MODEL_LEN)))
+    state.prefill_delta.gpu.copy_(_ints(g, 40, (MAX_REQS,), low=-40))
+    state.positions.copy_(_ints(g, 99, state.positions.shape, torch.int64))
+    prefill_lens = _ints(g, 50, (MAX_REQS,), low=1)
+    # requests in their prompt, at its end and decoding; chunks stay inside the table
+    computed = torch.minimum(_ints(g, 59, (MAX_REQS,)), prefill_lens + _ints(g, 3, (MAX_REQS,), low=-2))
+    with guard():
+        state.prepare_positions(idx.long(), qsl, prefill_lens, computed)
+    return [state.positions]
+
+
 def case_staged_write(g, side, guard):
     from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 
@@ -625,6 +642,70 @@ def case_flatten_sampled(g, side, guard):
     with guard():
         rejection_sampler._flatten_sampled_kernel[(n,)](flat, sampled, sampled.stride(0), num_sampled, cu)
     return [flat]
+
+
+def case_ngram_drafts(g, side, guard):
+    """The n-gram drafter's two kernels, launched as its ``propose`` launches them, over
+    histories of a 4-token vocabulary (many matches, of every length) of random lengths,
+    requests that sampled nothing, and blocks of 16 or 64 positions."""
+    from vllm.v1.worker.gpu.spec_decode.ngram import speculator
+
+    n, idx, _ = _batch(g)
+    history = _ints(g, 4, (MAX_REQS, MODEL_LEN + 3))  # rows wider than the model length
+    total_len = _ints(g, MODEL_LEN + 1, (MAX_REQS,))
+    num_sampled = _ints(g, 3, (n,))
+    last_sampled = _ints(g, VOCAB, (MAX_REQS, 1), torch.int64)
+    min_n = int(torch.randint(1, 4, (1,), generator=g))
+    max_n = min_n + int(torch.randint(0, 3, (1,), generator=g))
+    k = int(torch.randint(1, 5, (1,), generator=g))
+    block = [16, 64][int(torch.randint(0, 2, (1,), generator=g))]
+    blocks = -(-MODEL_LEN // block)
+    scratch = _ints(g, 99, (MAX_REQS, blocks), torch.int64)
+    drafts = _ints(g, 99, (MAX_REQS, k), torch.int64)
+    args = (history, history.stride(0), idx.long(), total_len, num_sampled)
+    with guard():
+        speculator._ngram_scan_kernel[(n, blocks)](
+            *args, scratch, scratch.stride(0), MODEL_LEN, min_n, max_n, 1 << (max_n - 1).bit_length(), block
+        )
+        speculator._ngram_finalize_kernel[(n,)](
+            *args,
+            last_sampled.view(-1),
+            scratch,
+            scratch.stride(0),
+            drafts,
+            MODEL_LEN,
+            blocks,
+            k,
+            1 << (k - 1).bit_length(),
+            1 << (blocks - 1).bit_length(),
+        )
+    return [scratch, drafts]
+
+
+def case_standalone_prefill_inputs(g, side, guard):
+    """The separate draft model's first-step inputs: ragged queries with 0..all of their
+    drafts rejected, positions near the model length (capped), stale buffers."""
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar import speculator
+
+    n, idx, qsl = _batch(g)
+    tokens = int(qsl[-1])
+    query_len = qsl[1:] - qsl[:-1]
+    rejected = (torch.rand(n, generator=g) * query_len).to(torch.int32)
+    target_ids = _ints(g, VOCAB, (tokens + 3,))
+    target_pos = _ints(g, MODEL_LEN, (tokens + 3,), torch.int64)
+    last_sampled = _ints(g, VOCAB, (MAX_REQS, 1), torch.int64)  # (the runner's shape)
+    out_ids = _ints(g, 99, (tokens + MAX_REQS + 4,))
+    out_pos = _ints(g, 99, (tokens + MAX_REQS + 4,), torch.int64)
+    last_idx = _ints(g, 99, (MAX_REQS,), torch.int64)
+    out_qsl = _ints(g, 99, (MAX_REQS + 1,))
+    out_seq = _ints(g, 99, (MAX_REQS,))
+    seq_lens = _ints(g, MODEL_LEN + 1, (n,), low=1)
+    with guard():
+        speculator._prepare_prefill_inputs_kernel[(n,)](
+            target_ids, target_pos, last_sampled.int(), idx.long(), out_ids, out_pos, last_idx,
+            out_qsl, out_seq, qsl, seq_lens, rejected, MAX_REQS, MODEL_LEN, BLOCK_SIZE=8,
+        )  # fmt: skip
+    return [out_ids, out_pos, last_idx, out_qsl, out_seq]
 
 
 def _interpreter_log1p() -> None:

@@ -13,6 +13,7 @@ from vllm.ascend.platform.npu import NPUPlatform, _check_runner, v2_unsupported_
 
 PROMPT_EMBEDS = SimpleNamespace(enable_prompt_embeds=True, uses_mrope=False)
 MROPE = SimpleNamespace(enable_prompt_embeds=False, uses_mrope=True)
+NGRAM = SimpleNamespace(method="ngram")
 
 
 def _config(v2=True, pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=None):
@@ -32,6 +33,10 @@ def _config(v2=True, pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=Non
     [
         _config(),
         _config(spec=SimpleNamespace(method="mtp")),  # end to end: tests/engine/test_mtp.py
+        _config(spec=NGRAM),  # end to end: tests/engine/test_model_runner_v2.py
+        _config(spec=SimpleNamespace(method="draft_model")),  # (the same)
+        _config(model=PROMPT_EMBEDS),  # (the same)
+        _config(model=MROPE),  # the torch form of its positions kernel: tests/unit/kernels
         _config(kv=object()),  # tests/engine/test_pd_serving.py
         _config(pcp=2),  # KV sharded over PCP x DCP: tests/engine/test_context_parallel.py
         _config(dcp=2),
@@ -47,8 +52,7 @@ def test_what_runs_on_v2(config):
     "config, named",
     [
         (_config(spec=SimpleNamespace(method="eagle3")), "speculative method 'eagle3'"),
-        (_config(model=PROMPT_EMBEDS), "prompt embeddings"),
-        (_config(model=MROPE), "M-RoPE"),
+        (_config(spec=SimpleNamespace(method="eagle")), "speculative method 'eagle'"),
     ],
 )
 def test_what_v2_does_not_run_yet(config, named):

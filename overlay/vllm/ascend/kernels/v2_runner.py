@@ -281,6 +281,46 @@ def dcp_local_seq_lens(
     out_ptr[num_reqs:max_num_reqs] = 0
 
 
+# -- M-RoPE positions (mm/rope.py) ----------------------------------------------------
+def prepare_rope_positions(
+    positions_ptr,
+    positions_stride,
+    prefill_positions_ptr,
+    prefill_positions_stride0,
+    prefill_positions_stride1,
+    prefill_delta_ptr,
+    idx_mapping_ptr,
+    query_start_loc_ptr,
+    prefill_lens_ptr,
+    num_computed_tokens_ptr,
+    BLOCK_SIZE=None,
+    NUM_DIMS=None,
+    **launch,
+):
+    """Each scheduled token's position per M-RoPE channel: the model's precomputed
+    prefill positions while the request is in its prompt, then the plain position plus
+    the request's delta. Rows past the batch keep their values."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    if num_reqs == 0:
+        return
+    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
+    width = positions_ptr.shape[1]
+    rows, offset, inside = request_of_token(qsl[1:], width)
+    req = idx_mapping_ptr.to(torch.int64)[rows]
+    computed = num_computed_tokens_ptr[req].to(torch.int64)
+    position = computed + offset
+    in_prompt = computed < prefill_lens_ptr[req].to(torch.int64)
+    decoded = position + prefill_delta_ptr[req].to(torch.int64)
+    # (the request's table row; positions out of it belong to tokens that are not used)
+    column = position.clamp(max=int(prefill_positions_stride1) - 1)
+    table = prefill_positions_ptr.reshape(-1)
+    for dim in range(int(NUM_DIMS)):
+        flat = req * int(prefill_positions_stride0) + dim * int(prefill_positions_stride1) + column
+        value = torch.where(in_prompt, table[flat].to(torch.int64), decoded)
+        row = positions_ptr[dim]
+        row.copy_(torch.where(inside, value.to(row.dtype), row))
+
+
 # -- staged state writes (buffer_utils.py) --------------------------------------------
 def apply_write(
     output_ptr,
@@ -483,6 +523,7 @@ KERNELS = {
     _V2 + "input_batch._expand_idx_mapping_kernel": expand_idx_mapping,
     _V2 + "buffer_utils._apply_write_kernel": apply_write,
     _V2 + "cp_utils._dcp_local_seq_lens_kernel": dcp_local_seq_lens,
+    _V2 + "mm.rope._prepare_rope_positions_kernel": prepare_rope_positions,
     _V2 + "sample.gumbel._temperature_kernel": apply_temperature,
     _V2 + "sample.gumbel._gumbel_sample_kernel": gumbel_sample,
 }

@@ -543,6 +543,130 @@ def update_draft_inputs(
         seq.copy_(torch.where(more, (seq + 1).clamp(max=limit), seq))
 
 
+# -- the n-gram drafter (spec_decode/ngram/speculator.py) ------------------------------
+def ngram_scan(
+    token_ids_ptr,
+    token_ids_stride,
+    idx_mapping_ptr,
+    total_len_ptr,
+    num_sampled_ptr,
+    scratch_ptr,
+    scratch_stride,
+    L,
+    MIN_N,
+    MAX_N,
+    MAX_N_PO2=None,
+    BLOCK_L=None,
+    **launch,
+):
+    """Per request and block of history positions, the best earlier occurrence of the
+    request's last n tokens (MIN_N <= n <= MAX_N), packed as ``n * (L + 1) + pos + 1`` so
+    that one maximum prefers the longest n, then the rightmost position (0: none)."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    num_blocks = scratch_ptr.shape[1]
+    width = num_blocks * int(BLOCK_L)
+    req = idx_mapping_ptr.to(torch.int64)
+    seq_len = total_len_ptr[req].to(torch.int64)[:, None]
+    # (-1 past the row: positions that could read there are out of every match anyway)
+    history = torch.nn.functional.pad(
+        token_ids_ptr[req], (0, width + int(MAX_N) - token_ids_ptr.shape[1]), value=-1
+    )
+    pos = torch.arange(width, device=history.device)[None, :]
+    # one row per request and history position (upstream's kernel keeps a block at a
+    # time): int32 scores halve that (n * (L + 1) + L stays far below 2**31)
+    best = torch.zeros(num_reqs, width, dtype=torch.int32, device=history.device)
+    for n in range(int(MIN_N), int(MAX_N) + 1):
+        match = pos <= seq_len - n - 1
+        for j in range(n):
+            suffix_token = history.gather(1, (seq_len - n + j).clamp(min=0))
+            match = match & (history[:, j : j + width] == suffix_token)
+        best = torch.where(match, (n * (int(L) + 1) + pos + 1).to(torch.int32), best)
+    eligible = (num_sampled_ptr[:num_reqs] > 0)[:, None] & (seq_len >= int(MIN_N))
+    block_best = best.view(num_reqs, num_blocks, -1).amax(dim=-1).to(scratch_ptr.dtype)
+    scratch_ptr[:num_reqs, :num_blocks] = torch.where(eligible, block_best, 0)
+
+
+def ngram_finalize(
+    token_ids_ptr,
+    token_ids_stride,
+    idx_mapping_ptr,
+    total_len_ptr,
+    num_sampled_ptr,
+    last_sampled_ptr,
+    scratch_ptr,
+    scratch_stride,
+    drafts_ptr,
+    L,
+    N_BLOCKS,
+    K,
+    K_PO2=None,
+    N_BLOCKS_PO2=None,
+    **launch,
+):
+    """The K tokens that followed the best match become the drafts; slots without a
+    match or past the history repeat the last sampled token (rejectable drafts)."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    req = idx_mapping_ptr.to(torch.int64)
+    score = scratch_ptr[:num_reqs, : int(N_BLOCKS)].amax(dim=1)
+    has_match = score > 0
+    packed = (score - 1).clamp(min=0)
+    best_n = packed // (int(L) + 1)
+    start = torch.where(has_match, packed - best_n * (int(L) + 1) + best_n, 0)
+    available = (total_len_ptr[req].to(torch.int64) - start).clamp(min=0)
+    slot = torch.arange(int(K), device=score.device)[None, :]
+    index = (start[:, None] + slot).clamp(max=int(L) - 1)
+    valid = (slot < available[:, None]) & ((num_sampled_ptr[:num_reqs] > 0) & has_match)[:, None]
+    gathered = token_ids_ptr[req].to(torch.int64).gather(1, index)
+    last = last_sampled_ptr[req].to(torch.int64)[:, None]
+    drafts = drafts_ptr.view(-1, int(K))  # row b at b * K, as the kernel writes it
+    drafts[:num_reqs] = torch.where(valid, gathered, last).to(drafts.dtype)
+
+
+# -- a separate draft model (spec_decode/standalone_ar/speculator.py) --------------------
+def standalone_prefill_inputs(
+    target_input_ids_ptr,
+    target_positions_ptr,
+    last_sampled_ptr,
+    idx_mapping_ptr,
+    out_input_ids_ptr,
+    out_positions_ptr,
+    last_token_indices_ptr,
+    out_query_start_loc_ptr,
+    out_seq_lens_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_rejected_ptr,
+    max_num_reqs,
+    max_model_len,
+    BLOCK_SIZE=None,
+    **launch,
+):
+    """The draft model's first step: each request's query grown by one slot, holding its
+    accepted tokens, then the target's correction token, then zeros for the rejected
+    drafts, at consecutive positions (capped at the model length)."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
+    start, query_len = qsl[:-1], qsl[1:] - qsl[:-1]
+    valid = query_len - num_rejected_ptr[:num_reqs].to(torch.int64)
+    out_start = start + torch.arange(num_reqs, device=qsl.device)
+    rows, j, inside = request_of_token(out_start + query_len + 1, out_input_ids_ptr.shape[0])
+    source = (start[rows] + j).clamp(max=target_input_ids_ptr.shape[0] - 1)
+    correction = last_sampled_ptr.reshape(-1)[idx_mapping_ptr.to(torch.int64)].to(torch.int64)[rows]
+    token = torch.where(j < valid[rows], target_input_ids_ptr[source].to(torch.int64), 0)
+    token = torch.where(j == valid[rows], correction, token)
+    position = (target_positions_ptr[start].to(torch.int64)[rows] + j).clamp(max=int(max_model_len) - 1)
+    out_input_ids_ptr.copy_(torch.where(inside, token.to(out_input_ids_ptr.dtype), out_input_ids_ptr))
+    out_positions_ptr.copy_(torch.where(inside, position.to(out_positions_ptr.dtype), out_positions_ptr))
+    last_token_indices_ptr[:num_reqs] = (out_start + valid).to(last_token_indices_ptr.dtype)
+    last_token_indices_ptr[num_reqs : int(max_num_reqs)] = 0
+    out_query_start_loc_ptr[:num_reqs] = out_start.to(out_query_start_loc_ptr.dtype)
+    total = (out_start[-1:] + query_len[-1:] + 1).to(out_query_start_loc_ptr.dtype)
+    out_query_start_loc_ptr[num_reqs : int(max_num_reqs) + 1] = total
+    longer = (seq_lens_ptr[:num_reqs].to(torch.int64) + 1).clamp(max=int(max_model_len))
+    out_seq_lens_ptr[:num_reqs] = longer.to(out_seq_lens_ptr.dtype)
+    out_seq_lens_ptr[num_reqs : int(max_num_reqs)] = 0
+
+
 _TDAR = _SD + "target_dependent_ar.speculator."
 _RS = _SD + "rejection_sampler."
 _RSU = _SD + "rejection_sampler_utils."
@@ -556,6 +680,9 @@ KERNELS = {
     _TDAR + "_prepare_prefill_inputs_kernel": draft_prefill_inputs,
     _TDAR + "_prepare_decode_inputs_kernel": draft_decode_inputs,
     _TDAR + "_update_draft_inputs_kernel": update_draft_inputs,
+    _SD + "standalone_ar.speculator._prepare_prefill_inputs_kernel": standalone_prefill_inputs,
+    _SD + "ngram.speculator._ngram_scan_kernel": ngram_scan,
+    _SD + "ngram.speculator._ngram_finalize_kernel": ngram_finalize,
 }
 
 

@@ -177,20 +177,16 @@ def _check_runner(vllm_config: VllmConfig) -> None:
         )
 
 
+V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model")
+
+
 def v2_unsupported_features(vllm_config: VllmConfig) -> list[str]:
     """What the Ascend V2 runner does not run yet."""
     unsupported = []
     spec = vllm_config.speculative_config
-    if spec is not None and spec.method != "mtp":
-        # the torch forms (kernels/v2_spec_decode.py) cover the MTP drafter's kernels
-        unsupported.append(f"speculative method {spec.method!r} (MTP runs)")
-    # (read with defaults: upstream's config checks also ask about partial model configs)
-    model = vllm_config.model_config
-    if getattr(model, "enable_prompt_embeds", False):
-        # its input kernel reads a table of data pointers
-        unsupported.append("prompt embeddings")
-    if getattr(model, "uses_mrope", False):
-        unsupported.append("M-RoPE models")
+    if spec is not None and spec.method not in V2_SPEC_METHODS:
+        # the torch forms (kernels/v2_spec_decode.py) cover these drafters' kernels
+        unsupported.append(f"speculative method {spec.method!r} ({', '.join(V2_SPEC_METHODS)} run)")
     return unsupported
 
 

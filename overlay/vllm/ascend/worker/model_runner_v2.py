@@ -6,7 +6,9 @@ A thin subclass: V2 asks the platform for its streams and events (hook patch
 ``v2-runner-make-its-streams-and-events-through-the-platform``), its Triton kernels
 are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered by the
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
-(hook: ``block_tables_cls``). Prefill context parallel splits a step's tokens around
+(hook: ``block_tables_cls``), and its prompt-embeddings state, which reads a table of
+device pointers, by :class:`~vllm.ascend.worker.prompt_embeds.NPUPromptEmbedsState`
+after the model is loaded. Prefill context parallel splits a step's tokens around
 the model call (hook: ``model_forward``), as on V1. V2 needs no DP step sync of ours (it
 agrees on a step's padding in one all-reduce) and no generator bookkeeping (its sampling
 noise is a hash of seed, position and token, not a generator's state). With the NPU
@@ -29,6 +31,7 @@ from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.worker import profiling
 from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.model_runner import refuse_plane_blind_connector
+from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
 
 logger = init_logger(__name__)
 
@@ -58,6 +61,16 @@ class NPUModelRunnerV2(GPUModelRunner):
     def model_forward(self, model_inputs: dict):
         plain = super().model_forward
         return pcp_forward.run_model(lambda **inputs: plain(inputs), model_inputs, self.device)
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        # upstream's prompt-embeddings state copies rows through a table of device
+        # pointers (a Triton kernel); ours indexes one tensor of the live requests' rows
+        state = getattr(self.model_state, "prompt_embeds_state", None)
+        if state is not None:
+            self.model_state.prompt_embeds_state = NPUPromptEmbedsState(
+                self.max_num_reqs, state.hidden_size, state.dtype, self.device
+            )
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
         refuse_plane_blind_connector(self.vllm_config, is_profiling)
