@@ -10,7 +10,9 @@ prompt embeddings (equal to the text prompts they embed, and to transformers), b
 under chunked prefill, so embeddings and drafts cross chunk boundaries. A fourth serves a
 Qwen2-VL on V2 (M-RoPE positions, text prompts, chunked prefill) against transformers. Two
 more draft with a separate draft model: the target itself (every draft must be accepted)
-and a smaller Llama with other weights (drafts rejected; the tokens must not change)."""
+and a smaller Llama with other weights (drafts rejected; the tokens must not change). The
+last drafts with an EAGLE head made here (random weights: the tokens must not change, and
+the head the drafter holds is the checkpoint's)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import math
 import pytest
 
 from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
-from tests.support.models import LLAMA_DRAFT, QWEN2_VL
+from tests.support.models import LLAMA_DRAFT, LLAMA_EAGLE, QWEN2_VL
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PROMPTS
 
@@ -47,6 +49,7 @@ BATCHES = {  # name -> the sampling options of one batch (greedy, 16 tokens)
     # three allowed tokens: the greedy output falls into a cycle, which n-gram drafts hit
     "cycle": {"allowed_token_ids": [5, 17, 40]},
 }
+EAGLE = {"method": "eagle", "num_speculative_tokens": 3}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # the third engine's batches: text, the cycling batch, then the prompts as embeddings
 # (every other one; the rest stay text in the same batch)
@@ -124,10 +127,15 @@ def outputs(tiny_models):
                 "report_runner": True,
             }
         )
+    runs.append({**runs[-1], "drafter_parameters": True})
+    runs[-1]["engine"] = {
+        **runs[-1]["engine"],
+        "speculative_config": {**EAGLE, "model": str(tiny_models[LLAMA_EAGLE])},
+    }
     result, output = run_spec({"runs": runs}, timeout=900)
     clean_shutdown(output)
     v1, v2, extra, mrope, *drafted = result["runs"]
-    assert [r["runner"] for r in result["runs"]] == ["NPUModelRunner"] + ["NPUModelRunnerV2"] * 5
+    assert [r["runner"] for r in result["runs"]] == ["NPUModelRunner"] + ["NPUModelRunnerV2"] * 6
     pairs = {name: (a, b) for name, a, b in zip(BATCHES, v1["batches"], v2["batches"])}
     return pairs, extra, mrope, drafted
 
@@ -148,7 +156,7 @@ def test_v2_ngram_drafts_keep_greedy_tokens(outputs):
 
 
 def test_v2_draft_model_keeps_greedy_tokens(outputs):
-    pairs, _, _, (itself, smaller) = outputs
+    pairs, _, _, (itself, smaller, _) = outputs
     plain = _ids(pairs["plain"][0])
     for run in (itself, smaller):
         assert _ids(run["batches"][0]) == plain
@@ -159,6 +167,23 @@ def test_v2_draft_model_keeps_greedy_tokens(outputs):
     # other weights: drafts were rejected, and the output above is still the target's
     counters = smaller["counters"]
     assert counters["vllm:spec_decode_num_accepted_tokens"] < counters["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_v2_eagle_keeps_greedy_tokens_with_the_checkpoint_head(outputs, tiny_models):
+    from safetensors.torch import load_file
+
+    pairs, _, _, (*_, eagle) = outputs
+    assert _ids(eagle["batches"][0]) == _ids(pairs["plain"][0])
+    assert eagle["counters"]["vllm:spec_decode_num_draft_tokens"] > 0, eagle["counters"]
+    held = eagle["drafter_parameters"]
+    checkpoint = load_file(str(tiny_models[LLAMA_EAGLE] / "model.safetensors"))
+    fc = checkpoint["fc.weight"].double()
+    [(name, (total, count))] = [(n, v) for n, v in held.items() if n.endswith("fc.weight")]
+    assert count == fc.numel() and abs(total - float(fc.sum())) < 1e-6 * float(fc.abs().sum()), name
+    layer = [v for n, v in held.items() if n.endswith("layers.0.mlp.down_proj.weight")]
+    assert (
+        layer and abs(layer[0][0] - float(checkpoint["layers.0.mlp.down_proj.weight"].double().sum())) < 1e-6
+    )
 
 
 def test_v2_mrope_model_equals_transformers(outputs, tiny_models):

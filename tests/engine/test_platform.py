@@ -21,10 +21,10 @@ if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
 NPU_HOST = {"TORCH_NPU_DOUBLE_DEVICES": "1"}  # the double answers "one NPU": NPUPlatform is chosen
 
 
-def _eagle(tiny_models) -> dict:
-    """A speculative method the Ascend V2 runner does not run yet: EAGLE (the config only
-    names a Llama-shaped draft; no EAGLE head is loaded by these checks)."""
-    return {"method": "eagle", "model": str(tiny_models["llama"]), "num_speculative_tokens": 2}
+def _eagle3(tiny_models) -> dict:
+    """A speculative method the Ascend V2 runner does not run yet: EAGLE-3 (the config only
+    names a Llama-shaped draft; no EAGLE-3 head is loaded by these checks)."""
+    return {"method": "eagle3", "model": str(tiny_models["llama"]), "num_speculative_tokens": 2}
 
 
 def _python(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -53,9 +53,9 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
         import os
         print("V2", config.use_v2_model_runner, "ENV", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
         drafted = EngineArgs(
-            model={str(tiny_models["qwen2"])!r}, dtype="bfloat16", speculative_config={_eagle(tiny_models)!r}
+            model={str(tiny_models["qwen2"])!r}, dtype="bfloat16", speculative_config={_eagle3(tiny_models)!r}
         ).create_engine_config()
-        print("EAGLE V2", drafted.use_v2_model_runner)
+        print("EAGLE3 V2", drafted.use_v2_model_runner)
     """,
         NPU_HOST,
     )
@@ -66,9 +66,9 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
     # registers torch forms of V2's kernels): every reader of the choice must say V2 ...
     assert "V2 True ENV None" in result.stdout
     # ... and V1 where the Ascend V2 runner does not run the configuration yet, named
-    assert "EAGLE V2 False" in result.stdout
+    assert "EAGLE3 V2 False" in result.stdout
     assert (
-        "Model Runner V2 does not yet support speculative method 'eagle' (mtp, ngram, ngram_gpu, draft_model run); "
+        "Model Runner V2 does not yet support speculative method 'eagle3' (mtp, ngram, ngram_gpu, draft_model, eagle run); "
         "using the V1 model runner" in result.stdout + result.stderr
     )
 
@@ -83,9 +83,9 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
             "error: --block-size 16 is not supported by the Ascend NPU attention kernels",
         ),
         (
-            ("--dtype", "bfloat16", "--speculative-config", "EAGLE"),
+            ("--dtype", "bfloat16", "--speculative-config", "EAGLE3"),
             {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-            "error: Model Runner V2 on Ascend does not run speculative method 'eagle'",
+            "error: Model Runner V2 on Ascend does not run speculative method 'eagle3'",
         ),
     ],
 )
@@ -93,7 +93,7 @@ def test_npu_start_up_errors_are_one_line(args, extra_env, message, tiny_models)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
     env.update(NPU_HOST, **extra_env)
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    args = [json.dumps(_eagle(tiny_models)) if a == "EAGLE" else a for a in args]
+    args = [json.dumps(_eagle3(tiny_models)) if a == "EAGLE3" else a for a in args]
     cmd = [*exe, "serve", str(tiny_models["qwen2"]), "--host", "127.0.0.1", "--port", "1", *args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]

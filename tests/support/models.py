@@ -18,8 +18,10 @@ MLA512 = "deepseek_v3_mla512"
 QWEN2_KV1 = "qwen2_kv1"
 # A Qwen2-VL (M-RoPE positions; text prompts only): tests/engine/test_model_runner_v2.py.
 QWEN2_VL = "qwen2_vl"
-# A smaller Llama with other weights: a separate draft model for the tiny Llama.
+# A smaller Llama with other weights: a separate draft model for the tiny Llama, and an
+# EAGLE head made from it (``eagle_head``).
 LLAMA_DRAFT = "llama_draft"
+LLAMA_EAGLE = "llama_eagle"
 # name: make_tiny_model.py's options
 VARIANTS = {
     **{arch: ["--arch", arch] for arch in ARCHS},
@@ -63,6 +65,30 @@ def quantize_model(model: Path, out: Path, scheme: str, *extra: str) -> Path:
     return out
 
 
+def eagle_head(base: Path, out: Path) -> Path:
+    """An EAGLE draft head for the tiny Llama, from a one-layer Llama with other weights:
+    its embedding and decoder layer (EAGLE's first layer has no input norm) and a random
+    ``fc`` that joins the token embedding with the target's hidden state, in the layout
+    vLLM's EagleLlamaForCausalLM loads (no ``model.`` prefix, no final norm or LM head)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    weights = load_file(str(base / "model.safetensors"))
+    head = {
+        name.removeprefix("model."): w
+        for name, w in weights.items()
+        if name == "model.embed_tokens.weight"
+        or (name.startswith("model.layers.") and "0.input_layernorm" not in name)
+    }
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    head["fc.weight"] = torch.rand(hidden, 2 * hidden, generator=torch.Generator().manual_seed(2)) - 0.5
+    save_file(head, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 class TinyModels(Mapping[str, Path]):
     """The tiny models of ``VARIANTS`` by name, each made into ``base`` on first use (a
     unit test that needs one model does not pay for the others)."""
@@ -72,6 +98,8 @@ class TinyModels(Mapping[str, Path]):
         self._made: dict[str, Path] = {}
 
     def __getitem__(self, name: str) -> Path:
+        if name == LLAMA_EAGLE and name not in self._made:
+            self._made[name] = eagle_head(self[LLAMA_DRAFT], self.base / name)
         if name not in self._made:
             self._made[name] = make_model(self.base / name, *VARIANTS[name])
         return self._made[name]

@@ -35,6 +35,7 @@ def _config(v2=True, pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=Non
         _config(spec=SimpleNamespace(method="mtp")),  # end to end: tests/engine/test_mtp.py
         _config(spec=NGRAM),  # end to end: tests/engine/test_model_runner_v2.py
         _config(spec=SimpleNamespace(method="draft_model")),  # (the same)
+        _config(spec=SimpleNamespace(method="eagle")),  # (the same)
         _config(model=PROMPT_EMBEDS),  # (the same)
         _config(model=MROPE),  # the torch form of its positions kernel: tests/unit/kernels
         _config(kv=object()),  # tests/engine/test_pd_serving.py
@@ -52,7 +53,7 @@ def test_what_runs_on_v2(config):
     "config, named",
     [
         (_config(spec=SimpleNamespace(method="eagle3")), "speculative method 'eagle3'"),
-        (_config(spec=SimpleNamespace(method="eagle")), "speculative method 'eagle'"),
+        (_config(spec=SimpleNamespace(method="medusa")), "speculative method 'medusa'"),
     ],
 )
 def test_what_v2_does_not_run_yet(config, named):

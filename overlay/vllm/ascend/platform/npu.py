@@ -177,7 +177,7 @@ def _check_runner(vllm_config: VllmConfig) -> None:
         )
 
 
-V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model")
+V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model", "eagle")
 
 
 def v2_unsupported_features(vllm_config: VllmConfig) -> list[str]:
