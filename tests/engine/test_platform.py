@@ -68,8 +68,8 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
     # ... and V1 where the Ascend V2 runner does not run the configuration yet, named
     assert "EAGLE3 V2 False" in result.stdout
     assert (
-        "Model Runner V2 does not yet support speculative method 'eagle3' (mtp, ngram, ngram_gpu, draft_model, eagle run); "
-        "using the V1 model runner" in result.stdout + result.stderr
+        "Model Runner V2 does not yet support speculative method 'eagle3' "
+        "(mtp, ngram, ngram_gpu, draft_model, eagle run); using the V1 model runner" in result.stdout + result.stderr
     )
 
 
