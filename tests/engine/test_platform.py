@@ -69,7 +69,9 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
     assert "EAGLE3 V2 False" in result.stdout
     assert (
         "Model Runner V2 does not yet support speculative method 'eagle3' "
-        "(mtp, ngram, ngram_gpu, draft_model, eagle run); using the V1 model runner" in result.stdout + result.stderr
+        "(mtp, ngram, ngram_gpu, draft_model, eagle run); using the V1 model runner"
+        in result.stdout
+        + result.stderr
     )
 
 
