@@ -10,7 +10,8 @@ sampled-token placement, block-table gather, slot mapping, a staged block-table 
 Gumbel sampling at mixed temperatures, sampled counts, post-update), each timed as the
 median of ``--repeats`` calls, and their sum: the host time one step spends in these
 kernels; then what MTP with two draft tokens adds (the standard rejection sampler over
-three logits rows per request, the draft step's input kernels). The interpreter side
+three logits rows per request, the draft step's input kernels), and, outside both sums,
+what n-gram drafting (k=3, 4k-token model length) and an M-RoPE model add. The interpreter side
 runs in a process of its own (vLLM must see Triton usable there). Host numbers on this
 machine, not NPU time.
 """
@@ -117,6 +118,27 @@ def _scenario(batch: int, vocab: int, side: str):
             k,
         )
 
+    # n-gram drafting (k=3, n from 1 to 3) over the 2k-token histories, as propose launches it
+    from vllm.v1.worker.gpu.mm.rope import RopeState
+    from vllm.v1.worker.gpu.spec_decode.ngram import speculator as ngram
+
+    model_len, block_l, n_drafts = 4096, 256, 3
+    history = torch.randint(0, 8, all_ids.shape, generator=g, dtype=torch.int32)
+    scratch = torch.zeros(MAX_REQS, model_len // block_l, dtype=torch.int64)
+    ngram_out = torch.zeros(MAX_REQS, n_drafts, dtype=torch.int64)
+    ones = torch.ones(batch, dtype=torch.int32)
+
+    def ngram_drafts():
+        common = (history, history.stride(0), idx.long(), total, ones)
+        blocks = scratch.shape[1]
+        ngram._ngram_scan_kernel[(batch, blocks)](*common, scratch, blocks, model_len, 1, 3, 4, block_l)
+        ngram._ngram_finalize_kernel[(batch,)](
+            *common, last.view(-1), scratch, blocks, ngram_out, model_len, blocks, n_drafts, 4, blocks
+        )
+
+    # M-RoPE (three channels) positions of a decode step
+    rope = RopeState(3, MAX_REQS, batch * 4, model_len, cpu)
+
     return {
         "positions and seq_lens": lambda: ib.prepare_pos_seq_lens(idx, qsl, computed, positions, seq_lens),
         "sampled-token placement": lambda: ib.combine_sampled_and_draft_tokens(
@@ -157,6 +179,8 @@ def _scenario(batch: int, vocab: int, side: str):
             k,
         ),
         "MTP: draft-step inputs": draft_inputs,
+        "n-gram: drafts (k=3)": ngram_drafts,
+        "M-RoPE: positions": lambda: rope.prepare_positions(idx.long(), qsl, prefill, computed),
     }
 
 
@@ -208,8 +232,9 @@ def main() -> None:
         other = interp_ms.get(name)
         ratio = f"{other / ms:8.0f}x" if other else ""
         print(f"{name:26} {ms:15.3f} {other if other is not None else float('nan'):15.3f} {ratio}")
-    for label, mtp in (("one step", False), ("added by MTP k=2", True)):
-        names = [name for name in torch_ms if name.startswith("MTP: ") == mtp]
+    # (the n-gram and M-RoPE rows are what those configurations add; not in either sum)
+    for label, prefix in (("one step", None), ("added by MTP k=2", "MTP")):
+        names = [name for name in torch_ms if (name.split(": ")[0] if ": " in name else None) == prefix]
         total = sum(torch_ms[n] for n in names)
         other_total = sum(interp_ms[n] for n in names) if interp_ms else float("nan")
         print(f"{label:26} {total:15.3f} {other_total:15.3f} {other_total / total:8.0f}x")
