@@ -49,6 +49,9 @@ BATCHES = {  # name -> the sampling options of one batch (greedy, 16 tokens)
     # three allowed tokens: the greedy output falls into a cycle, which n-gram drafts hit
     "cycle": {"allowed_token_ids": [5, 17, 40]},
 }
+# the engines on V2 besides the sampling pair run chunked prefill: prompts, embeddings and
+# drafts cross chunk boundaries
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_num_seqs": 4}
 EAGLE = {"method": "eagle", "num_speculative_tokens": 3}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # the third engine's batches: text, the cycling batch, then the prompts as embeddings
@@ -70,68 +73,39 @@ def outputs(tiny_models):
         }
         for v2 in ("0", "1")
     ]
-    runs.append(
-        {
-            "model": str(tiny_models["llama"]),
-            "engine": {
-                **ENGINE,
-                "speculative_config": NGRAM,
-                "enable_prompt_embeds": True,
-                "enable_chunked_prefill": True,
-                "max_num_batched_tokens": 16,
-                "max_num_seqs": 4,
-                "disable_log_stats": False,
-            },
-            "batches": [PROMPTS, PROMPTS, EMBEDDED],
-            "batch_sampling": [{}, BATCHES["cycle"], {}],
+
+    def on_v2(model, engine, batches, **more):
+        engine = {**CHUNKED, **engine}
+        return {
+            "model": str(model),
+            "engine": engine,
+            "batches": batches,
             "max_tokens": 16,
+            **more,
             "env": IN_PROCESS,
             "report_runner": True,
         }
-    )
-    runs.append(
-        {
-            "model": str(tiny_models[QWEN2_VL]),
-            # (vLLM profiles the vision tower with dummy images at start-up)
-            "engine": {
-                **BASE,
-                "enable_chunked_prefill": True,
-                "max_num_batched_tokens": 16,
-                "max_num_seqs": 4,
-            },
-            "batches": [PROMPTS],
-            "max_tokens": 16,
-            "env": IN_PROCESS,
-            "report_runner": True,
-        }
-    )
-    for draft, k in ((tiny_models["llama"], 3), (tiny_models[LLAMA_DRAFT], 2)):
-        runs.append(
-            {
-                "model": str(tiny_models["llama"]),
-                "engine": {
-                    **BASE,
-                    "speculative_config": {
-                        "method": "draft_model",
-                        "model": str(draft),
-                        "num_speculative_tokens": k,
-                    },
-                    "enable_chunked_prefill": True,
-                    "max_num_batched_tokens": 16,
-                    "max_num_seqs": 4,
-                    "disable_log_stats": False,
-                },
-                "batches": [PROMPTS],
-                "max_tokens": 16,
-                "env": IN_PROCESS,
-                "report_runner": True,
-            }
-        )
-    runs.append({**runs[-1], "drafter_parameters": True})
-    runs[-1]["engine"] = {
-        **runs[-1]["engine"],
-        "speculative_config": {**EAGLE, "model": str(tiny_models[LLAMA_EAGLE])},
-    }
+
+    def drafting(spec, engine=BASE, batches=(PROMPTS,), **more):
+        engine = {**engine, "speculative_config": spec, "disable_log_stats": False}
+        return on_v2(tiny_models["llama"], engine, list(batches), **more)
+
+    def draft_model(path, k):
+        return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+    runs += [
+        drafting(
+            NGRAM,
+            {**ENGINE, "enable_prompt_embeds": True},
+            [PROMPTS, PROMPTS, EMBEDDED],
+            batch_sampling=[{}, BATCHES["cycle"], {}],
+        ),
+        # (vLLM profiles the vision tower with dummy images at start-up)
+        on_v2(tiny_models[QWEN2_VL], BASE, [PROMPTS]),
+        drafting(draft_model(tiny_models["llama"], 3)),
+        drafting(draft_model(tiny_models[LLAMA_DRAFT], 2)),
+        drafting({**EAGLE, "model": str(tiny_models[LLAMA_EAGLE])}, drafter_parameters=True),
+    ]
     result, output = run_spec({"runs": runs}, timeout=900)
     clean_shutdown(output)
     v1, v2, extra, mrope, *drafted = result["runs"]

@@ -25,6 +25,7 @@ the output is {"runs": [...]}.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -104,15 +105,22 @@ def _prompt(prompt, llm):
     if not (isinstance(prompt, dict) and "embeds_of" in prompt):
         return prompt
     import torch
+
+    ids = llm.get_tokenizer()(prompt["embeds_of"]).input_ids
+    table = _input_embeddings(llm.llm_engine.vllm_config.model_config.model)
+    return {"prompt_embeds": table[torch.tensor(ids)].float()}
+
+
+@functools.cache
+def _input_embeddings(model_dir: str):
+    """The checkpoint's input embedding table (read once per model)."""
     from safetensors import safe_open
 
-    model_dir = llm.llm_engine.vllm_config.model_config.model
-    ids = llm.get_tokenizer()(prompt["embeds_of"]).input_ids
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             names = [n for n in f.keys() if n.endswith("embed_tokens.weight")]  # noqa: SIM118 (not iterable)
             if names:
-                return {"prompt_embeds": f.get_tensor(names[0])[torch.tensor(ids)].float()}
+                return f.get_tensor(names[0])
     raise ValueError(f"no embed_tokens weight in {model_dir}")
 
 

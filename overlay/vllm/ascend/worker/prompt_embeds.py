@@ -4,10 +4,10 @@ Upstream's ``PromptEmbedsState`` (``v1/worker/gpu/model_states/prompt_embeds.py`
 each request's embeddings in a tensor of its own and copies them into the step's input
 embeddings with one Triton kernel that reads a table of their device addresses; a torch
 op cannot follow an address. This state keeps the live requests' embeddings in one
-device tensor instead (re-joined when a request with embeddings comes or goes, off the
-per-step path) and finds each scheduled row by index, with device ops only: no Python
-loop over requests and no read back to the host. Same interface; the Ascend V2 runner
-installs it in place of upstream's (``worker/model_runner_v2.py``).
+device tensor instead (re-joined when requests are added, off the per-step path) and
+finds each scheduled row by index, with device ops only: no Python loop over requests
+and no read back to the host. Same interface; the Ascend V2 runner installs it in place
+of upstream's (``worker/model_runner_v2.py``).
 """
 
 from __future__ import annotations
@@ -32,24 +32,26 @@ class NPUPromptEmbedsState:
         self.is_token_id = torch.zeros(1, dtype=torch.bool, device=device)
 
     def add_request(self, req_index: int, new_req_data) -> None:
-        self.remove_request(new_req_data.req_id)
-        # a slot is reused: whatever it held is gone either way
-        self.requests = {k: v for k, v in self.requests.items() if v[0] != req_index}
+        # (a reused slot drops whatever it held; upstream applies the staged writes next)
+        req_id = new_req_data.req_id
+        self.requests = {k: v for k, v in self.requests.items() if k != req_id and v[0] != req_index}
         self._stale = True
         embeds = new_req_data.prompt_embeds
         if embeds is None:
             return
-        rows = embeds.to(device=self.device, dtype=self.dtype, non_blocking=True).reshape(
-            -1, self.hidden_size
-        )
+        rows = embeds.to(device=self.device, dtype=self.dtype, non_blocking=True)
         mask = new_req_data.prompt_is_token_ids
-        if mask is not None:
-            mask = mask.to(device=self.device, dtype=torch.bool, non_blocking=True)
-        self.requests[new_req_data.req_id] = (req_index, rows, mask)
+        if mask is None:
+            mask = torch.zeros(rows.shape[0], dtype=torch.bool, device=self.device)
+        self.requests[req_id] = (
+            req_index,
+            rows.reshape(-1, self.hidden_size),
+            mask.to(self.device, torch.bool),
+        )
 
     def remove_request(self, req_id: str) -> None:
-        if self.requests.pop(req_id, None) is not None:
-            self._stale = True
+        # its rows stay in ``rows`` until the next request is added: its slot is not scheduled
+        self.requests.pop(req_id, None)
 
     def apply_staged_writes(self) -> None:
         if not self._stale:
@@ -58,26 +60,17 @@ class NPUPromptEmbedsState:
         self.length.zero_()
         if not self.requests:
             return
-        slots, starts, lengths, masks = [], [], [], []
-        offset = 0
-        for slot, rows, mask in self.requests.values():
-            slots.append(slot)
-            starts.append(offset)
-            lengths.append(rows.shape[0])
-            masks.append(
-                torch.zeros(rows.shape[0], dtype=torch.bool, device=self.device) if mask is None else mask
-            )
-            offset += rows.shape[0]
-        self.rows = torch.cat([rows for _, rows, _ in self.requests.values()])
-        self.is_token_id = torch.cat(masks)
+        slots, rows, masks = zip(*self.requests.values())
+        lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
         index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.start[index] = torch.tensor(starts, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.length[index] = torch.tensor(lengths, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.start[index] = (lengths.cumsum(0) - lengths).to(self.device, non_blocking=True)
+        self.length[index] = lengths.to(self.device, non_blocking=True)
+        self.rows = torch.cat(rows)
+        self.is_token_id = torch.cat(masks)
 
     def apply(self, input_batch, num_computed_tokens: torch.Tensor, inputs_embeds: torch.Tensor) -> None:
         """Overwrite the rows of ``inputs_embeds`` that a request's given embeddings
         cover (not the rows its mask marks as token ids, nor rows past its embeddings)."""
-        self.apply_staged_writes()
         if not self.requests:
             return
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
