@@ -1,9 +1,8 @@
 """Reading back what the collective recorder (``tests/dp_recorder/sitecustomize.py``)
 wrote for a DP deployment, and the checks every DP test makes on it.
 
-A *step* of a rank starts at its metadata all-reduce: ``int32[ROWS, dp]`` on the DP
-group (``vllm.ascend.worker.dp_step``) with the V1 runner, where upstream's own would be
-``int32[4, dp]``; Model Runner V2's is upstream's ``int32[V2_ROWS, dp]``. A rank's
+A *step* of a rank starts at its metadata all-reduce: Model Runner V2's
+``int32[ROWS, dp]`` on the DP group (upstream's ``vllm/v1/worker/gpu/dp_utils.py``). A rank's
 collectives on groups that span DP replicas (DP, EP, world), from its first metadata
 all-reduce on and split into steps, must be the same (op, dtype, group size) on every
 member of its DP group, with exactly one metadata collective per step. Idle ranks' dummy
@@ -18,12 +17,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from vllm.ascend.worker.dp_step import ROWS, UPSTREAM_ROWS
-
-# Model Runner V2 agrees on a step in one all-reduce of its own (upstream's
-# vllm/v1/worker/gpu/dp_utils.py: tokens, graph mode, uniform length, query length,
-# micro-batching, requests, draft skipping)
-V2_ROWS = 7
+# Model Runner V2 agrees on a step in one all-reduce (tokens, graph mode, uniform length,
+# query length, micro-batching, requests, draft skipping)
+ROWS = 7
+# upstream's V1 runner's int32[4, dp] exchange, which nothing may issue besides
+V1_ROWS = 4
 RECORDER_DIR = Path(__file__).resolve().parents[1] / "dp_recorder"
 
 
@@ -70,18 +68,14 @@ def steps(entries: list[dict], dp: int, replica: int, rows: int = ROWS) -> list[
 
 
 def check(out: Path, dp: int, rows: int = ROWS) -> dict[int, int]:
-    """Assert the one-collective rule on a recorded run (``rows``: the metadata tensor's,
-    ``V2_ROWS`` for Model Runner V2); return global rank -> steps."""
+    """Assert the one-collective rule on a recorded run; return global rank -> steps."""
     by_rank = read(out)
     assert by_rank, f"the recorder wrote nothing under {out}"
     counts = {}
     groups: dict[tuple, list[int]] = defaultdict(list)
     for rank, entries in by_rank.items():
-        for other in {UPSTREAM_ROWS, ROWS} - {rows}:  # V1's upstream exchange; V1's packed one on V2
-            extra = [e for e in entries if _metadata(e, dp, other)]
-            assert not extra, (
-                f"rank {rank} issued {len(extra)} int32[{other}, dp] DP metadata all-reduces too"
-            )
+        extra = [e for e in entries if _metadata(e, dp, V1_ROWS)]
+        assert not extra, f"rank {rank} issued {len(extra)} int32[{V1_ROWS}, dp] DP metadata all-reduces too"
         packed = [e for e in entries if _metadata(e, dp, rows)]
         assert packed, f"rank {rank} issued no DP metadata all-reduce"
         groups[tuple(packed[0]["ranks"])].append(rank)

@@ -8,8 +8,7 @@ chunked prefill (16-token steps) and prefix-cache hits (8-token blocks). Before 
 batches each engine prefills one probe prompt alone and every rank saves its first
 attention layer's cache blocks of that request: each token's KV must sit exactly where
 ``vllm.ascend.context_parallel.placement`` puts it, exactly once per context-parallel
-group, equal to the value the TP=1 engine stored. The DeepSeek-V3 engines run Model
-Runner V2, the Qwen2 engines the V1 runner.
+group, equal to the value the TP=1 engine stored.
 """
 
 from __future__ import annotations
@@ -48,15 +47,12 @@ LAYOUTS = {  # name -> parallel settings (the interleave sizes vary: 1, 2, 4)
     },
 }
 MODELS = {"mla": "deepseek_v3", "gqa": QWEN2_KV1}
-# Both runners split PCP the same way (context_parallel/forward.py) and place slots over
-# PCP x DCP (V1: worker/model_runner.py; V2: worker/block_tables.py): one model each.
-V2_RUNNER = {"mla": True, "gqa": False}
 PROBE = PROMPTS[4]  # ~40 tokens: several virtual blocks at every layout
 BATCHES = [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]]
 MAX_TOKENS = 12
 
 
-def _spec(model: Path, name: str, parallel: dict, dump: Path, v2: bool) -> dict:
+def _spec(model: Path, name: str, parallel: dict, dump: Path) -> dict:
     dump.mkdir()
     return {
         "model": str(model),
@@ -72,7 +68,6 @@ def _spec(model: Path, name: str, parallel: dict, dump: Path, v2: bool) -> dict:
             **IN_PROCESS,
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_ASCEND_PREFILL_CHUNK_TOKENS": "16",
-            "VLLM_USE_V2_MODEL_RUNNER": "1" if v2 else "0",
         },
     }
 
@@ -87,8 +82,7 @@ def runs(tiny_models, tmp_path_factory):
         # the MoE model's DCP run also shards its experts (expert parallelism over TP)
         extra = {"dcp2": {"enable_expert_parallel": True}} if kind == "mla" else {}
         specs = [
-            _spec(tiny_models[arch], n, {**LAYOUTS.get(n, {}), **extra.get(n, {})}, base / n, V2_RUNNER[kind])
-            for n in names
+            _spec(tiny_models[arch], n, {**LAYOUTS.get(n, {}), **extra.get(n, {})}, base / n) for n in names
         ]
         result, output = run_spec({"runs": specs}, timeout=1500)
         clean_shutdown(output)
@@ -108,7 +102,7 @@ def test_greedy_tokens_equal_tp1_and_transformers(runs, tiny_models, kind, layou
     expected = hf_greedy(tiny_models[MODELS[kind]], PROMPTS + PREFIX_PROMPTS, MAX_TOKENS)
     assert _tokens(reference) == expected
     assert _tokens(result) == expected
-    assert result["runner"] == ("NPUModelRunnerV2" if V2_RUNNER[kind] else "NPUModelRunner")
+    assert result["runner"] == "NPUModelRunner"
     # the batches exercised what they should: chunked prefill, and prefix-cache hits of
     # whole scheduler blocks (BLOCK_SIZE x PCP x DCP tokens)
     assert max(r["prompt_len"] for r in result["batches"][0]) > 2 * BUDGET

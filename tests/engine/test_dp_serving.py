@@ -1,13 +1,12 @@
 """Data parallelism served end to end in host emulation (gloo): `vllm serve
 --data-parallel-size 2` with the tiny DeepSeek-V3 (MoE + MLA, expert parallelism over the
-two ranks, MTP k = 2; on the V1 runner and on Model Runner V2) and with the tiny Qwen2
-(dense, on Model Runner V2, the default), against Hugging Face transformers' greedy
+two ranks, MTP k = 2) and with the tiny Qwen2 (dense), against Hugging Face transformers' greedy
 tokens (which test_oracle and test_mtp hold DP = 1 to).
 
 Every worker of the DeepSeek instance runs under the collective recorder
 (``tests/dp_recorder``): the last test reads back what each rank issued and checks one
-DP metadata collective per engine step, no upstream-style ones (so the drafter's two
-coordinations per step were answered from the step's agreement), and identical
+DP metadata collective per engine step (the drafter's steps included: Model Runner V2's
+speculator does not coordinate again), and identical
 collective sequences on both ranks, the idle rank's dummy steps included.
 
 Both instances start once for the module, side by side.
@@ -21,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.engines import VllmServer
+from tests.support.engines import RUNNER_LINE, VllmServer
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PROMPTS
 
@@ -32,10 +31,6 @@ SINGLE_REQUEST_BOUND = 90  # seconds for one 12-token request; a DP hang never a
 IDLE_STEPS = 100
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--data-parallel-size", "2"]
 MTP_K = 2
-# The DeepSeek instance on each runner: V2 agrees on a step in its own all-reduce
-# (dp_collectives.V2_ROWS) and its drafter runs through kernels/v2_spec_decode.py.
-MOE = ("moe", "moe_v2")
-V2 = {"moe_v2"}
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +42,13 @@ def servers(tiny_models, tmp_path_factory):
         "--speculative-config",
         f'{{"method": "deepseek_mtp", "num_speculative_tokens": {MTP_K}}}',
     ]
-    started = {}
-    for name in MOE:
-        recorded = root / f"collectives-{name}"
-        env = {
-            **dp_collectives.recorder_env(recorded),
-            "VLLM_USE_V2_MODEL_RUNNER": "1" if name in V2 else "0",
-        }
-        started[name] = VllmServer(tiny_models["deepseek_v3"], moe, root / f"{name}.log", env)
-        started[name].recorded, started[name].model = recorded, tiny_models["deepseek_v3"]
+    recorded = root / "collectives"
+    started = {
+        "moe": VllmServer(
+            tiny_models["deepseek_v3"], moe, root / "moe.log", dp_collectives.recorder_env(recorded)
+        )
+    }
+    started["moe"].recorded, started["moe"].model = recorded, tiny_models["deepseek_v3"]
     started["dense"] = VllmServer(tiny_models["qwen2"], COMMON, root / "dense.log")
     started["dense"].model = tiny_models["qwen2"]
     try:
@@ -87,17 +80,16 @@ def _complete(server, prompt: str, max_tokens: int = MAX_TOKENS, timeout: float 
     return response.json()["choices"][0]["token_ids"]
 
 
-def test_each_instance_runs_the_runner_it_was_given(servers):
-    for kind in (*MOE, "dense"):
-        v2 = kind in V2 or kind == "dense"  # the dense instance: the default runner
+def test_each_instance_runs_the_ascend_runner(servers):
+    for kind in ("moe", "dense"):
         text = servers[kind].log.read_text()
-        assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text, kind
-        # sync on V1, and on V2 with MTP (docs/runtime.md)
+        assert RUNNER_LINE in text, kind
+        # sync with MTP (docs/runtime.md)
         scheduling = "async" if kind == "dense" else "sync"
         assert f"Ascend model runner scheduling: {scheduling}\n" in text, kind
 
 
-@pytest.mark.parametrize("kind", [*MOE, "dense"])
+@pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_a_single_request_completes_within_a_bound(servers, kind):
     """Fewer requests than DP ranks: the idle rank must not hold the busy one up."""
     server = servers[kind]
@@ -110,7 +102,7 @@ def test_a_single_request_completes_within_a_bound(servers, kind):
     assert got == hf_greedy(server.model, PROMPTS[1:2], MAX_TOKENS)[0]
 
 
-@pytest.mark.parametrize("kind", [*MOE, "dense"])
+@pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_dp2_equals_transformers_for_concurrent_requests(servers, kind):
     server = servers[kind]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -118,21 +110,19 @@ def test_dp2_equals_transformers_for_concurrent_requests(servers, kind):
     assert got == hf_greedy(server.model, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("kind", MOE)
-def test_one_rank_idles_for_100_steps_while_the_other_serves(servers, kind):
+def test_one_rank_idles_for_100_steps_while_the_other_serves(servers):
     """One long request: one rank decodes it, the other runs dummy steps all along. Both
     must take the same number of steps (lock step), at least 100, and the output must be
     right."""
-    server = servers[kind]
-    rows = dp_collectives.V2_ROWS if kind in V2 else dp_collectives.ROWS
+    server = servers["moe"]
     dp_collectives.settle(server.recorded)
-    before = dp_collectives.step_counts(server.recorded, 2, rows)
+    before = dp_collectives.step_counts(server.recorded, 2)
     tokens = IDLE_STEPS + 20  # the tiny model's random MTP layer has its drafts mostly rejected
     got = _complete(server, PROMPTS[0], max_tokens=tokens)
     dp_collectives.settle(server.recorded)  # the ranks' last steps may still be being written
-    after = dp_collectives.step_counts(server.recorded, 2, rows)
+    after = dp_collectives.step_counts(server.recorded, 2)
     taken = {rank: after[rank] - before.get(rank, 0) for rank in after}
-    print(f"DP=2 MoE + MTP k={MTP_K} ({kind}): {tokens} tokens of one request took {taken} steps per rank")
+    print(f"DP=2 MoE + MTP k={MTP_K}: {tokens} tokens of one request took {taken} steps per rank")
     assert len(taken) == 2 and len(set(taken.values())) == 1, taken
     assert min(taken.values()) >= IDLE_STEPS, taken
     # every busy step emits at least one token of the request (and a wave ends with a few
@@ -141,10 +131,9 @@ def test_one_rank_idles_for_100_steps_while_the_other_serves(servers, kind):
     assert got == hf_greedy(server.model, PROMPTS[:1], tokens)[0]
 
 
-@pytest.mark.parametrize("kind", MOE)
-def test_one_metadata_collective_per_step_and_identical_sequences(servers, kind):
+def test_one_metadata_collective_per_step_and_identical_sequences(servers):
     """Runs after the others (module order): checks everything the instance did so far."""
-    server = servers[kind]
+    server = servers["moe"]
     _complete(server, PROMPTS[2])  # at least one step with the drafter after start-up
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     drafts = sum(
@@ -154,10 +143,5 @@ def test_one_metadata_collective_per_step_and_identical_sequences(servers, kind)
     )
     assert drafts > 0, "the drafter never ran: the check below would not cover its coordination"
     dp_collectives.settle(server.recorded)
-    steps = dp_collectives.check(
-        server.recorded, 2, dp_collectives.V2_ROWS if kind in V2 else dp_collectives.ROWS
-    )
-    print(
-        f"DP=2 MoE + MTP k={MTP_K} ({kind}): {steps} steps per rank, one DP metadata collective each "
-        + ("(V2's own step agreement)" if kind in V2 else f"(upstream V1: {1 + min(MTP_K, 2)} per step)")
-    )
+    steps = dp_collectives.check(server.recorded, 2)
+    print(f"DP=2 MoE + MTP k={MTP_K}: {steps} steps per rank, one DP metadata collective each")

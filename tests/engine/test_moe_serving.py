@@ -16,10 +16,6 @@ A tiny Qwen3-MoE (softmax top-k routing, renormalised: the routing of Mixtral an
 Qwen MoE models, which upstream computes with a CUDA kernel) is served with TP=2 + EP
 under each strategy and with DP=2 + EP, against transformers.
 
-Every engine runs Model Runner V2 (the default) but two, on the V1 runner: the quantized
-checkpoint with TP=2 + EP under MC2 and the Qwen3-MoE with DP=2 + EP, each against the
-same oracle as the V2 runs.
-
 Every engine writes which strategies its MoE layers ran ("Ascend MoE: first step with
 the <name> strategy"), so each test also proves the strategy it forced really ran.
 """
@@ -32,7 +28,7 @@ import re
 import httpx
 import pytest
 
-from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec, vllm_server
+from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec, vllm_server
 from tests.support.models import make_model, quantize_model
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import LONG_PROMPTS, PROMPTS
@@ -105,19 +101,13 @@ def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quant
         }
     ]
     runs += _tp2_ep_runs(quantized.path, strategies)
-    # MC2 once more on the V1 runner (the runs above are on Model Runner V2, the default)
-    [v1_run] = _tp2_ep_runs(quantized.path, ["mc2"])
-    runs.append({**v1_run, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})
     result, output = run_spec({"runs": runs}, timeout=1500)
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(runs)
-    assert (
-        "Ascend model runner: NPUModelRunnerV2\n" in output
-        and "Ascend model runner: NPUModelRunner\n" in output
-    )
+    assert RUNNER_LINE in output
     tokens = [[r["token_ids"] for r in run["batches"][0]] for run in result["runs"]]
     tied = quantized.check("tp1", PROMPTS, tokens[0])
-    for strategy, got in zip([*strategies, "mc2 on V1"], tokens[1:]):
+    for strategy, got in zip(strategies, tokens[1:]):
         tied |= quantized.check(f"tp2 ep {strategy}", PROMPTS, got)
         for i, (tp1, tp2) in enumerate(zip(tokens[0], got)):
             assert i in tied or tp1 == tp2, (strategy, PROMPTS[i], tp1, tp2)
@@ -192,11 +182,7 @@ DP_SERVERS = {
     ),
     # DP 2 with EP 2, the Qwen3-MoE (softmax routing) against transformers.
     "dp2_ep_qwen3_moe": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
-    # The same on the V1 runner (the rest run Model Runner V2, the default, with its own DP
-    # step agreement: one all-reduce per step): its DP step sync of the Ascend hook.
-    "dp2_ep_qwen3_moe_v1": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
 }
-V1_SERVERS = {"dp2_ep_qwen3_moe_v1"}
 
 
 @pytest.mark.parametrize("name", DP_SERVERS)
@@ -204,7 +190,6 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
     extra, prompts, must_run = DP_SERVERS[name]
     expert_parallel = "--enable-expert-parallel" in extra
     softmax_routed = "qwen3_moe" in name
-    v2 = name not in V1_SERVERS
     quantized_model = expert_parallel and not softmax_routed
     model = (
         tiny_models["qwen3_moe"]
@@ -231,7 +216,7 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
     else:
         expected = dict(zip(prompts, hf_greedy(model, prompts, MAX_TOKENS)))
     recorded = tmp_path / "collectives"
-    env = {**dp_collectives.recorder_env(recorded), "VLLM_USE_V2_MODEL_RUNNER": "1" if v2 else "0"}
+    env = dp_collectives.recorder_env(recorded)
     with vllm_server(model, args, log, timeout=420, env=env) as base:
         # One request alone: the other DP rank has nothing to do and runs dummy steps.
         first = _complete(base, model, prompts[1])
@@ -248,11 +233,11 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
         # while the instance is up (a stop may cut the ranks' last step short): one DP metadata
         # collective per step, the same collectives on both DP ranks (docs/data_parallel.md)
         dp_collectives.settle(recorded)
-        steps = dp_collectives.check(recorded, 2, dp_collectives.V2_ROWS if v2 else dp_collectives.ROWS)
+        steps = dp_collectives.check(recorded, 2)
         assert len(steps) == 2 * tp, steps  # every worker of DP 2 x TP tp recorded
     text = log.read_text()
-    assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text
-    assert f"Ascend model runner scheduling: {'async' if v2 else 'sync'}\n" in text
+    assert RUNNER_LINE in text
+    assert "Ascend model runner scheduling: async\n" in text
     assert must_run <= _strategies_used(text), (must_run, _strategies_used(text))
     if quantized_model:
         assert "quantization=ascend" in text

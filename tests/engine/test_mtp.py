@@ -3,8 +3,7 @@ with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equ
 greedy decoding token for token (Hugging Face transformers, which test_oracle holds
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
 caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
-test_dp_serving.py); on Model Runner V2 (the default) and on the V1 runner (the ``v1_``
-runs).
+test_dp_serving.py).
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
+from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PREFIX_PROMPTS, PROMPTS
 
@@ -75,10 +74,6 @@ RUNS = {
         }
     },
 }
-# The runs above are on Model Runner V2 (its drafter and rejection sampler through the
-# torch forms of kernels/v2_spec_decode.py); the same on the V1 runner in the same process.
-V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-RUNS.update({f"v1_{name}": {**RUNS[name], "env": V1} for name in ("k2", "k2_preempted", "k2_all_accepted")})
 
 
 @pytest.fixture(scope="module")
@@ -99,21 +94,20 @@ def single_rank(tiny_models):
             }
         )
     # Random sampling with a fixed seed: the same request twice in one batch, then again.
-    for env in ({}, V1):
-        runs.append(
-            {
-                "model": str(model),
-                "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
-                "max_tokens": MAX_TOKENS,
-                "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
-                "engine": {**ENGINE, "speculative_config": mtp(2)},
-                "report_runner": True,
-                "env": {**IN_PROCESS, **env},
-            }
-        )
+    runs.append(
+        {
+            "model": str(model),
+            "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
+            "max_tokens": MAX_TOKENS,
+            "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
+            "engine": {**ENGINE, "speculative_config": mtp(2)},
+            "report_runner": True,
+            "env": IN_PROCESS,
+        }
+    )
     result, output = run_spec({"runs": runs}, timeout=1800)
     clean_shutdown(output)
-    names = [*RUNS, "random", "v1_random"]
+    names = [*RUNS, "random"]
     return model, dict(zip(names, result["runs"])), output
 
 
@@ -124,16 +118,15 @@ def _acceptance(counters: dict) -> tuple[float, float]:
     return (accepted / drafts if drafts else 0.0), (accepted / steps if steps else 0.0)
 
 
-def test_each_run_used_the_runner_it_asked_for(single_rank):
+def test_each_run_used_the_ascend_runner_in_step(single_rank):
     _, runs, _ = single_rank
     for name, run in runs.items():
-        v1 = name.startswith("v1_")
-        assert run["runner"] == ("NPUModelRunner" if v1 else "NPUModelRunnerV2"), name
+        assert run["runner"] == "NPUModelRunner", name
         # off with drafts: the attention kernels need exact host sequence lengths (docs/runtime.md)
         assert not run["async_scheduling"], name
 
 
-@pytest.mark.parametrize("run", ["k1", "k2", "v1_k2"])
+@pytest.mark.parametrize("run", ["k1", "k2"])
 def test_greedy_mtp_equals_plain_decoding(single_rank, run):
     model, runs, _ = single_rank
     batches = runs[run]["batches"]
@@ -200,10 +193,9 @@ def test_mtp_layer_weights_load_from_the_checkpoint(single_rank):
         assert abs(got[name][0] - value) <= 1e-6 * max(1.0, abs(value)), (name, got[name][0], value)
 
 
-@pytest.mark.parametrize("runner", ["", "v1_"])
-def test_greedy_mtp_under_preemption(single_rank, runner):
+def test_greedy_mtp_under_preemption(single_rank):
     model, runs, _ = single_rank
-    run = runs[runner + "k2_preempted"]
+    run = runs["k2_preempted"]
     assert run["counters"].get("vllm:num_preemptions", 0) > 0, run["counters"]
     assert _tokens(run["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
 
@@ -223,13 +215,12 @@ def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("runner", ["", "v1_"])
-def test_accepted_drafts_keep_the_target_exact(single_rank, runner):
+def test_accepted_drafts_keep_the_target_exact(single_rank):
     """Every draft accepted (synthetic mode, k = 2): a request emits its first token, then
     [draft, draft, bonus] per step, so tokens 0, 3, 6, ... are the target's own picks and
     must equal transformers' greedy token after everything emitted before them."""
     model, runs, _ = single_rank
-    run = runs[runner + "k2_all_accepted"]
+    run = runs["k2_all_accepted"]
     rate, per_step = _acceptance(run["counters"])
     assert rate == 1.0 and per_step == 2.0, run["counters"]
     prompts = PROMPTS + SINGLES + PREFIX_PROMPTS
@@ -248,21 +239,19 @@ def test_accepted_drafts_keep_the_target_exact(single_rank, runner):
     assert drafts_unlike_target > 0
 
 
-@pytest.mark.parametrize("runner", ["", "v1_"])
-def test_random_sampling_with_seed_is_reproducible(single_rank, runner):
+def test_random_sampling_with_seed_is_reproducible(single_rank):
     _, runs, _ = single_rank
-    first, second = runs[runner + "random"]["batches"]
+    first, second = runs["random"]["batches"]
     assert first[0]["token_ids"] == first[1]["token_ids"] == second[0]["token_ids"]
     assert len(set(first[0]["token_ids"])) > 1
-    rate, per_step = _acceptance(runs[runner + "random"]["counters"])
-    print(f"MTP k2 random sampling {runner}: acceptance rate {rate:.3f}, per step {per_step:.3f}")
+    rate, per_step = _acceptance(runs["random"]["counters"])
+    print(f"MTP k2 random sampling: acceptance rate {rate:.3f}, per step {per_step:.3f}")
 
 
 def test_mtp_tp2_expert_parallel(tiny_models):
     """TP = 2 with expert parallelism and MC2 forced: the drafter's MoE layer runs through
-    the same strategy and groups as the target's (no second group initialisation). On
-    Model Runner V2; the V1 runner's TP = 2 + EP + MC2 with MTP runs through the NPU
-    kernels in test_npu_path.py's quantized test."""
+    the same strategy and groups as the target's (no second group initialisation). The
+    same through the NPU kernels: test_npu_path.py's quantized test."""
     model = tiny_models["deepseek_v3"]
     spec = {
         "model": str(model),
@@ -280,6 +269,6 @@ def test_mtp_tp2_expert_parallel(tiny_models):
     result, output = run_spec(spec, timeout=1200)
     clean_shutdown(output)
     assert "first step with the mc2 strategy" in output
-    assert "Ascend model runner: NPUModelRunnerV2\n" in output
+    assert RUNNER_LINE in output
     assert _tokens(result["batches"][0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)
     assert result["counters"]["vllm:spec_decode_num_draft_tokens"] > 0

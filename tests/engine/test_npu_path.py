@@ -15,11 +15,9 @@ quantized test below, where it is forced; the A3 MC2 arguments run in
 tests/unit/moe/test_moe_strategies.py (hidden size 1024).
 Qwen2 and the MLA model run a fourth engine with context parallelism (PCP=2; TP=2 with
 DCP=2): decode with the log-sum-exp and the cross-rank correction npu_attention_update.
-These engines run Model Runner V2 (the default); a fifth runs the V1 runner (TP=2, with
-expert parallelism and DeepSeek MTP with two draft tokens for the MoE model, whose
-verification steps run the MLA decode kernel on several query tokens per request).
-MTP on Model Runner V2 runs in the quantized test (TP=2, EP, MC2). No model forward, on
-either runner, may read a device value back to the host.
+DeepSeek MTP (whose verification steps run the MLA decode kernel on several query tokens
+per request) runs in the quantized test (TP=2, EP, MC2). No model forward may read a
+device value back to the host.
 The NPU runs must produce the reference's greedy tokens for every
 prompt (prefill, chunked prefill with 128-token steps, prefix-cache hits over 128-token
 blocks, decode). Two implementations may legitimately pick different tokens only where the
@@ -37,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
+from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec
 from tests.support.models import MLA512, quantize_model
 from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS
 
@@ -65,7 +63,7 @@ EXPECTED_OPS = {
     "npu::npu_swiglu": (MLA512,),
 }
 # The SoC each NPU run's double reports (each worker logs what its NPU device class read).
-SOC = {"npu_tp1": "A2", "npu_tp2": "A3", "npu_cp": "A2", "npu_v1": "A3"}
+SOC = {"npu_tp1": "A2", "npu_tp2": "A3", "npu_cp": "A2"}
 SOC_LOG = {"A2": "SoC version 223 (A2)", "A3": "SoC version 250 (A3)"}
 # MC2's ops: the A3 TP=2 run of the MoE model must not call them (hidden size outside A3's range).
 MC2_OPS = ("npu::npu_moe_distribute_dispatch_v2", "npu::npu_moe_distribute_combine_v2")
@@ -147,11 +145,6 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     }
     if arch in CONTEXT_PARALLEL:
         runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_cp"]}
-    runs["npu_v1"] = {
-        "VLLM_ASCEND_KERNELS": "npu",
-        "TORCH_NPU_DOUBLE_SOC": SOC["npu_v1"],
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
-    }
     specs = []
     for name, env in runs.items():
         (tmp_path / name).mkdir()
@@ -163,14 +156,6 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
                 engine.update(enable_expert_parallel=True)
         if name == "npu_cp":
             engine.update(CONTEXT_PARALLEL[arch], distributed_executor_backend="mp")
-        if name == "npu_v1":
-            engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
-            if arch == MLA512:  # V1's drafter and rejection sampler: kernels/spec_decode.py
-                engine.update(
-                    enable_expert_parallel=True,
-                    speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
-                    disable_log_stats=False,
-                )
         if name in ("npu_tp1", "npu_cp"):  # several history chunks: dense TND calls + npu_attention_update
             env = {**env, "VLLM_ASCEND_PREFILL_CHUNK_TOKENS": "192"}
         if name != "reference":
@@ -191,15 +176,9 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         )
     result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
-    # the NPU memory profile ran the attention kernels, on both runners
+    # the NPU memory profile ran the attention kernels
     assert output.count("Memory profile with attention") >= len(runs) - 1
-    assert (
-        "Ascend model runner: NPUModelRunnerV2" in output
-        and "Ascend model runner: NPUModelRunner\n" in output
-    )
-    # V2 schedules asynchronously (MTP: the quantized test); V1 always in step
-    assert "Ascend model runner scheduling: async\n" in output
-    assert "Ascend model runner scheduling: sync\n" in output
+    assert RUNNER_LINE in output and "Ascend model runner scheduling: async\n" in output
     for soc in set(SOC[name] for name in runs if name != "reference"):  # the NPU device class read the SoC
         assert SOC_LOG[soc] in output, soc
     outputs = dict(zip(runs, result["runs"]))
@@ -223,9 +202,6 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
 
-    if arch == MLA512:  # the drafter really drafted and the target really verified
-        assert outputs["npu_v1"]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
-
     assert not _call_counts(tmp_path / "reference"), "the reference run must not call torch_npu"
     for name in npu_runs:
         counts = _call_counts(tmp_path / name)
@@ -234,8 +210,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
             if arch in archs:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
     if arch == MLA512:  # A3: the selector kept MC2 out (hidden size 64 < 1024)
-        for name in ("npu_tp2", "npu_v1"):
-            assert not any(_call_counts(tmp_path / name).get(op) for op in MC2_OPS)
+        assert not any(_call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
     for name in npu_runs:
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 

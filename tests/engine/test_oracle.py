@@ -1,8 +1,8 @@
 """vLLM on the Ascend platform (host emulation) vs. Hugging Face transformers, token for token.
 
-Per architecture one runner process serves four engines one after another (batching
-with prefix caching; chunked prefill; TP=2, on Model Runner V2, the default; the V1
-runner with both), and the tests below check their outputs.
+Per architecture one runner process serves three engines one after another (batching
+with prefix caching; chunked prefill with prefix caching; TP=2), and the tests below
+check their outputs.
 The single-rank engines keep their engine core in the runner process (upstream's
 VLLM_ENABLE_V1_MULTIPROCESSING=0: the same scheduler and model runner, no second Python
 start); the TP=2 engine and the serving tests run the engine core as its own process.
@@ -27,20 +27,8 @@ ENGINES = {  # name -> (engine settings, batches, environment)
         [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]],
         IN_PROCESS,
     ),
+    # chunks that start on a cached prefix
     "chunked": (
-        {
-            "enable_chunked_prefill": True,
-            "max_num_batched_tokens": CHUNK_BUDGET,
-            "max_num_seqs": 4,
-            "enable_prefix_caching": False,
-        },
-        [PROMPTS],
-        IN_PROCESS,
-    ),
-    "tp2": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, [PROMPTS], {}),
-    # the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0; still chosen for what V2 does not run
-    # here yet): chunked prefill and prefix caching in one engine
-    "v1": (
         {
             "enable_chunked_prefill": True,
             "max_num_batched_tokens": CHUNK_BUDGET,
@@ -48,8 +36,9 @@ ENGINES = {  # name -> (engine settings, batches, environment)
             "enable_prefix_caching": True,
         },
         [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]],
-        {**IN_PROCESS, "VLLM_USE_V2_MODEL_RUNNER": "0"},
+        IN_PROCESS,
     ),
+    "tp2": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, [PROMPTS], {}),
 }
 
 
@@ -102,10 +91,14 @@ def test_batch_and_prefix_caching_match_transformers(arch, tiny_models, served):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_matches_transformers(arch, tiny_models, served):
-    batch = served(arch)["chunked"][0]
-    assert max(r["prompt_len"] for r in batch) > 2 * CHUNK_BUDGET, "prompts must be long enough to be chunked"
-    assert _tokens(batch) == hf_greedy(tiny_models[arch], PROMPTS)
+def test_chunked_prefill_with_prefix_caching_matches_transformers(arch, tiny_models, served):
+    batches = served(arch)["chunked"]
+    assert max(r["prompt_len"] for r in batches[0]) > 2 * CHUNK_BUDGET, (
+        "prompts must be long enough to be chunked"
+    )
+    assert _tokens(batches[0]) == hf_greedy(tiny_models[arch], PROMPTS)
+    assert _tokens(batches[1] + batches[2]) == hf_greedy(tiny_models[arch], PREFIX_PROMPTS)
+    assert all(r["num_cached_tokens"] > 0 for r in batches[2]), batches[2]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -114,17 +107,8 @@ def test_tensor_parallel_2_equals_1(arch, tiny_models, served):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_v1_runner_matches_transformers(arch, tiny_models, served):
-    """The V1 runner with chunked prefill and prefix caching, the other in-process engines
-    on Model Runner V2 (the default), in the same process."""
-    runners = served(arch)["runners"]
-    assert runners["v1"] == "NPUModelRunner"
-    assert runners["prefix"] == runners["chunked"] == "NPUModelRunnerV2"
-    # V2 keeps upstream's default async scheduling; the platform turns it off for V1
-    scheduling = served(arch)["async"]
-    assert not scheduling["v1"] and scheduling["prefix"] and scheduling["tp2"], scheduling
-    batches = served(arch)["v1"]
-    assert max(r["prompt_len"] for r in batches[0]) > 2 * CHUNK_BUDGET
-    assert _tokens(batches[0]) == hf_greedy(tiny_models[arch], PROMPTS)
-    assert _tokens(batches[1] + batches[2]) == hf_greedy(tiny_models[arch], PREFIX_PROMPTS)
-    assert all(r["num_cached_tokens"] > 0 for r in batches[2]), batches[2]
+def test_every_engine_runs_the_ascend_v2_runner_with_async_scheduling(arch, served):
+    # upstream's default async scheduling stays on (no drafts here)
+    runners = served(arch)["runners"]  # the in-process engines' (the TP=2 engine's log is not read)
+    assert runners["prefix"] == runners["chunked"] == "NPUModelRunner", runners
+    assert all(served(arch)["async"].values()), served(arch)["async"]

@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.support.engines import VllmServer
+from tests.support.engines import RUNNER_LINE, VllmServer
 from tests.support.models import QWEN2_KV1
 from tests.support.oracle import hf_greedy
 from tests.support.ports import free_port, free_ports
@@ -60,10 +60,6 @@ MLA = {
         {},
     ),
 }
-# On the V1 runner (the rest on Model Runner V2, the default): V2 prefill -> V1 decode
-# (2P1D, 1P2D, the killed-decode fault case) and V1 prefill -> V2 decode (DeepSeek-V3
-# TP2 + EP -> DP2 + EP); the PCP prefill -> DCP decode pair runs on V2 at both ends.
-V1_INSTANCES = {"d_tp1", "p_ds"}
 PROXIES = {
     "2p1d": (["p_tp1", "p_pcp2"], ["d_tp1"]),
     "1p2d": (["p_tp1"], ["d_tp1", "d_dcp2"]),
@@ -128,7 +124,6 @@ def _instance(model, name: str, spec, tmp) -> VllmServer:
             *args,
         ],
         tmp / f"{name}.log",
-        env={"VLLM_USE_V2_MODEL_RUNNER": "0"} if name in V1_INSTANCES else None,
     )
     server.kv_port, server.model = kv_port, model
     return server
@@ -288,13 +283,12 @@ def test_xpyd_equals_transformers_for_16_concurrent_requests(cluster, pair):
     assert all(after[n] > before[n] for n in prefill + decode), (before, after)
 
 
-def test_each_instance_runs_the_runner_it_was_given(cluster):
+def test_each_instance_runs_the_ascend_runner_with_async_scheduling(cluster):
     for name in (*GQA, *MLA):
-        v2 = name not in V1_INSTANCES
         text = cluster[name].log.read_text()
-        assert f"Ascend model runner: NPUModelRunner{'V2' if v2 else ''}\n" in text, name
-        # V2 keeps upstream's async scheduling, with the connector
-        assert f"Ascend model runner scheduling: {'async' if v2 else 'sync'}\n" in text, name
+        assert RUNNER_LINE in text, name
+        # upstream's async scheduling stays on with the connector
+        assert "Ascend model runner scheduling: async\n" in text, name
 
 
 @pytest.mark.parametrize("pair", ["cp", "ds"])

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     x.sum().item()  # nothing in flight yet: not counted
 
-    def _model_forward():
+    def model_forward():
         y = torch_npu.npu_swiglu(x, -1)  # a device op: from here on something is in flight
         n = int((y > 0).sum())  # counted: Tensor.__int__
         rows = y[y[:, 0] > 0]  # counted: boolean-mask indexing
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
     def after_forward():
         (x > 0).tolist()  # still in flight, outside the region: counted, flagged out of region
 
-    _model_forward()
+    model_forward()
     after_forward()
     torch_npu.npu.synchronize()  # the host waited: nothing in flight
     x.float().mean().item()  # not counted

@@ -24,6 +24,8 @@ from .ports import free_port
 # same scheduler and model runner without a second Python start. Multi-rank, serving and
 # NPU-kernel engines keep the engine core as its own process.
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# what every worker of rank 0 logs at start-up (vllm.ascend.worker.worker)
+RUNNER_LINE = "Ascend model runner: NPUModelRunner (Model Runner V2)\n"
 
 
 def run_spec(spec: dict, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:

@@ -188,8 +188,7 @@ def _drafter_parameters(worker) -> dict:
     """Runs in the worker: the speculative drafter's parameters (name -> float64 sum and
     element count), to compare with the checkpoint it was loaded from."""
     runner = worker.model_runner
-    # the V1 runner's drafter, Model Runner V2's speculator
-    model = (runner.drafter if hasattr(runner, "drafter") else runner.speculator).model
+    model = runner.speculator.model
     return {name: [float(p.detach().double().sum()), p.numel()] for name, p in model.named_parameters()}
 
 

@@ -1,6 +1,6 @@
-"""The runner choice on Ascend: Model Runner V2 by default, V1 (named by upstream's
-fallback warning) for what the Ascend V2 runner does not run yet, and an explicit V2
-that cannot run refused in one line."""
+"""The Ascend worker builds Model Runner V2 only: what it runs passes the start-up check,
+and everything upstream would move to its V1 runner is refused in one line that names
+why (upstream's own list of V2 gaps is asked for real)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,35 @@ from types import SimpleNamespace
 
 import pytest
 
+import vllm.envs as vllm_envs
+from vllm.config import VllmConfig
+
 from vllm.ascend.errors import AscendConfigError
-from vllm.ascend.platform.npu import NPUPlatform, _check_runner, v2_unsupported_features
+from vllm.ascend.platform.npu import _check_runner, v2_unsupported_features
 
 PROMPT_EMBEDS = SimpleNamespace(enable_prompt_embeds=True, uses_mrope=False)
 MROPE = SimpleNamespace(enable_prompt_embeds=False, uses_mrope=True)
-NGRAM = SimpleNamespace(method="ngram")
 
 
-def _config(v2=True, pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=None):
-    return SimpleNamespace(
-        use_v2_model_runner=v2,
+def _spec(method, parallel_drafting=False):
+    return SimpleNamespace(method=method, parallel_drafting=parallel_drafting, use_heterogeneous_vocab=False)
+
+
+class _Config(SimpleNamespace):
+    def _get_v2_model_runner_unsupported_features(self):
+        return VllmConfig._get_v2_model_runner_unsupported_features(self)
+
+
+def _config(pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=None, backend="mp", pp=1):
+    return _Config(
         model_config=model,
-        parallel_config=SimpleNamespace(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp),
+        parallel_config=SimpleNamespace(
+            prefill_context_parallel_size=pcp,
+            decode_context_parallel_size=dcp,
+            distributed_executor_backend=backend,
+            pipeline_parallel_size=pp,
+            use_ubatching=False,
+        ),
         speculative_config=spec,
         kv_transfer_config=kv,
         watermark_config=watermark,
@@ -28,14 +44,21 @@ def _config(v2=True, pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=Non
     )
 
 
+@pytest.fixture(autouse=True)
+def _runner_env_unset(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    if hasattr(vllm_envs.__getattr__, "cache_clear"):
+        vllm_envs.__getattr__.cache_clear()
+
+
 @pytest.mark.parametrize(
     "config",
     [
         _config(),
-        _config(spec=SimpleNamespace(method="mtp")),  # end to end: tests/engine/test_mtp.py
-        _config(spec=NGRAM),  # end to end: tests/engine/test_model_runner_v2.py
-        _config(spec=SimpleNamespace(method="draft_model")),  # (the same)
-        _config(spec=SimpleNamespace(method="eagle")),  # (the same)
+        _config(spec=_spec("mtp")),  # end to end: tests/engine/test_mtp.py
+        _config(spec=_spec("ngram")),  # end to end: tests/engine/test_model_runner_v2.py
+        _config(spec=_spec("draft_model")),  # (the same)
+        _config(spec=_spec("eagle")),  # (the same)
         _config(model=PROMPT_EMBEDS),  # (the same)
         _config(model=MROPE),  # the torch form of its positions kernel: tests/unit/kernels
         _config(kv=object()),  # tests/engine/test_pd_serving.py
@@ -44,7 +67,7 @@ def _config(v2=True, pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=Non
         _config(pcp=2, dcp=2),
     ],
 )
-def test_what_runs_on_v2(config):
+def test_what_runs(config):
     assert v2_unsupported_features(config) == []
     _check_runner(config)
 
@@ -52,33 +75,38 @@ def test_what_runs_on_v2(config):
 @pytest.mark.parametrize(
     "config, named",
     [
-        (_config(spec=SimpleNamespace(method="eagle3")), "speculative method 'eagle3'"),
-        (_config(spec=SimpleNamespace(method="medusa")), "speculative method 'medusa'"),
+        (_config(spec=_spec("eagle3")), "speculative method 'eagle3'"),
+        (_config(spec=_spec("medusa")), "speculative method 'medusa'"),
+        # upstream names this one too: said once
+        (_config(spec=_spec("suffix")), "speculative method 'suffix'"),
+        # upstream's own gaps
+        (_config(spec=_spec("eagle", parallel_drafting=True)), "parallel drafting"),
+        (_config(backend="external_launcher", pp=2), "pipeline parallelism with external_launcher"),
     ],
 )
-def test_what_v2_does_not_run_yet(config, named):
-    # the default choice falls back to V1 naming it (upstream's warning lists the platform's)
-    [feature] = NPUPlatform.model_runner_v2_unsupported_features(config)
-    assert named in feature
-    _check_runner(SimpleNamespace(**{**vars(config), "use_v2_model_runner": False}))
-    # asked for explicitly: refused in one line that says how to get V1
+def test_what_does_not_run_is_refused_in_one_line(config, named):
     with pytest.raises(AscendConfigError) as err:
         _check_runner(config)
     message = str(err.value)
-    assert named in message and "VLLM_USE_V2_MODEL_RUNNER" in message and "\n" not in message
+    assert named in message and "\n" not in message, message
+    assert message.count(named) == 1, message
+    if "speculative method" in named:  # says which methods do run
+        assert "mtp" in message and "eagle" in message, message
 
 
-def test_watermarking_is_refused_on_either_runner():
-    # upstream runs it on V2 only (its choice overrides VLLM_USE_V2_MODEL_RUNNER=0)
+def test_asking_for_the_v1_runner_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if hasattr(vllm_envs.__getattr__, "cache_clear"):
+        vllm_envs.__getattr__.cache_clear()
+    with pytest.raises(AscendConfigError, match="VLLM_USE_V2_MODEL_RUNNER") as err:
+        _check_runner(_config())
+    assert "\n" not in str(err.value)
+
+
+def test_watermarking_and_hisparse_are_refused():
     with pytest.raises(AscendConfigError, match="watermarking"):
         _check_runner(_config(watermark=object()))
-
-
-def test_runner_choice_error_from_upstream_is_one_line():
-    class Refusing(SimpleNamespace):
-        @property
-        def use_v2_model_runner(self):
-            raise ValueError("HiSparse requires Model Runner V2; remove VLLM_USE_V2_MODEL_RUNNER=0.")
-
+    hisparse = _config()
+    hisparse.attention_config.hisparse_config = object()
     with pytest.raises(AscendConfigError, match="HiSparse"):
-        _check_runner(Refusing())
+        _check_runner(hisparse)

@@ -2,7 +2,7 @@
 on the same inputs.
 
 The only per-step input is the largest token count across the DP ranks, which every
-rank learns from the step's DP metadata all-reduce (``worker/dp_step.py``; an idle rank
+rank learns from the step's DP metadata all-reduce (Model Runner V2's ``dp_utils``; an idle rank
 running upstream's dummy batch of 1 + k tokens sees the same maximum as the busiest
 rank), so all EP ranks always choose the same strategy and the same MC2 batch size. The table is in docs/moe.md.
 

@@ -156,24 +156,26 @@ def _adjust(what: str, reason: str) -> None:
 
 
 def _check_runner(vllm_config: VllmConfig) -> None:
-    """Every reader of ``use_v2_model_runner`` agrees with the runner the Ascend worker
-    builds: Model Runner V2 by default; V1 for what V2 does not run here yet (upstream's
-    choice falls back, naming them: ``model_runner_v2_unsupported_features``) or when
-    ``VLLM_USE_V2_MODEL_RUNNER=0``. A V2 that was asked for and cannot run is refused."""
-    try:
-        v2 = vllm_config.use_v2_model_runner
-    except ValueError as exc:  # upstream's own refusal (e.g. HiSparse with V2 off)
-        raise AscendConfigError(str(exc)) from None
-    if not v2:
-        return
+    """The Ascend worker builds Model Runner V2 only (the V1 runner was removed), so every
+    configuration upstream would move to V1 is refused here, in one line that names why:
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or what V2 does not run (upstream's list plus
+    ``v2_unsupported_features``)."""
+    import vllm.envs as vllm_envs
+
     if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
-        # upstream runs these on V2 only
         raise AscendConfigError("watermarking and HiSparse are not supported on Ascend yet")
-    unsupported = v2_unsupported_features(vllm_config)
-    if unsupported:
+    if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False:
         raise AscendConfigError(
-            f"Model Runner V2 on Ascend does not run {', '.join(unsupported)} yet: "
-            "unset VLLM_USE_V2_MODEL_RUNNER (the V1 runner is then chosen) or set it to 0"
+            "the Ascend distribution runs Model Runner V2 only (it has no V1 runner): "
+            "unset VLLM_USE_V2_MODEL_RUNNER or set it to 1"
+        )
+    unsupported = list(dict.fromkeys(vllm_config._get_v2_model_runner_unsupported_features()))
+    if unsupported:
+        hint = ""
+        if any(u.startswith("speculative method") for u in unsupported):
+            hint = f" (speculative methods it runs: {', '.join(V2_SPEC_METHODS)})"
+        raise AscendConfigError(
+            f"the Ascend model runner (Model Runner V2) does not run {'; '.join(unsupported)}{hint}"
         )
 
 
@@ -181,12 +183,13 @@ V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model", "eagle")
 
 
 def v2_unsupported_features(vllm_config: VllmConfig) -> list[str]:
-    """What the Ascend V2 runner does not run yet."""
+    """What the Ascend runner does not run, in upstream's wording (its own list may name
+    the same method: the check drops repeats)."""
     unsupported = []
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in V2_SPEC_METHODS:
-        # the torch forms (kernels/v2_spec_decode.py) cover these drafters' kernels
-        unsupported.append(f"speculative method {spec.method!r} ({', '.join(V2_SPEC_METHODS)} run)")
+        # the torch forms (kernels/v2_spec_decode.py) cover these drafters' kernels only
+        unsupported.append(f"speculative method '{spec.method}'")
     return unsupported
 
 
@@ -414,7 +417,6 @@ class NPUPlatform(Platform):
         compilation_config = vllm_config.compilation_config
         scheduler_config = vllm_config.scheduler_config
 
-        _check_runner(vllm_config)
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
             _adjust(f"worker {WORKER_CLS}", "the Ascend worker and model runner, in both modes")
@@ -440,12 +442,7 @@ class NPUPlatform(Platform):
             _adjust("graph capture off", "ACL graph capture is not wired up yet")
         compilation_config.cudagraph_capture_sizes = []
 
-        if scheduler_config.async_scheduling and not vllm_config.use_v2_model_runner:
-            # Model Runner V2 keeps it (upstream's default there); the V1 runner, which
-            # this distribution is retiring, has never been checked with it
-            scheduler_config.async_scheduling = False
-            _adjust("async scheduling off", "not verified on the V1 model runner; Model Runner V2 runs it")
-        elif scheduler_config.async_scheduling and vllm_config.speculative_config is not None:
+        if scheduler_config.async_scheduling and vllm_config.speculative_config is not None:
             scheduler_config.async_scheduling = False
             _adjust(
                 "async scheduling off with speculative decoding",
@@ -455,6 +452,7 @@ class NPUPlatform(Platform):
         if parallel_config.enable_dbo:
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")
+        _check_runner(vllm_config)
         if model_config is not None and model_config.enable_sleep_mode:
             raise AscendConfigError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
 

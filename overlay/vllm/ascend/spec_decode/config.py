@@ -1,9 +1,8 @@
 """Start-up checks for ``--speculative-config`` on the Ascend platform.
 
-Upstream's drafter, rejection sampler and MTP model run unchanged; the platform supplies
-their kernels (``kernels/spec_decode.py``; on Model Runner V2 ``kernels/v2_spec_decode.py``),
-the side-stream copy of the draft tokens (V1: ``worker/model_runner.py``) and multi-token
-decode rows in MLA (``attention/mla.py``).
+Upstream's speculators, rejection sampler and MTP model run unchanged on Model Runner V2;
+the platform supplies their kernels (``kernels/v2_spec_decode.py``) and multi-token decode
+rows in MLA (``attention/mla.py``).
 What this platform has not been built or tested for is refused here, in one line.
 """
 
@@ -13,7 +12,9 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-TESTED_METHODS = ("mtp",)  # "deepseek_mtp" is rewritten to "mtp" by upstream's config
+# "deepseek_mtp" is rewritten to "mtp" by upstream's config; the rest run in
+# tests/engine/test_model_runner_v2.py (the start-up check refuses the others)
+TESTED_METHODS = ("mtp", "ngram", "draft_model", "eagle")
 
 
 def validate_speculative_config(vllm_config) -> None:
@@ -24,8 +25,9 @@ def validate_speculative_config(vllm_config) -> None:
     tp = vllm_config.parallel_config.tensor_parallel_size
     if spec.method not in TESTED_METHODS:
         logger.warning_once(
-            "Ascend platform: speculative method %r is not tested on this platform (tested: deepseek_mtp)",
+            "Ascend platform: speculative method %r is not tested on this platform (tested: %s)",
             spec.method,
+            ", ".join(TESTED_METHODS),
         )
     draft_tp = spec.draft_tensor_parallel_size
     if draft_tp is not None and draft_tp != tp:
@@ -52,7 +54,7 @@ def validate_speculative_config(vllm_config) -> None:
             "upstream Triton kernel with no Ascend implementation): drop parallel_drafting"
         )
     quantization = vllm_config.model_config.quantization
-    if spec.method in TESTED_METHODS and quantization not in (None, "ascend"):
+    if spec.method == "mtp" and quantization not in (None, "ascend"):
         # the MTP module follows the checkpoint's description only with the Ascend method
         raise ValueError(
             f"speculative decoding with a {quantization}-quantized model is not supported on "

@@ -1,4 +1,4 @@
-"""The memory profile with attention, for both model runners.
+"""The memory profile with attention.
 
 Upstream profiles one forward of the largest batch without attention (a GPU backend's
 workspace is small or pre-allocated). The NPU attention kernels' workspaces should count
@@ -16,8 +16,7 @@ logger = init_logger(__name__)
 
 
 def even_split(num_tokens: int, max_num_reqs: int) -> list[int]:
-    """Requests of near-equal length, split as Model Runner V2's dummy batch is (the V1
-    runner's puts the remainder on its last request: ``NPUModelRunner._profile_split``)."""
+    """Requests of near-equal length, split as Model Runner V2's dummy batch is."""
     num_reqs = min(num_tokens, max_num_reqs)
     base, extra = divmod(num_tokens, num_reqs)
     return [base + (i >= num_reqs - extra) for i in range(num_reqs)]

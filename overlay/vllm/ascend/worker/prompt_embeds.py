@@ -7,7 +7,7 @@ op cannot follow an address. This state keeps the live requests' embeddings in o
 device tensor instead (re-joined when requests are added, off the per-step path) and
 finds each scheduled row by index, with device ops only: no Python loop over requests
 and no read back to the host. Same interface; the Ascend V2 runner installs it in place
-of upstream's (``worker/model_runner_v2.py``).
+of upstream's (``worker/model_runner.py``).
 """
 
 from __future__ import annotations

@@ -141,12 +141,11 @@ class NPUWorker(Worker):
             groups.init_mc2_communicator()
 
     def _make_model_runner(self):
-        if self.use_v2_model_runner:
-            from vllm.ascend.worker.model_runner_v2 import NPUModelRunnerV2 as runner_cls
-        else:
-            from vllm.ascend.worker.model_runner import NPUModelRunner as runner_cls
+        # the platform refused at start-up whatever Model Runner V2 does not run here
+        from vllm.ascend.worker.model_runner import NPUModelRunner as runner_cls
+
         if self.rank == 0:
-            logger.info("Ascend model runner: %s", runner_cls.__name__)
+            logger.info("Ascend model runner: %s (Model Runner V2)", runner_cls.__name__)
             scheduling = "async" if self.vllm_config.scheduler_config.async_scheduling else "sync"
             logger.info("Ascend model runner scheduling: %s", scheduling)
         return runner_cls(self.vllm_config, self.device)

@@ -14,7 +14,7 @@ ops and before the host waited for the device (``torch_npu.npu.synchronize()``,
 kernels (their CPU semantics) do not count. Each counted call is logged by its site
 (the first frame outside torch and the double) and whether it ran inside one of the
 functions named in ``TORCH_NPU_DOUBLE_SYNC_REGIONS`` (comma-separated function names,
-default ``_model_forward,model_forward``: the V1 and V2 model runners' forward). At exit each process writes
+default ``model_forward``: the model runner's forward). At exit each process writes
 ``<directory>/<pid>.json``: ``{site: {"calls": n, "in_region": m}}``.
 
 The double cannot tell a host tensor (an upstream ``*_cpu`` mirror) from a device
@@ -147,9 +147,7 @@ def install() -> None:
     if not directory:
         return
     _regions = frozenset(
-        n.strip()
-        for n in os.environ.get(REGION_VARIABLE, "_model_forward,model_forward").split(",")
-        if n.strip()
+        n.strip() for n in os.environ.get(REGION_VARIABLE, "model_forward").split(",") if n.strip()
     )
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         _wrap_method(name)
