@@ -67,15 +67,10 @@ def _apply(
     return logits
 
 
-def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    values, ids = logprobs.topk(k)
-    return list(zip(ids.tolist(), values.tolist()))
-
-
 def greedy(model: Path, prompts: list[str], max_tokens: int, options: dict) -> list[dict]:
-    """Per prompt: {"token_ids", and with "logprobs": K the top K raw logprobs of every
-    generated position, with "prompt_logprobs": K those of every prompt position after
-    the first; each position as the full log-softmax row too ("rows", "prompt_rows")}."""
+    """Per prompt: the greedy "token_ids", the "prompt_ids", and the raw log-softmax rows
+    of every generated position ("rows") and of every prompt position after the first
+    ("prompt_rows")."""
     tok, hf = _model(model)
     extra = {}
     if options.get("bad_words"):

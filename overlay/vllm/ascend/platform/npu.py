@@ -171,8 +171,9 @@ def _check_runner(vllm_config: VllmConfig) -> None:
         )
     unsupported = list(dict.fromkeys(vllm_config._get_v2_model_runner_unsupported_features()))
     if unsupported:
+        spec = vllm_config.speculative_config
         hint = ""
-        if any(u.startswith("speculative method") for u in unsupported):
+        if spec is not None and spec.method not in V2_SPEC_METHODS:
             hint = f" (speculative methods it runs: {', '.join(V2_SPEC_METHODS)})"
         raise AscendConfigError(
             f"the Ascend model runner (Model Runner V2) does not run {'; '.join(unsupported)}{hint}"
