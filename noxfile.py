@@ -291,9 +291,11 @@ def bench(session: nox.Session) -> None:
     `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1), `plan`
     (the P/D transfer plan: planning time, bytes needed vs. moved) or `kv-transfer` (P/D
     pulls: raw Mooncake vs. the connector, control overhead, 1P1D vs. colocated serving) or
-    `quant` (W8A8 checkpoints vs. float: linear and expert weight bytes, host tokens/s) or
-    `v2-kernels` (Model Runner V2's per-step kernels: the torch forms vs. Triton's interpreter)."""
-    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "quant", "v2-kernels")
+    `quant` (W8A8 checkpoints vs. float: linear and expert weight bytes, host tokens/s),
+    `v2-kernels` (Model Runner V2's per-step kernels: the torch forms vs. Triton's interpreter) or
+    `launches` (device ops per decoder layer per decode step in NPU-path mode, upstream's
+    native op forms vs. the Ascend forms; host synchronisations and host time per step)."""
+    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "quant", "v2-kernels", "launches")
     if not session.posargs or session.posargs[0] not in names:
         session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
     _install_torch(session)

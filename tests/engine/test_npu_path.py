@@ -21,8 +21,10 @@ device value back to the host.
 The NPU runs must produce the reference's greedy tokens for every
 prompt (prefill, chunked prefill with 128-token steps, prefix-cache hits over 128-token
 blocks, decode). Two implementations may legitimately pick different tokens only where the
-reference's top two candidates are within NEAR_TIE of each other; each such case is
-reported as a warning, never hidden. Every torch_npu call has to pass the contract
+NPU's pick is among the reference's top candidates within NEAR_TIE of its best; each such
+case is reported as a warning, never hidden. The layers run the Ascend forms of RMSNorm,
+rotary embedding and SiLU-and-mul (torch_npu's fused ops) and, for the MoE model, routing
+and the weighted sum on device. Every torch_npu call has to pass the contract
 (a violation fails the engine), and the double's call log proves the NPU kernels ran.
 """
 
@@ -43,6 +45,10 @@ from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS
 # ulps of a logit in [4, 8) (0.0625 each). TP=2 all-reduces row-parallel partial sums in
 # bf16 in another order than TP=1, which moves logits by about an ulp.
 NEAR_TIE = 0.125
+# Reference candidates per step the NPU's pick may come from (each within NEAR_TIE of the
+# best): the Ascend norm, rotary and SwiGLU forms round once in float32 where the reference
+# rounds after each op, so a three-way near-tie can resolve to the third.
+NEAR_TIE_CANDIDATES = 5
 MAX_TOKENS = 10
 ENGINE = {
     "dtype": "bfloat16",
@@ -60,8 +66,21 @@ EXPECTED_OPS = {
     "npu::npu_scatter_nd_update_": ("qwen2",),
     "atb::_npu_reshape_and_cache": (MLA512,),
     "npu::npu_grouped_matmul": (MLA512,),
-    "npu::npu_swiglu": (MLA512,),
+    "npu::npu_swiglu": ("qwen2", MLA512),
+    "npu::npu_rms_norm": ("qwen2", MLA512),
+    "npu::npu_add_rms_norm": ("qwen2", MLA512),
+    "npu::npu_rotary_mul": ("qwen2", MLA512),
+    "npu::npu_moe_init_routing_v2": (MLA512,),
+    "npu::npu_moe_finalize_routing": (MLA512,),
 }
+# Where the NPU TP=2 run is compared with reference kernels at TP=2 (same layout) rather
+# than at TP=1: a MoE model's routing turns TP=2's other bf16 summation order (about an
+# ulp) into other experts for a near-tied token, and from there other tokens, whichever
+# kernels run (seen with the float32-rounded norm and rotary forms; in float32 TP=2 equals
+# TP=1). The kernel comparison holds the layout fixed.
+REFERENCE_AT_TP2 = (MLA512,)
+# The experts' on-device routing runs where every expert is local (no expert map).
+ROUTING_WITHOUT_EP_OPS = ("npu::npu_moe_init_routing_v2", "npu::npu_moe_finalize_routing")
 # The SoC each NPU run's double reports (each worker logs what its NPU device class read).
 SOC = {"npu_tp1": "A2", "npu_tp2": "A3", "npu_cp": "A2"}
 SOC_LOG = {"A2": "SoC version 223 (A2)", "A3": "SoC version 250 (A3)"}
@@ -124,14 +143,15 @@ def _compare(label: str, reference: list[dict], got: list[dict], prompts: list[s
         if out["token_ids"] == ref["token_ids"]:
             continue
         step = next(i for i, (a, b) in enumerate(zip(ref["token_ids"], out["token_ids"])) if a != b)
-        (top1, lp1), (top2, lp2) = ref["logprobs"][step][:2]
-        gap = lp1 - lp2
-        assert gap < NEAR_TIE and out["token_ids"][step] == top2, (
+        (top1, lp1), *others = ref["logprobs"][step]
+        picked = out["token_ids"][step]
+        gap = next((lp1 - lp for token, lp in others if token == picked), float("inf"))
+        assert gap < NEAR_TIE, (
             f"{label}: prompt {prompt[:40]!r} diverges at step {step}: reference {ref['token_ids']}, "
-            f"NPU path {out['token_ids']} (reference top-2 gap {gap:.4f} >= {NEAR_TIE}, or not a swap "
-            f"of its two best tokens)"
+            f"NPU path {out['token_ids']} (the NPU's pick {picked} is not within {NEAR_TIE} of the "
+            f"reference's best logprob among its top {len(others) + 1}: {ref['logprobs'][step]})"
         )
-        divergences.append(f"{label}: prompt {prompt[:40]!r} step {step}: {top1} vs {top2}, gap {gap:.4f}")
+        divergences.append(f"{label}: prompt {prompt[:40]!r} step {step}: {top1} vs {picked}, gap {gap:.4f}")
     return divergences
 
 
@@ -145,11 +165,13 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     }
     if arch in CONTEXT_PARALLEL:
         runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_cp"]}
+    if arch in REFERENCE_AT_TP2:
+        runs["reference_tp2"] = {"VLLM_ASCEND_KERNELS": "reference"}
     specs = []
     for name, env in runs.items():
         (tmp_path / name).mkdir()
         engine = dict(ENGINE)
-        if name == "npu_tp2":
+        if name in ("npu_tp2", "reference_tp2"):
             engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
             if arch == MLA512:  # expert parallelism over the two ranks (the A3 selector's choice)
                 # (MTP on V2 through the NPU kernels: the quantized test below)
@@ -158,7 +180,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
             engine.update(CONTEXT_PARALLEL[arch], distributed_executor_backend="mp")
         if name in ("npu_tp1", "npu_cp"):  # several history chunks: dense TND calls + npu_attention_update
             env = {**env, "VLLM_ASCEND_PREFILL_CHUNK_TOKENS": "192"}
-        if name != "reference":
+        if name != "reference":  # (the in-process reference logs through the runner's settings)
             env = {
                 **env,
                 "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
@@ -170,16 +192,16 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
                 "engine": engine,
                 "batches": batches,
                 "max_tokens": MAX_TOKENS,
-                "logprobs": 2,
+                "logprobs": NEAR_TIE_CANDIDATES,
                 "env": env,
             }
         )
     result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
     # the NPU memory profile ran the attention kernels
-    assert output.count("Memory profile with attention") >= len(runs) - 1
+    assert output.count("Memory profile with attention") >= sum(name.startswith("npu") for name in runs)
     assert RUNNER_LINE in output and "Ascend model runner scheduling: async\n" in output
-    for soc in set(SOC[name] for name in runs if name != "reference"):  # the NPU device class read the SoC
+    for soc in set(SOC[name] for name in runs if name.startswith("npu")):  # the NPU device class read the SoC
         assert SOC_LOG[soc] in output, soc
     outputs = dict(zip(runs, result["runs"]))
     ref = outputs["reference"]["batches"]
@@ -195,19 +217,29 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
 
     prompts = LONG_PROMPTS + LONG_PREFIX_PROMPTS
     divergences = []
-    npu_runs = [name for name in runs if name != "reference"]
+    npu_runs = [name for name in runs if name.startswith("npu")]
     for name in npu_runs:
+        tp2 = name == "npu_tp2" or (name == "npu_cp" and "tensor_parallel_size" in CONTEXT_PARALLEL[arch])
+        baseline = "reference_tp2" if tp2 and "reference_tp2" in runs else "reference"
+        want = [r for batch in outputs[baseline]["batches"] for r in batch]
         got = [r for batch in outputs[name]["batches"] for r in batch]
-        divergences += _compare(f"{arch} {name}", [r for batch in ref for r in batch], got, prompts)
+        divergences += _compare(f"{arch} {name} vs {baseline}", want, got, prompts)
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
 
-    assert not _call_counts(tmp_path / "reference"), "the reference run must not call torch_npu"
+    for name in runs:
+        if name.startswith("reference"):
+            assert not _call_counts(tmp_path / name), f"{name}: the reference kernels must not call torch_npu"
     for name in npu_runs:
         counts = _call_counts(tmp_path / name)
         expected = {**EXPECTED_OPS, **{"npu_cp": EXPECTED_CP_OPS}.get(name, {})}
+        with_ep = "enable_expert_parallel" in specs[list(runs).index(name)]["engine"]
         for op, archs in expected.items():
-            if arch in archs:
+            if arch not in archs:
+                continue
+            if with_ep and op in ROUTING_WITHOUT_EP_OPS:  # an expert map: the sort/scatter form
+                assert not counts.get(op), f"{name}: {op} ran with expert parallelism ({counts})"
+            else:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
     if arch == MLA512:  # A3: the selector kept MC2 out (hidden size 64 < 1024)
         assert not any(_call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
@@ -249,24 +281,25 @@ def _logprob_deviation(reference: list[dict], got: list[dict]) -> float:
 def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tmp_path):
     """Quantized checkpoints in bf16: Qwen2 dynamic W8A8 (per-token activations, the float
     q/k/v biases added by npu_quant_matmul) and the MLA model static W8A8 (its experts
-    and the MTP module dynamic), reference kernels at TP=1 against the NPU kernels (Qwen2
-    at TP=1; the MLA model at TP=2 with expert parallelism, MC2 and MTP k=2). One runner
-    process, four engines; the same near-tie rule as above."""
+    and the MTP module dynamic), reference kernels against the NPU kernels in one layout
+    (Qwen2 at TP=1; the MLA model at TP=2 with expert parallelism and MTP k=2, the NPU run
+    with MC2). One runner process, four engines; the same near-tie rule as above."""
     batches = [LONG_PROMPTS[:6]]
     specs, labels = [], []
     for arch, scheme in QUANT_SCHEMES.items():
         checkpoint = quantize_model(tiny_models[arch], tmp_path / f"{arch}-{scheme}", scheme)
         for kernels in ("reference", "npu"):
             engine, env = dict(ENGINE), dict(IN_PROCESS)
-            if kernels == "npu" and arch == MLA512:
+            if arch in REFERENCE_AT_TP2:  # both runs in the NPU run's layout (REFERENCE_AT_TP2)
                 engine.update(
                     tensor_parallel_size=2,
                     distributed_executor_backend="mp",
                     enable_expert_parallel=True,
-                    additional_config={"moe_comm_method": "mc2"},
                     speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
                     disable_log_stats=False,
                 )
+            if kernels == "npu" and arch == MLA512:
+                engine.update(additional_config={"moe_comm_method": "mc2"})
             if kernels == "npu":
                 (tmp_path / f"{arch}-npu").mkdir()
                 env = {
@@ -280,7 +313,7 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
                     "engine": engine,
                     "batches": batches,
                     "max_tokens": MAX_TOKENS,
-                    "logprobs": 2,
+                    "logprobs": NEAR_TIE_CANDIDATES,
                     "env": env,
                 }
             )

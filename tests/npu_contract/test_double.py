@@ -64,7 +64,7 @@ def test_names_and_schemas_are_torch_npus():
     with pytest.raises(Exception):  # noqa: B017  (the dispatcher's error type is torch's to choose)
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_head=2)  # a misspelt keyword
     with pytest.raises(NotImplementedError):  # a registered op the project does not call has no kernel
-        torch_npu.npu_rms_norm(torch.zeros(2, 4), torch.ones(4))
+        torch_npu.npu_gemma_rms_norm(torch.zeros(2, 4), torch.ones(4))
 
 
 def test_meta_comparison_catches_a_wrong_output_shape():
@@ -143,6 +143,20 @@ def _gmm(x_rows=6, group_list=(2, 6), weight=None, **kw):
         group_type=0,
         **kw,
     )
+
+
+def _init_routing(ids=None, **change):
+    args = dict(
+        active_num=4,
+        expert_num=4,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, 4],
+        quant_mode=-1,
+    )
+    args.update(change)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32) if ids is None else ids
+    return torch_npu.npu_moe_init_routing_v2(torch.randn(2, 8), ids, **args)
 
 
 VIOLATIONS = {
@@ -306,6 +320,80 @@ VIOLATIONS = {
     "quantize with scales of the wrong length": (
         "QZ.scales_shape",
         lambda: torch_npu.npu_quantize(torch.randn(2, 8), torch.ones(3), None, torch.qint8, -1, False),
+    ),
+    "rms_norm gamma in another dtype": (
+        "RMS.gamma",
+        lambda: torch_npu.npu_rms_norm(torch.randn(3, 8, dtype=BF16), torch.ones(8)),
+    ),
+    "rms_norm on a vector": ("RMS.self", lambda: torch_npu.npu_rms_norm(torch.randn(8), torch.ones(8))),
+    "add_rms_norm of different shapes": (
+        "ADDRMS.formula",
+        lambda: torch_npu.npu_add_rms_norm(torch.randn(3, 8), torch.randn(1, 8), torch.ones(8)),
+    ),
+    "add_rms_norm gamma of the wrong size": (
+        "ADDRMS.gamma",
+        lambda: torch_npu.npu_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8), torch.ones(4)),
+    ),
+    "rotary_mul on a 3-D input": (
+        "ROPE.input",
+        lambda: torch_npu.npu_rotary_mul(
+            torch.randn(3, 2, 8), torch.ones(1, 3, 1, 8), torch.zeros(1, 3, 1, 8)
+        ),
+    ),
+    "rotary_mul interleave with per-batch tables": (
+        "ROPE.interleave_tables",
+        lambda: torch_npu.npu_rotary_mul(
+            torch.randn(2, 3, 2, 8), torch.ones(2, 3, 1, 8), torch.zeros(2, 3, 1, 8), "interleave"
+        ),
+    ),
+    "rotary_mul with an odd head size": (
+        "ROPE.half",
+        lambda: torch_npu.npu_rotary_mul(
+            torch.randn(1, 3, 2, 7), torch.ones(1, 3, 1, 7), torch.zeros(1, 3, 1, 7)
+        ),
+    ),
+    "rotary_mul tables outside [-1, 1]": (
+        "ROPE.range",
+        lambda: torch_npu.npu_rotary_mul(
+            torch.randn(1, 3, 2, 8), torch.full((1, 3, 1, 8), 2.0), torch.zeros(1, 3, 1, 8)
+        ),
+    ),
+    "init_routing with int64 expert ids": (
+        "IR2.expert_idx",
+        lambda: _init_routing(ids=torch.tensor([[0, 1], [2, 3]])),
+    ),
+    "init_routing with an expert id past expert_num": (
+        "IR2.expert_idx",
+        lambda: _init_routing(ids=torch.tensor([[0, 4], [2, 3]], dtype=torch.int32)),
+    ),
+    "init_routing without the counts": (
+        "IR2.tokens_num_flag",
+        lambda: _init_routing(expert_tokens_num_flag=False),
+    ),
+    "init_routing past the experts": ("IR2.active_range", lambda: _init_routing(active_expert_range=[0, 5])),
+    "finalize_routing with float32 scales for bf16 rows": (
+        "FR.scales",
+        lambda: torch_npu.npu_moe_finalize_routing(
+            torch.randn(4, 8, dtype=BF16),
+            None,
+            None,
+            None,
+            torch.rand(2, 2),
+            torch.arange(4, dtype=torch.int32),
+            None,
+        ),
+    ),
+    "finalize_routing with a -1 row index": (
+        "FR.index",
+        lambda: torch_npu.npu_moe_finalize_routing(
+            torch.randn(4, 8),
+            None,
+            None,
+            None,
+            torch.rand(2, 2),
+            torch.tensor([0, 1, 2, -1], dtype=torch.int32),
+            None,
+        ),
     ),
 }
 
@@ -677,3 +765,82 @@ def test_hccl_group_options_are_checked(monkeypatch):
         ProcessGroupHCCL.Options().hccl_config = {"hccl_buffer_size": 0}
     with pytest.raises(ContractViolation, match=r"HCCL\.buffer_size"):
         ProcessGroupHCCL.Options().hccl_config = {"hccl_buffer_size": "200"}
+
+
+def test_rms_norm_semantics():
+    torch.manual_seed(5)
+    x, r, w = torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(8)
+    y, rstd = torch_npu.npu_rms_norm(x, w, 1e-5)
+    want = [row / math.sqrt(sum(v * v for v in row.tolist()) / 8 + 1e-5) * w for row in x.view(-1, 8)]
+    torch.testing.assert_close(y, torch.stack(want).view(3, 2, 8))
+    assert rstd.shape == (3, 2, 1) and rstd.dtype == torch.float32
+    y2, _, s2 = torch_npu.npu_add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(s2, x + r)
+    torch.testing.assert_close(y2, torch_npu.npu_rms_norm(x + r, w, 1e-5)[0])
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_rotary_mul_semantics(mode):
+    """Each pair of a head (the halves' i-th elements, or neighbours) turns by its angle:
+    checked with complex multiplication."""
+    torch.manual_seed(6)
+    tokens, heads, dim = 3, 2, 8
+    x = torch.randn(1, tokens, heads, dim)
+    angle = torch.rand(tokens, dim // 2) * 6
+    pair_angle = angle.repeat(1, 2) if mode == "half" else angle.repeat_interleave(2, dim=1)
+    cos, sin = pair_angle.cos()[None, :, None], pair_angle.sin()[None, :, None]
+    out = torch_npu.npu_rotary_mul(x, cos, sin, mode)
+    if mode == "half":
+        pairs = torch.complex(x[..., : dim // 2], x[..., dim // 2 :])
+    else:
+        pairs = torch.complex(x[..., 0::2], x[..., 1::2])
+    turned = pairs * torch.polar(torch.ones_like(angle), angle)[None, :, None]
+    if mode == "half":
+        want = torch.cat((turned.real, turned.imag), dim=-1)
+    else:
+        want = torch.stack((turned.real, turned.imag), dim=-1).flatten(-2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("active", [[0, 4], [1, 3]])
+def test_init_and_finalize_routing_semantics(active):
+    """Init sorts each (token, slot) row by expert and counts the rows per active expert;
+    the gather-type index says where each source row went. Finalize weighs and sums a
+    token's rows from positions read slot-major. Checked against a per-token loop."""
+    torch.manual_seed(7)
+    tokens, top_k, hidden = 5, 2, 6
+    x = torch.randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(4)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    rows, position, counts, _ = torch_npu.npu_moe_init_routing_v2(
+        x,
+        ids,
+        active_num=tokens * top_k,
+        expert_num=4,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=active,
+        quant_mode=-1,
+    )
+    start, end = active
+    flat = ids.flatten().tolist()
+    assert counts.tolist() == [flat.count(e) for e in range(start, end)]
+    for source, expert in enumerate(flat):
+        if start <= expert < end:
+            assert torch.equal(rows[int(position[source])], x[source // top_k])
+        else:
+            assert int(position[source]) == -1
+    held = [position[s] for s, e in enumerate(flat) if start <= e < end]
+    assert sorted(int(p) for p in held) == list(range(len(held)))  # the valid rows come first
+    sorted_experts = [
+        flat[s] for s in sorted(range(len(flat)), key=lambda s: int(position[s])) if int(position[s]) >= 0
+    ]
+    assert sorted_experts == sorted(sorted_experts)
+    if active == [0, 4]:
+        processed = rows * 2 + 1  # any per-row function of the expert input
+        weights = torch.rand(tokens, top_k)
+        slot_major = position.view(tokens, top_k).t().contiguous().view(-1)
+        out = torch_npu.npu_moe_finalize_routing(
+            processed, None, None, None, weights, slot_major, ids, 0, top_k
+        )
+        want = torch.stack([sum(weights[t, k] * (x[t] * 2 + 1) for k in range(top_k)) for t in range(tokens)])
+        torch.testing.assert_close(out, want)

@@ -2,8 +2,9 @@
 
 Called in every process that builds models (workers) and by the platform's config
 step: attention backend names into vLLM's backend enum and the MoE method as the
-out-of-tree replacement of upstream's unquantized MoE method, and the ``ascend``
-quantization config (msModelSlim checkpoints).
+out-of-tree replacement of upstream's unquantized MoE method, the ``ascend``
+quantization config (msModelSlim checkpoints), and the Ascend forms of upstream's layer
+ops (``vllm/ascend/ops``).
 """
 
 from __future__ import annotations
@@ -18,3 +19,6 @@ def register_runtime_components() -> None:
     register_attention_backends()
     import vllm.ascend.moe.method  # noqa: F401  (registers through its decorator)
     import vllm.ascend.quantization.config  # noqa: F401  (likewise: the "ascend" quantization name)
+    from vllm.ascend.ops import register_layer_ops
+
+    register_layer_ops()

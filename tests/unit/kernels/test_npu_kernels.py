@@ -17,10 +17,13 @@ from hypothesis import strategies as st
 torch_npu = pytest.importorskip("torch_npu")
 
 from vllm.ascend.kernels import (  # noqa: E402
+    activation,
     attention,
     mla,
     moe,
+    norm,
     quant,  # noqa: E402
+    rotary,
 )
 
 BF16 = torch.bfloat16
@@ -559,3 +562,39 @@ def test_mc2_passes_the_algorithm_the_selector_models():
     assert args("A2") == {"comm_alg": "fullmesh"}
     assert args("A3") == {"comm_alg": "", "group_tp": "g", "tp_world_size": 1, "tp_rank_id": 0}
     assert args("host")["comm_alg"] == ""
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    tokens=st.integers(1, 9),
+    hidden=st.sampled_from([8, 64, 96]),
+    dtype=st.sampled_from([BF16, torch.float16, torch.float32]),
+)
+def test_norm_rotary_and_swiglu_equal_reference(data, tokens, hidden, dtype):
+    """RMSNorm (alone and after the residual add), rotary embedding in both styles and
+    SiLU-and-mul: torch_npu's fused ops through the double against the reference forms."""
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    x, residual = torch.randn(tokens, hidden, dtype=dtype), torch.randn(tokens, hidden, dtype=dtype)
+    weight = torch.randn(hidden, dtype=dtype)
+    torch.testing.assert_close(
+        norm.npu_rms_norm(x, weight, 1e-6), norm.reference_rms_norm(x, weight, 1e-6), **TOL
+    )
+    for got, want in zip(
+        norm.npu_add_rms_norm(x, residual, weight, 1e-6),
+        norm.reference_add_rms_norm(x, residual, weight, 1e-6),
+    ):
+        torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(activation.npu_silu_and_mul(x), activation.reference_silu_and_mul(x), **TOL)
+
+    head_size = data.draw(st.sampled_from([16, 32, 64]))
+    heads = data.draw(st.integers(1, 4))
+    angles = torch.rand(64, head_size // 2) * 6
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+    positions = torch.randint(0, 64, (tokens,))
+    q = torch.randn(tokens, heads, head_size, dtype=dtype)
+    for neox in (True, False):
+        cos, sin = rotary.tables_at(rotary.full_tables(cache, neox), positions)
+        torch.testing.assert_close(
+            rotary.npu_rotate(q, cos, sin, neox), rotary.reference_rotate(q, cos, sin, neox), **TOL
+        )

@@ -35,6 +35,7 @@ from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.kv_layout import gqa_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import attention as kernels
+from vllm.ascend.step_cache import once_per_step
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -172,7 +173,12 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             if step.split:  # every PCP rank's rows, in the order of the runner's PCP slot mapping
                 rows = step.local_rows
                 key, value = cp.pcp_gather_rows(key[:rows]), cp.pcp_gather_rows(value[:rows])
-        kernels.write_kv_cache(key, value, k_plane, v_plane, slot_mapping)
+        shape = (key.shape[0], key.shape[1], k_plane.shape[2])  # tokens, KV heads, block size
+        index = once_per_step(
+            ("gqa-write-index", slot_mapping.data_ptr(), *shape),
+            lambda: kernels.write_index(slot_mapping, *shape),
+        )
+        kernels.write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index)
 
     def forward(
         self,

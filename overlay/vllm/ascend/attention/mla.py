@@ -41,6 +41,7 @@ from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.kernels.attention import gather_range
 from vllm.ascend.kernels.mla import head_major
+from vllm.ascend.step_cache import once_per_step
 
 
 @dataclass
@@ -217,7 +218,12 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         # only 'auto' KV caches (supported_kv_cache_dtypes): no scales to skip
         if kv_cache.numel():
             latent, rope = mla_planes(kv_cache, self.kv_lora_rank)
-            kernels.write_latent_cache(kv_c_normed, k_pe, latent, rope, slot_mapping)
+            tokens = kv_c_normed.shape[0]
+            slots = once_per_step(
+                ("mla-write-slots", slot_mapping.data_ptr(), tokens),
+                lambda: kernels.write_slots(slot_mapping, tokens),
+            )
+            kernels.write_latent_cache(kv_c_normed, k_pe, latent, rope, slot_mapping, slots)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         q_nope, q_pe = (

@@ -64,7 +64,7 @@ def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
     return out.transpose(0, 1).to(q.dtype)
 
 
-def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping) -> None:
+def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -> None:
     slots, valid = valid_slots(slot_mapping, key.shape[0])
     if valid is not None:
         key, value = key[valid], value[valid]
@@ -124,21 +124,33 @@ def npu_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
     return torch.where(slots >= 0, slots, torch.zeros_like(slots))
 
 
-def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping) -> None:
-    """``npu_scatter_nd_update_`` at (block, head, offset) coordinates: the head-major
-    planes have no token-major rows for ATB's ReshapeAndCache to write."""
-    num_tokens, heads = key.shape[0], key.shape[1]
-    if num_tokens == 0:
-        return
-    block_size = k_plane.shape[2]
+def npu_write_index(slot_mapping, num_tokens: int, heads: int, block_size: int) -> torch.Tensor:
+    """The (block, head, offset) coordinates ``[T, heads, 3]`` of every token's rows in a
+    head-major plane: the same for every layer of a KV-cache group, so the backend builds
+    it once per step."""
     slots = npu_slots(slot_mapping, num_tokens)
     head_ids = torch.arange(heads, device=slots.device)
-    index = torch.stack(
+    return torch.stack(
         torch.broadcast_tensors(
             (slots // block_size).unsqueeze(1), head_ids.unsqueeze(0), (slots % block_size).unsqueeze(1)
         ),
         dim=-1,
     )
+
+
+def reference_write_index(slot_mapping, num_tokens: int, heads: int, block_size: int) -> None:
+    return None  # the reference write computes its positions itself
+
+
+def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -> None:
+    """``npu_scatter_nd_update_`` at (block, head, offset) coordinates: the head-major
+    planes have no token-major rows for ATB's ReshapeAndCache to write. ``index``: this
+    step's ``write_index`` when the caller has it."""
+    num_tokens, heads = key.shape[0], key.shape[1]
+    if num_tokens == 0:
+        return
+    if index is None:
+        index = npu_write_index(slot_mapping, num_tokens, heads, k_plane.shape[2])
     npu = torch_npu()
     npu.npu_scatter_nd_update_(k_plane, index, key.to(k_plane.dtype))
     npu.npu_scatter_nd_update_(v_plane, index, value.to(v_plane.dtype))
@@ -202,6 +214,7 @@ def npu_paged_decode(query, k_plane, v_plane, block_table, seq_lens: list[int], 
     return empty_rows_to_identity(out, lse[..., 0], seq_lens)
 
 
+write_index = pick(reference_write_index, npu_write_index)
 write_kv_cache = pick(reference_write_kv_cache, npu_write_kv_cache)
 paged_decode = pick(reference_paged_decode, npu_paged_decode)
 paged_attention = pick(reference_paged_attention, npu_paged_attention)

@@ -44,7 +44,7 @@ def head_major(plane: torch.Tensor) -> torch.Tensor:
 
 
 # -- reference --------------------------------------------------------------------------
-def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping) -> None:
+def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, slots=None) -> None:
     slots, valid = valid_slots(slot_mapping, kv_c.shape[0])
     k_pe = k_pe.reshape(k_pe.shape[0], -1)
     if valid is not None:
@@ -103,9 +103,19 @@ def reference_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], sc
 
 
 # -- NPU (torch_npu; passes the contract double in CI, not verified on an NPU) ----------
-def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping) -> None:
+def npu_write_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
+    """The int32 slot indices ATB's ReshapeAndCache takes (padding to the null block's slot
+    0): the same for every layer, so the backend builds them once per step."""
+    return npu_slots(slot_mapping, num_tokens).to(torch.int32)
+
+
+def reference_write_slots(slot_mapping, num_tokens: int) -> None:
+    return None  # the reference write reads the slot mapping itself
+
+
+def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, slots=None) -> None:
     """ATB ReshapeAndCache with key = ``c`` and value = ``k_pe`` (their last dims may
-    differ), one head each."""
+    differ), one head each. ``slots``: this step's ``write_slots`` when the caller has them."""
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
         return
@@ -114,7 +124,7 @@ def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping) -> None:
         value=k_pe.reshape(num_tokens, 1, -1).to(rope.dtype),
         key_cache=latent,
         value_cache=rope,
-        slot_indices=npu_slots(slot_mapping, num_tokens).to(torch.int32),
+        slot_indices=npu_write_slots(slot_mapping, num_tokens) if slots is None else slots,
     )
 
 
@@ -136,10 +146,14 @@ def npu_mla_decode(
     ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``."""
     batch, heads, rank = q_nope.shape
     padded = npu_padded_heads(heads)
-    query = q_nope.new_zeros(batch, padded, 1, rank)
-    query[:, :heads, 0] = q_nope
-    query_rope = q_pe.new_zeros(batch, padded, 1, q_pe.shape[-1])
-    query_rope[:, :heads, 0] = q_pe
+
+    def bnsd(x: torch.Tensor) -> torch.Tensor:  # [B, N, D] -> contiguous [B, padded, 1, D], one op
+        x = x.unsqueeze(2)
+        if padded > heads:
+            return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padded - heads))
+        return x.contiguous()
+
+    query, query_rope = bnsd(q_nope), bnsd(q_pe)
     latent_bnsd = head_major(latent)
     out, lse = torch_npu().npu_fused_infer_attention_score(
         query,
@@ -263,6 +277,7 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
         )
 
 
+write_slots = pick(reference_write_slots, npu_write_slots)
 write_latent_cache = pick(reference_write_latent_cache, npu_write_latent_cache)
 mla_decode = pick(reference_mla_decode, npu_mla_decode)
 dense_attention = pick(reference_dense_attention, npu_dense_attention)

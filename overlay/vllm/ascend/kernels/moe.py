@@ -93,12 +93,48 @@ def _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input: boo
     return out.to(x.dtype)
 
 
+def _routed_on_device(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Every row this rank's (no expert map): ``npu_moe_init_routing_v2`` sorts the
+    ``T * k`` rows by expert and counts them, the grouped matmuls take the counts
+    (``group_list_type=1``), ``npu_moe_finalize_routing`` weighs and sums each token's rows
+    back. Init gives each source row ``token * k + slot`` its sorted position; finalize reads
+    the position of ``token + slot * T``, hence the transpose."""
+    npu = torch_npu()
+    num_tokens, top_k = topk_ids.shape
+    rows, position, counts, _ = npu.npu_moe_init_routing_v2(
+        x,
+        topk_ids.to(torch.int32),
+        active_num=num_tokens * top_k,
+        expert_num=w13.shape[0],
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, w13.shape[0]],
+        quant_mode=-1,
+    )
+    gate_up = npu.npu_grouped_matmul(
+        [rows], [w13.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
+    )[0]
+    act = npu.npu_swiglu(gate_up)
+    y = npu.npu_grouped_matmul(
+        [act], [w2.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
+    )[0]
+    slot_major = position.view(num_tokens, top_k).t().contiguous().view(-1)
+    return npu.npu_moe_finalize_routing(
+        y, None, None, None, topk_weights.to(y.dtype), slot_major, topk_ids.to(torch.int32), 0, top_k
+    )
+
+
 def npu_moe_experts(
     x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
 ) -> torch.Tensor:
-    """Sort tokens by expert, two grouped matmuls (``npu_grouped_matmul``, one x, one
-    3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu`` between,
-    scatter back. Passes the contract double; not verified on an NPU."""
+    """With every expert on this rank and the router weights on the output: routing,
+    grouped matmuls and the weighted sum on device (``_routed_on_device``, 5 launches).
+    Otherwise: sort tokens by expert, two grouped matmuls (``npu_grouped_matmul``, one x,
+    one 3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu``
+    between, scatter back; rows of other ranks' experts are dropped with ``where``.
+    Passes the contract double; not verified on an NPU."""
+    if expert_map is None and not apply_router_weight_on_input and topk_ids.numel() > 0:
+        return _routed_on_device(x, w13, w2, topk_weights, topk_ids)
     npu = torch_npu()
     tokens, h, weights, mine, group_list = _rows_by_expert(
         x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input

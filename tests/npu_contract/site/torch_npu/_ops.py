@@ -719,6 +719,195 @@ def npu_swiglu(input, dim):
     return (F.silu(a) * b).to(input.dtype)
 
 
+# -- npu_rms_norm / npu_add_rms_norm ----------------------------------------------------------------
+FLOAT_TYPES = (*HALF_TYPES, torch.float32)
+
+
+def _rms(x: torch.Tensor, gamma: torch.Tensor, epsilon: float):
+    """RmsNorm over gamma's dimensions, in float32: (y in x's dtype, rstd float32)."""
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (h * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def npu_rms_norm(input, gamma, epsilon):
+    op = "npu_rms_norm"
+    require(
+        input.dtype in FLOAT_TYPES and 2 <= input.dim() <= 8,
+        op,
+        "RMS.self",
+        f"{input.dtype} rank {input.dim()}",
+    )
+    require(
+        gamma.dtype == input.dtype and tuple(gamma.shape) == tuple(input.shape[input.dim() - gamma.dim() :]),
+        op,
+        "RMS.gamma",
+        f"gamma {gamma.dtype} {tuple(gamma.shape)} for self {input.dtype} {tuple(input.shape)}",
+    )
+    return _rms(input, gamma, epsilon)
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon):
+    op = "npu_add_rms_norm"
+    for name, t in (("x1", x1), ("x2", x2)):
+        require(
+            t.dtype in FLOAT_TYPES and 1 <= t.dim() <= 8 and t.numel() > 0,
+            op,
+            "ADDRMS.x",
+            f"{name} {t.dtype} {tuple(t.shape)}",
+        )
+    require(
+        x1.shape == x2.shape and x1.dtype == x2.dtype,
+        op,
+        "ADDRMS.formula",
+        f"x1 {x1.dtype} {tuple(x1.shape)}, x2 {x2.dtype} {tuple(x2.shape)}",
+    )
+    require(
+        gamma.dtype == x1.dtype
+        and 0 < gamma.dim() <= x1.dim()
+        and tuple(gamma.shape) == tuple(x1.shape[x1.dim() - gamma.dim() :]),
+        op,
+        "ADDRMS.gamma",
+        f"gamma {gamma.dtype} {tuple(gamma.shape)} for x1 {x1.dtype} {tuple(x1.shape)}",
+    )
+    s = x1.float() + x2.float()
+    y, rstd = _rms(s, gamma, epsilon)
+    return y.to(x1.dtype), rstd, s.to(x1.dtype)
+
+
+# -- npu_moe_init_routing_v2 / npu_moe_finalize_routing ---------------------------------------------
+INIT_ROUTING = "npu_moe_init_routing_v2"
+FINALIZE_ROUTING = "npu_moe_finalize_routing"
+
+
+def npu_moe_init_routing_v2(**a):
+    """Dropless, unquantized, gather-type row index, per-expert counts: the one mode this
+    project calls. Source row ``s = token * K + k`` (``expert_idx`` flattened); the rows of
+    experts in ``active_expert_range`` are sorted by expert (stably, here) into the head of
+    ``expanded_x``; the rest of ``expanded_x`` is undefined (NaN here, so a reader shows)."""
+    op = INIT_ROUTING
+    x, ids = a["x"], a["expert_idx"]
+    _refuse_unmodelled(op, a, ("scale", "offset", "x_dtype"))
+    if a["quant_mode"] != -1 or a["row_idx_type"] != 0 or a["expert_tokens_num_type"] != 1:
+        raise unmodelled(op, "a quantized mode, a scatter-type row index or cumsum/key-value counts")
+    if a["active_num"] not in (-1, 0, ids.numel()):
+        raise unmodelled(op, f"active_num {a['active_num']}")
+    require(
+        x.dim() == 2 and x.dtype in (*FLOAT_TYPES, torch.int8), op, "IR2.x", f"x {x.dtype} {tuple(x.shape)}"
+    )
+    num = a["expert_num"]
+    require(0 < num <= 10240, op, "IR2.expert_num", f"expert_num {num}")
+    require(
+        ids.dim() == 2
+        and ids.dtype == torch.int32
+        and ids.shape[0] == x.shape[0]
+        and bool(((ids >= 0) & (ids < num)).all()),
+        op,
+        "IR2.expert_idx",
+        f"expert_idx {ids.dtype} {tuple(ids.shape)} for x {tuple(x.shape)}, {num} experts",
+    )
+    require(a["drop_pad_mode"] == 0, op, "IR2.drop_pad_mode", f"drop_pad_mode {a['drop_pad_mode']}")
+    require(a["expert_tokens_num_flag"], op, "IR2.tokens_num_flag", "expert_tokens_num_flag False")
+    span = list(a["active_expert_range"]) or [0, num]
+    require(
+        len(span) == 2 and 0 <= span[0] < span[1] <= num,
+        op,
+        "IR2.active_range",
+        f"range {span}, {num} experts",
+    )
+    start, end = span
+    flat = ids.flatten().to(torch.int64)
+    active = (flat >= start) & (flat < end)
+    order = torch.argsort(torch.where(active, flat, end), stable=True)
+    available = int(active.sum())
+    expanded_x = torch.full((flat.numel(), x.shape[1]), float("nan"), dtype=torch.float32).to(x.dtype)
+    expanded_x[:available] = x[order[:available] // ids.shape[1]]
+    row_idx = torch.full((flat.numel(),), -1, dtype=torch.int32)
+    row_idx[order[:available]] = torch.arange(available, dtype=torch.int32)
+    counts = torch.bincount(flat[active] - start, minlength=end - start).to(torch.int64)
+    scale_out = torch.full((flat.numel(),), float("nan"), dtype=torch.float32)  # no scale given: undefined
+    return expanded_x, row_idx, counts, scale_out
+
+
+def npu_moe_finalize_routing(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode,
+    k,
+):
+    op = FINALIZE_ROUTING
+    rows, index = expanded_permuted_rows, expanded_src_to_dst_row
+    if skip1 is not None or skip2 is not None or bias is not None or scales is None:
+        raise unmodelled(op, "skip inputs, an expert bias or no scales")
+    require(skip2 is not None or skip1 is None, op, "FR.skip", "skip1 without skip2")
+    require(rows.dim() == 2 and rows.dtype in FLOAT_TYPES, op, "FR.rows", f"{rows.dtype} {tuple(rows.shape)}")
+    num_rows, top_k = scales.shape if scales.dim() == 2 else (-1, -1)
+    require(
+        scales.dim() == 2 and scales.dtype == rows.dtype and rows.shape[0] == num_rows * top_k,
+        op,
+        "FR.scales",
+        f"scales {scales.dtype} {tuple(scales.shape)} for rows {rows.dtype} {tuple(rows.shape)}",
+    )
+    require(
+        drop_pad_mode == 0
+        and index.dim() == 1
+        and index.dtype == torch.int32
+        and index.numel() == rows.shape[0]
+        and bool(((index >= 0) & (index < rows.shape[0])).all()),
+        op,
+        "FR.index",
+        f"index {index.dtype} {tuple(index.shape)} for {rows.shape[0]} rows",
+    )
+    # out[i] = sum_k scales[i, k] * rows[index[i + k * num_rows]]
+    picked = rows.float()[index.to(torch.int64)].view(top_k, num_rows, -1)
+    out = (scales.float().t().unsqueeze(-1) * picked).sum(dim=0)
+    return out.to(rows.dtype)
+
+
+# -- npu_rotary_mul ------------------------------------------------------------------------------
+def npu_rotary_mul(input, r1, r2, rotary_mode, rotate):
+    """BSND input only (the layout this project passes; the op cannot tell BSND from BNSD,
+    so the tables' shapes are read as BSND's)."""
+    op = "npu_rotary_mul"
+    if rotate is not None:
+        raise unmodelled(op, "rotate")
+    require(
+        input.dtype in FLOAT_TYPES and input.dim() == 4, op, "ROPE.input", f"{input.dtype} rank {input.dim()}"
+    )
+    b, s, n, d = input.shape
+    if rotary_mode == "half":
+        require(
+            d < 896 and d % 2 == 0 and b < 1000 and n < 1000, op, "ROPE.half", f"input {tuple(input.shape)}"
+        )
+        allowed, rule = {(1, s, 1, d), (b, s, 1, d), (b, s, n, d)}, "ROPE.half_tables"
+    elif rotary_mode == "interleave":
+        require(d < 896 and d % 2 == 0 and b * n < 1000, op, "ROPE.interleave", f"input {tuple(input.shape)}")
+        allowed, rule = {(1, s, 1, d)}, "ROPE.interleave_tables"
+    else:
+        raise unmodelled(op, f"rotary_mode {rotary_mode!r}")
+    for name, t in (("r1", r1), ("r2", r2)):
+        require(
+            tuple(t.shape) in allowed,
+            op,
+            rule,
+            f"{name} {tuple(t.shape)} for BSND input {tuple(input.shape)}",
+        )
+        require(bool(t.float().abs().le(1.0).all()), op, "ROPE.range", f"{name} has values outside [-1, 1]")
+    x = input.float()
+    if rotary_mode == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        turned = torch.cat((-x2, x1), dim=-1)
+    else:
+        turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return (r1.float() * x + r2.float() * turned).to(input.dtype)
+
+
 # -- npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) ------------------------------------------------
 # The double computes the documented result by brute force: every rank all-gathers every
 # rank's tokens, routing and mask, and keeps what its experts own. ``assist_info`` rows
@@ -1206,6 +1395,11 @@ KERNELS = {
         "npu_scatter_nd_update_": npu_scatter_nd_update_,
         "npu_grouped_matmul": npu_grouped_matmul,
         "npu_swiglu": npu_swiglu,
+        "npu_rms_norm": npu_rms_norm,
+        "npu_add_rms_norm": npu_add_rms_norm,
+        "npu_rotary_mul": npu_rotary_mul,
+        INIT_ROUTING: npu_moe_init_routing_v2,
+        FINALIZE_ROUTING: npu_moe_finalize_routing,
         MC2_DISPATCH: npu_moe_distribute_dispatch_v2,
         MC2_COMBINE: npu_moe_distribute_combine_v2,
         ATTENTION_UPDATE: npu_attention_update,

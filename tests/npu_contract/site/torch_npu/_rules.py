@@ -32,6 +32,9 @@ ATTENTION_UPDATE_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md (commit 517f2e7d)"
 )
 OP_PLUGIN_ATB_COMMON = "Ascend/op-plugin op_plugin/utils/custom_functions/atb/AtbCommon.cpp"
+ADD_RMS_NORM_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_add_rms_norm.md (commit 7416cfc3)"
+)
 
 
 @dataclass(frozen=True)
@@ -471,6 +474,87 @@ RULES: dict[str, Rule] = {
         # -- npu_swiglu ---------------------------------------------------------------------------------
         Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
         Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),
+        # -- npu_rms_norm / npu_add_rms_norm ------------------------------------------------------------
+        Rule("RMS.self", DOCS, "self：Tensor类型，支持float16、bfloat16、float32，输入shape支持2-8维。"),
+        Rule(
+            "RMS.gamma",
+            DOCS,
+            "gamma：Tensor类型，数据类型需要和self保持一致，输入shape支持2-8维，通常为self的最后一维。",
+        ),
+        Rule(
+            "ADDRMS.x",
+            ADD_RMS_NORM_DOC,
+            "数据格式支持$ND$，不支持空Tensor，支持非连续Tensor。数据类型支持`float32`、`float16`、`bfloat16`。"
+            "支持1-8维张量。",
+            in_wheel=False,
+        ),
+        Rule("ADDRMS.formula", ADD_RMS_NORM_DOC, "x_i=x1_{i}+x2_{i}", in_wheel=False),
+        Rule(
+            "ADDRMS.gamma",
+            ADD_RMS_NORM_DOC,
+            "数据类型与`x1`的数据类型保持一致，shape需要与`x1`后几维保持一致，后几维为`x1`需要归一化处理的维度。",
+            in_wheel=False,
+        ),
+        # -- npu_rotary_mul --------------------------------------------------------------------------
+        Rule("ROPE.input", DOCS, "input：必选输入，4维Tensor，数据类型float16, bfloat16, float32"),
+        Rule("ROPE.half", DOCS, "input: layout支持: BNSD、BSND、SBND; D < 896，且为2的倍数; B, N < 1000;"),
+        Rule("ROPE.half_tables", DOCS, "input为BSND: 1S1D、BS1D、BSND;"),
+        Rule(
+            "ROPE.interleave",
+            DOCS,
+            "input: layout支持: BNSD、BSND、SBND; B * N < 1000; D < 896, 且D为2的倍数;",
+        ),
+        Rule("ROPE.interleave_tables", DOCS, "input为BSND: 1S1D;"),
+        Rule("ROPE.range", DOCS, "r1: 数据范围：[-1, 1]"),
+        # -- npu_moe_init_routing_v2 / npu_moe_finalize_routing ------------------------------------------
+        Rule(
+            "IR2.x",
+            DOCS,
+            "x：Tensor类型，必选参数，表示MoE的输入即token特征输入，要求为2D的Tensor，shape为(NUM_ROWS, H)，"
+            "H代表每个Token的长度。数据类型支持float16、bfloat16、float32、int8，数据格式要求为ND。",
+        ),
+        Rule(
+            "IR2.expert_idx",
+            DOCS,
+            "expert_idx：Tensor类型，必选参数，表示torch_npu.npu_moe_gating_top_k_softmax输出每一行特征对应的K个"
+            "处理专家，要求是2D的Tensor，shape为(NUM_ROWS, K)，且专家id不能超过专家数。数据类型支持int32，"
+            "数据格式要求为ND。",
+        ),
+        Rule("IR2.expert_num", DOCS, "其他模式取值范围为(0, 10240]。"),
+        Rule("IR2.drop_pad_mode", DOCS, "1表示drop_pad场景。当前仅支持0。"),
+        Rule(
+            "IR2.tokens_num_type",
+            DOCS,
+            "1表示count模式，即输出的值为各个专家处理的token数量；2表示key_value模式，即输出的值为专家和对应专家"
+            "处理token数量的键值对。当前仅支持1和2。",
+        ),
+        Rule(
+            "IR2.tokens_num_flag",
+            DOCS,
+            "expert_tokens_num_flag：bool类型，可选参数，表示是否输出expert_token_cumsum_or_count，默认False表示"
+            "不输出。当前仅支持True。",
+        ),
+        Rule("IR2.active_range", DOCS, "要求数组内的值大于等于0，并且expert_end不大于expert_num。"),
+        Rule("IR2.row_idx", DOCS, "当row_idx_type为0时，有效元素与无效元素共存，其中无效元素由-1填充"),
+        Rule(
+            "FR.rows",
+            DOCS,
+            "expanded_permuted_rows: Tensor类型, 必选参数, 经过专家处理过的结果, 要求是一个2D的Tensor, "
+            "数据类型支持float16、bfloat16、float32, 数据格式要求为ND. shape支持(NUM_ROWS * K, H)",
+        ),
+        Rule(
+            "FR.scales",
+            DOCS,
+            "scales: Tensor类型, 可选参数, 专家的权重, 要求是一个2D的Tensor, 数据类型要求与expanded_permuted_rows"
+            "一致, shape支持(NUM_ROWS, K).",
+        ),
+        Rule("FR.index", DOCS, "drop_pad_mode参数为0时, Tensor中的值取值范围是[0, NUM_ROWS * K-1]."),
+        Rule("FR.skip", DOCS, "skip2参数为None时, skip1参数必须也为None."),
+        Rule(
+            "FR.formula",
+            DOCS,
+            "\\sum_{k=0}^{K}(scales_{i,k}*(expandPermutedRows_{expandedSrcToDstRow_{i+k*num_rows},j}",
+        ),
         # -- npu_moe_gating_top_k_softmax (MoE routing) -------------------------------------------------
         Rule(
             "GTKS.x",

@@ -1,0 +1,82 @@
+"""Out-of-tree forms of upstream's ``RotaryEmbedding`` and of each subclass that keeps its
+forward (the scaled variants that only compute another cosine/sine cache: linear,
+dynamic NTK, YaRN, Llama 3, ...).
+
+The full-width cosine/sine tables are built once per module and dtype; the rows for a
+step's positions are gathered once per forward pass and reused by every layer that
+shares the module (``get_rope`` shares one per configuration) with the same positions
+tensor. Partial rotary (``rotary_dim < head_size``) and shapes outside torch_npu's
+documented limits keep upstream's native form; the reason is logged once per class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+from vllm.ascend.kernels import rotary
+from vllm.ascend.step_cache import once_per_step
+
+logger = init_logger(__name__)
+
+
+class AscendRotaryForm:
+    """Mixed in before an upstream rotary class: its ``forward_oot``."""
+
+    _ascend_tables: dict | None = None
+
+    def _tables(self, query: torch.Tensor):
+        key = (query.dtype, query.device)
+        if self._ascend_tables is None or key not in self._ascend_tables:
+            cache = self._match_cos_sin_cache_dtype(query)
+            self._ascend_tables = {key: rotary.full_tables(cache, self.is_neox_style)}
+        return self._ascend_tables[key]
+
+    def _step_tables(self, positions: torch.Tensor, query: torch.Tensor):
+        key = ("rope-rows", id(self), positions.data_ptr(), positions.numel(), query.dtype)
+        return once_per_step(key, lambda: rotary.tables_at(self._tables(query), positions))
+
+    def forward_oot(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
+        if not all(rotary.takes(x, self.rotary_dim, self.head_size) for x in (query, key) if x is not None):
+            logger.info_once(
+                "Ascend rotary form not used by %s (rotary_dim %d, head_size %d): upstream's native form runs",
+                type(self).__name__,
+                self.rotary_dim,
+                self.head_size,
+            )
+            return self.forward_native(positions, query, key)
+        cos, sin = self._step_tables(positions, query)
+        tokens = positions.numel()
+
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            heads = x.view(tokens, -1, self.head_size)
+            return rotary.rotate(heads, cos, sin, self.is_neox_style).view(x.shape)
+
+        return turn(query), None if key is None else turn(key)
+
+
+def _keeps_forward(cls: type) -> bool:
+    return all(
+        getattr(cls, name) is getattr(RotaryEmbedding, name)
+        for name in ("forward_native", "forward_static", "forward_oot", "forward_cuda")
+    )
+
+
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+def register() -> None:
+    import vllm.model_executor.layers.rotary_embedding  # noqa: F401  (defines every subclass)
+
+    for cls in [RotaryEmbedding, *_subclasses(RotaryEmbedding)]:
+        if cls.__module__.startswith("vllm.model_executor") and _keeps_forward(cls):
+            form = type(f"Ascend{cls.__name__}", (AscendRotaryForm, cls), {"__module__": __name__})
+            CustomOp.register_oot(form, name=cls.__name__)
+            form.name = cls.name  # register_oot renames it; custom_ops uses upstream's name
