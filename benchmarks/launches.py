@@ -202,7 +202,8 @@ def child(spec: dict) -> None:
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     model = runner.model
     layer = _middle_layer(model)
-    state = {"decode": False, "tokens": 0, "mode": None}
+    state = {"tokens": 0}
+    mode = counter.mode()
     forwards: list[tuple[int, float, float]] = []  # (tokens, wall s, inside-op s)
 
     def model_pre(module, args, kwargs):
@@ -210,11 +211,10 @@ def child(spec: dict) -> None:
         state["tokens"] = int(ids.shape[0]) if ids is not None else 0
         state["start"] = time.perf_counter()
         counter.inside_ops = 0.0
-        state["mode"] = counter.mode()
-        state["mode"].__enter__()
+        mode.__enter__()
 
     def model_post(module, args, kwargs, out):
-        state["mode"].__exit__(None, None, None)
+        mode.__exit__(None, None, None)
         forwards.append((state["tokens"], time.perf_counter() - state["start"], counter.inside_ops))
 
     def layer_pre(module, args):

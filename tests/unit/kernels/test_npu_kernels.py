@@ -289,6 +289,33 @@ def test_w8a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, 
     torch.testing.assert_close(out_npu.float(), out_ref.float(), rtol=6e-2, atol=6e-2)
 
 
+def test_write_index_and_slots_built_once_equal_the_per_call_writes():
+    """The backends build the cache-write coordinates (GQA) and int32 slots (MLA) once per
+    step and hand them to every layer's write: through the double, those writes land
+    exactly where the writes that derive them per call land."""
+    slot_mapping = torch.tensor([5, -1, 130, 300])  # the fourth slot is past the step's tokens
+    index = attention.npu_write_index(slot_mapping, 3, 2, 128)
+    assert (
+        index.shape == (3, 2, 3) and index[2, 1].tolist() == [1, 1, 2] and index[1, 0].tolist() == [0, 0, 0]
+    )
+    key = torch.randn(3, 2, 16, dtype=BF16)
+    given = (torch.zeros(3, 2, 128, 16, dtype=BF16), torch.zeros(3, 2, 128, 16, dtype=BF16))
+    derived = (torch.zeros(3, 2, 128, 16, dtype=BF16), torch.zeros(3, 2, 128, 16, dtype=BF16))
+    attention.npu_write_kv_cache(key, -key, *given, slot_mapping, index)
+    attention.npu_write_kv_cache(key, -key, *derived, slot_mapping)
+    assert all(torch.equal(a, b) for a, b in zip(given, derived)) and bool(given[0].any())
+
+    slots = mla.npu_write_slots(slot_mapping, 3)
+    assert slots.dtype == torch.int32 and slots.tolist() == [5, 0, 130]
+    kv_c, k_pe = torch.randn(3, 512, dtype=BF16), torch.randn(3, 1, 64, dtype=BF16)
+    caches = [
+        (torch.zeros(3, 128, 1, 512, dtype=BF16), torch.zeros(3, 128, 1, 64, dtype=BF16)) for _ in range(2)
+    ]
+    mla.npu_write_latent_cache(kv_c, k_pe, *caches[0], slot_mapping, slots)
+    mla.npu_write_latent_cache(kv_c, k_pe, *caches[1], slot_mapping)
+    assert all(torch.equal(a, b) for a, b in zip(*caches)) and torch.equal(caches[0][0][1, 2, 0], kv_c[2])
+
+
 def test_npu_slots_send_padding_to_the_null_block():
     """Padding tokens (slot -1) are written to slot 0 (block 0, vLLM's null block) without
     a host sync; through the double, the write lands there and nowhere else."""

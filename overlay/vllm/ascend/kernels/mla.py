@@ -44,7 +44,8 @@ def head_major(plane: torch.Tensor) -> torch.Tensor:
 
 
 # -- reference --------------------------------------------------------------------------
-def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, slots=None) -> None:
+def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, step_slots=None) -> None:
+    # step_slots (the NPU form's once-per-step int32 slots) is None here: reference_write_slots
     slots, valid = valid_slots(slot_mapping, kv_c.shape[0])
     k_pe = k_pe.reshape(k_pe.shape[0], -1)
     if valid is not None:

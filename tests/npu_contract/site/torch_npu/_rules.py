@@ -549,7 +549,6 @@ RULES: dict[str, Rule] = {
             "一致, shape支持(NUM_ROWS, K).",
         ),
         Rule("FR.index", DOCS, "drop_pad_mode参数为0时, Tensor中的值取值范围是[0, NUM_ROWS * K-1]."),
-        Rule("FR.skip", DOCS, "skip2参数为None时, skip1参数必须也为None."),
         Rule(
             "FR.formula",
             DOCS,
