@@ -64,12 +64,14 @@ ENGINE = {
 EXPECTED_OPS = {
     "npu::npu_fused_infer_attention_score": ("qwen2", MLA512),
     "npu::npu_scatter_nd_update_": ("qwen2",),
-    "atb::_npu_reshape_and_cache": (MLA512,),
+    "npu::npu_kv_rmsnorm_rope_cache": (MLA512,),  # the MLA layer's fused latent prolog
+    "npu::npu_interleave_rope": (MLA512,),  # its query's rope part
     "npu::npu_grouped_matmul": (MLA512,),
     "npu::npu_swiglu": ("qwen2", MLA512),
     "npu::npu_rms_norm": ("qwen2", MLA512),
     "npu::npu_add_rms_norm": ("qwen2", MLA512),
-    "npu::npu_rotary_mul": ("qwen2", MLA512),
+    "npu::npu_rotary_mul": ("qwen2",),
+    "npu::npu_moe_gating_top_k": (MLA512,),  # DeepSeek's grouped sigmoid top-k
     "npu::npu_moe_init_routing_v2": (MLA512,),
     "npu::npu_moe_finalize_routing": (MLA512,),
 }
@@ -91,7 +93,13 @@ CONTEXT_PARALLEL = {
     "qwen2": {"prefill_context_parallel_size": 2},
     MLA512: {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
 }
-EXPECTED_CP_OPS = {"npu::npu_attention_update": ("qwen2", MLA512)}
+EXPECTED_CP_OPS = {
+    "npu::npu_attention_update": ("qwen2", MLA512),
+    # the fused latent prolog stays off under context parallelism: the unfused ops run
+    "atb::_npu_reshape_and_cache": (MLA512,),
+    "npu::npu_rotary_mul": (MLA512,),
+}
+MLA_PROLOG_OPS = ("npu::npu_kv_rmsnorm_rope_cache", "npu::npu_interleave_rope")
 
 
 class NearTieDivergence(UserWarning):
@@ -232,13 +240,17 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
             assert not _call_counts(tmp_path / name), f"{name}: the reference kernels must not call torch_npu"
     for name in npu_runs:
         counts = _call_counts(tmp_path / name)
-        expected = {**EXPECTED_OPS, **{"npu_cp": EXPECTED_CP_OPS}.get(name, {})}
+        expected = dict(EXPECTED_OPS)
+        for op, archs in ({"npu_cp": EXPECTED_CP_OPS}.get(name, {})).items():
+            expected[op] = (*expected.get(op, ()), *archs)
         with_ep = "enable_expert_parallel" in specs[list(runs).index(name)]["engine"]
         for op, archs in expected.items():
             if arch not in archs:
                 continue
             if with_ep and op in ROUTING_WITHOUT_EP_OPS:  # an expert map: the sort/scatter form
                 assert not counts.get(op), f"{name}: {op} ran with expert parallelism ({counts})"
+            elif name == "npu_cp" and op in MLA_PROLOG_OPS:
+                assert not counts.get(op), f"{name}: {op} ran under context parallelism ({counts})"
             else:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
     if arch == MLA512:  # A3: the selector kept MC2 out (hidden size 64 < 1024)

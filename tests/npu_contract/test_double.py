@@ -159,7 +159,63 @@ def _init_routing(ids=None, **change):
     return torch_npu.npu_moe_init_routing_v2(torch.randn(2, 8), ids, **args)
 
 
+def _krrc(tokens=2, blocks=2, **change):
+    """A valid npu_kv_rmsnorm_rope_cache call (PA_BNSD), one argument changed."""
+    args = dict(
+        kv=torch.randn(tokens, 1, 1, 576, dtype=BF16),
+        gamma=torch.ones(512, dtype=BF16),
+        cos=torch.ones(tokens, 1, 1, 64, dtype=BF16),
+        sin=torch.zeros(tokens, 1, 1, 64, dtype=BF16),
+        index=torch.arange(tokens) + 16,
+        k_cache=torch.zeros(blocks, 16, 1, 64, dtype=BF16),
+        ckv_cache=torch.zeros(blocks, 16, 1, 512, dtype=BF16),
+        cache_mode="PA_BNSD",
+        is_output_kv=True,
+    )
+    args.update(change)
+    positional = [args.pop(k) for k in ("kv", "gamma", "cos", "sin", "index", "k_cache", "ckv_cache")]
+    return torch_npu.npu_kv_rmsnorm_rope_cache(*positional, **args)
+
+
+def _irope(x=None, cos=None):
+    x = torch.randn(3, 4, 1, 64, dtype=BF16) if x is None else x
+    cos = torch.ones(3, 1, 1, 64, dtype=BF16) if cos is None else cos
+    return torch_npu.npu_interleave_rope(x, cos, cos.clone())
+
+
 VIOLATIONS = {
+    "latent prolog: float32 kv": ("KRRC.kv", lambda: _krrc(kv=torch.randn(2, 1, 1, 576))),
+    "latent prolog: latent 256": (
+        "KRRC.sizes",
+        lambda: _krrc(kv=torch.randn(2, 1, 1, 320, dtype=BF16), gamma=torch.ones(256, dtype=BF16)),
+    ),
+    "latent prolog: cos for one token": (
+        "KRRC.cos_sin",
+        lambda: _krrc(cos=torch.ones(1, 1, 1, 64, dtype=BF16)),
+    ),
+    "latent prolog: int32 index": (
+        "KRRC.index",
+        lambda: _krrc(index=torch.tensor([16, 17], dtype=torch.int32)),
+    ),
+    "latent prolog: a repeated slot": ("KRRC.index_unique", lambda: _krrc(index=torch.tensor([16, 16]))),
+    "latent prolog: a padding slot": ("PROJECT.valid_slots", lambda: _krrc(index=torch.tensor([16, -1]))),
+    "latent prolog: two heads in the rope cache": (
+        "KRRC.cache",
+        lambda: _krrc(k_cache=torch.zeros(2, 16, 2, 64, dtype=BF16)),
+    ),
+    "latent prolog: strided latent cache": (
+        "PROJECT.no_hidden_cache_copy",
+        lambda: _krrc(ckv_cache=torch.zeros(2, 16, 1, 1024, dtype=BF16)[..., :512]),
+    ),
+    "interleave rope: strided x": (
+        "IROPE.x",
+        lambda: _irope(x=torch.randn(3, 4, 1, 128, dtype=BF16)[..., :64]),
+    ),
+    "interleave rope: float32 tables": ("IROPE.cos_sin", lambda: _irope(cos=torch.ones(3, 1, 1, 64))),
+    "interleave rope: head size 128": (
+        "IROPE.dims",
+        lambda: _irope(x=torch.randn(3, 4, 1, 128, dtype=BF16), cos=torch.ones(3, 1, 1, 128, dtype=BF16)),
+    ),
     "float32 query": ("FIA.query", lambda: _fia(**_gqa_args(query=torch.randn(5, 4, 16)))),
     "strided key cache": (
         "FIA.key",
@@ -844,3 +900,49 @@ def test_init_and_finalize_routing_semantics(active):
         )
         want = torch.stack([sum(weights[t, k] * (x[t] * 2 + 1) for k in range(top_k)) for t in range(tokens)])
         torch.testing.assert_close(out, want)
+
+
+def test_latent_prolog_and_interleave_rope_semantics():
+    """Both ops normalise/rotate as documented: the rope part's pairs (neighbours in the
+    input) each turn by their angle (checked with complex multiplication) and come out
+    de-interleaved (the pairs' first elements, then their second); the latent part is
+    RMS-normed; both land at the index's slots and nowhere else."""
+    torch.manual_seed(7)
+    tokens = 3
+    kv = torch.randn(tokens, 1, 1, 576)
+    angle = torch.rand(tokens, 32) * 6
+    cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)  # the half layout's tables
+    pairs = torch.complex(kv[:, 0, 0, 512::2], kv[:, 0, 0, 513::2]) * torch.polar(
+        torch.ones_like(angle), angle
+    )
+    want_rope = torch.cat((pairs.real, pairs.imag), dim=-1)
+    gamma = torch.rand(512) + 0.5
+    latent = kv[:, 0, 0, :512]
+    want_latent = latent / latent.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * gamma
+    index = torch.tensor([20, 5, 17])
+    k_cache, ckv_cache = torch.zeros(2, 16, 1, 64, dtype=BF16), torch.zeros(2, 16, 1, 512, dtype=BF16)
+    _, _, k_embed, y = torch_npu.npu_kv_rmsnorm_rope_cache(
+        kv.to(BF16),
+        gamma.to(BF16),
+        cos.view(tokens, 1, 1, 64).to(BF16),
+        sin.view(tokens, 1, 1, 64).to(BF16),
+        index,
+        k_cache,
+        ckv_cache,
+        epsilon=1e-6,
+        cache_mode="PA_BNSD",
+        is_output_kv=True,
+    )
+    tol = dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(k_embed.view(tokens, 64).float(), want_rope, **tol)
+    torch.testing.assert_close(y.view(tokens, 512).float(), want_latent, **tol)
+    torch.testing.assert_close(k_cache.view(-1, 64)[index].float(), want_rope, **tol)
+    torch.testing.assert_close(ckv_cache.view(-1, 512)[index].float(), want_latent, **tol)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[index] = False
+    assert not k_cache.view(-1, 64)[untouched].any() and not ckv_cache.view(-1, 512)[untouched].any()
+    x = kv[:, :, :, 512:].expand(tokens, 2, 1, 64).contiguous()  # two heads, the same rope part
+    rotated = torch_npu.npu_interleave_rope(
+        x.to(BF16), cos.view(tokens, 1, 1, 64).to(BF16), sin.view(tokens, 1, 1, 64).to(BF16)
+    )
+    torch.testing.assert_close(rotated[:, 1, 0].float(), want_rope, **tol)

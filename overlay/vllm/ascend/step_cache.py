@@ -6,11 +6,15 @@ A value lives as long as the forward context it was made in (``set_forward_conte
 opens a new one for every model call, drafts included). Keys name the inputs by identity
 and shape (``data_ptr`` of the runner's persistent buffers, which stay put through a
 call). Outside a forward pass nothing is cached.
+
+``dummy_run`` marks a runner's dummy runs, which layers that write caches themselves
+must not treat as real steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -29,3 +33,22 @@ def once_per_step(key: Hashable, compute: Callable[[], Any]) -> Any:
     if key not in values:
         values[key] = compute()
     return values[key]
+
+
+_dummy_runs = 0
+
+
+@contextmanager
+def dummy_run():
+    """Marks the forward passes of a runner's dummy run (memory profile, an idle DP rank's
+    step): their tokens are padding, their cache slots -1."""
+    global _dummy_runs
+    _dummy_runs += 1
+    try:
+        yield
+    finally:
+        _dummy_runs -= 1
+
+
+def in_dummy_run() -> bool:
+    return _dummy_runs > 0

@@ -625,3 +625,78 @@ def test_norm_rotary_and_swiglu_equal_reference(data, tokens, hidden, dtype):
         torch.testing.assert_close(
             rotary.npu_rotate(q, cos, sin, neox), rotary.reference_rotate(q, cos, sin, neox), **TOL
         )
+
+
+def _yarn_like_cache(positions: int, rope_dim: int) -> torch.Tensor:
+    """A cos/sin cache in upstream's layout ([P, rot]: the rot/2 cosines, then the sines)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), heads=st.sampled_from([4, 32]), block_size=st.sampled_from([16, 128]))
+def test_mla_latent_prolog_and_query_rope_equal_reference(data, heads, block_size):
+    """The fused prolog (npu_kv_rmsnorm_rope_cache) writes the same latent plane as the
+    reference's norm + write, the rope plane in the de-interleaved order its docs give, and
+    a decode whose query rope is rotated by npu_interleave_rope scores the same."""
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    rank, rope_dim, num_blocks = 512, 64, 16  # the decode's blocks: one per token
+    tokens = data.draw(st.integers(1, 12))
+    slots = torch.randperm(num_blocks * block_size - block_size)[:tokens] + block_size  # not the null block
+    positions = torch.randint(0, 300, (tokens,))
+    kv_lora = torch.randn(tokens, rank + rope_dim, dtype=BF16)
+    gamma = torch.rand(rank, dtype=BF16) + 0.5
+    cache = _yarn_like_cache(512, rope_dim).to(BF16)
+    planes, outs = {}, {}
+    for form, prolog_tables, prolog in (
+        ("npu", mla.npu_prolog_tables, mla.npu_latent_prolog),
+        ("ref", mla.reference_prolog_tables, mla.reference_latent_prolog),
+    ):
+        planes[form] = (
+            torch.zeros(num_blocks, block_size, 1, rank, dtype=BF16),
+            torch.zeros(num_blocks, block_size, 1, rope_dim, dtype=BF16),
+        )
+        rows = mla.prolog_rows(prolog_tables(cache), positions)
+        outs[form] = (rows, *prolog(kv_lora, gamma, 1e-6, rows, *planes[form], slots))
+    (_, c_npu, pe_npu), (_, c_ref, pe_ref) = outs["npu"], outs["ref"]
+    torch.testing.assert_close(c_npu.float(), c_ref.float(), **TOL)
+    deinterleave = torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+    torch.testing.assert_close(pe_npu.float(), pe_ref[..., deinterleave].float(), **TOL)
+    latent_npu, rope_npu = planes["npu"]
+    latent_ref, rope_ref = planes["ref"]
+    assert latent_ref.abs().sum() > 0 and torch.equal(latent_npu, latent_ref)
+    torch.testing.assert_close(rope_npu.float(), rope_ref[..., deinterleave].float(), **TOL)
+    # The query's rope part, rotated inside the decode, meets the rope plane in either order.
+    table = (slots // block_size).to(torch.int32).view(tokens, 1)
+    seq_lens = [int(s % block_size) + 1 for s in slots]
+    q_nope = torch.randn(tokens, heads, rank, dtype=BF16)
+    q_pe = torch.randn(tokens, heads, rope_dim, dtype=BF16)
+    decoded = {
+        form: mla.npu_mla_decode if form == "npu" else mla.reference_mla_decode for form in ("npu", "ref")
+    }
+    out_npu, out_ref = (
+        decoded[f](q_nope, q_pe, *planes[f], table, seq_lens, 0.04, q_rope=outs[f][0]) for f in ("npu", "ref")
+    )
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    # Prefill: rope_query gives the same rotation in the same order as the rope plane.
+    rotated = mla.npu_rope_query(q_pe, outs["npu"][0])
+    torch.testing.assert_close(
+        rotated.float(), mla.reference_rope_query(q_pe, outs["ref"][0])[..., deinterleave].float(), **TOL
+    )
+
+
+def test_latent_prolog_refuses_repeated_or_padding_slots():
+    rank, rope_dim = 512, 64
+    kv_lora = torch.randn(2, rank + rope_dim, dtype=BF16)
+    planes = (torch.zeros(2, 16, 1, rank, dtype=BF16), torch.zeros(2, 16, 1, rope_dim, dtype=BF16))
+    rows = mla.prolog_rows(
+        mla.npu_prolog_tables(_yarn_like_cache(8, rope_dim).to(BF16)), torch.tensor([0, 1])
+    )
+    gamma = torch.ones(rank, dtype=BF16)
+    from torch_npu._rules import ContractViolation
+
+    with pytest.raises(ContractViolation, match="KRRC.index_unique"):
+        mla.npu_latent_prolog(kv_lora, gamma, 1e-6, rows, *planes, torch.tensor([17, 17]))
+    with pytest.raises(ContractViolation, match="PROJECT.valid_slots"):
+        mla.npu_latent_prolog(kv_lora, gamma, 1e-6, rows, *planes, torch.tensor([17, -1]))

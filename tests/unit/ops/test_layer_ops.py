@@ -65,7 +65,7 @@ def test_upstream_builds_the_ascend_forms_and_they_equal_its_native_forms(all_op
         assert not torch.equal(got[0], q)  # it rotated
 
 
-def test_scaled_rotary_variants_are_covered_and_their_own_forwards_are_not(all_ops):
+def test_scaled_rotary_variants_and_deepseek_yarn_have_the_ascend_form(all_ops):
     llama3 = {
         "rope_type": "llama3",
         "rope_theta": 500000.0,
@@ -86,7 +86,13 @@ def test_scaled_rotary_variants_are_covered_and_their_own_forwards_are_not(all_o
         "original_max_position_embeddings": 128,
     }
     deepseek = get_rope(16, 512, is_neox_style=False, rope_parameters=yarn, dtype=torch.float32)
-    assert isinstance(deepseek, DeepseekScalingRotaryEmbedding) and not isinstance(deepseek, AscendRotaryForm)
+    assert isinstance(deepseek, DeepseekScalingRotaryEmbedding) and isinstance(deepseek, AscendRotaryForm)
+    q, k = torch.randn(5, 2, 16), torch.randn(5, 1, 16)  # its native form takes [T, N, D]
+    got = deepseek(positions, q.clone(), k.clone())
+    want = deepseek.forward_native(positions, q.clone(), k.clone())
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-6)
+    assert not torch.equal(got[1], k)  # it rotated (with the YaRN cache's attention scaling)
 
 
 def test_partial_rotary_keeps_the_native_form(all_ops):

@@ -211,12 +211,15 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         self.dcp_world_size = 1
         self.cp_kv_cache_interleave_size = 1
         self.need_to_return_lse_for_decode = self.cp_rank is not None
+        # Set by the Ascend MLA layer (ops/mla.py) for one call when its latent prolog has
+        # written the cache and left the query's rope part unrotated: the step's rotary rows.
+        self.prolog_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def do_kv_cache_update(
         self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, skip_scale=False
     ) -> None:
         # only 'auto' KV caches (supported_kv_cache_dtypes): no scales to skip
-        if kv_cache.numel():
+        if kv_cache.numel() and self.prolog_rows is None:
             latent, rope = mla_planes(kv_cache, self.kv_lora_rank)
             tokens = kv_c_normed.shape[0]
             slots = once_per_step(
@@ -233,7 +236,10 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         rows, lens = attn_metadata.decode_block_rows, attn_metadata.decode_row_lens
         step = attn_metadata.cp_step
         if step is None:
-            return kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale), None
+            q_rope = None
+            if self.prolog_rows is not None:  # decode tokens come first
+                q_rope = tuple(r[: q_pe.shape[0]] for r in self.prolog_rows)
+            return kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale, q_rope=q_rope), None
         heads = q_nope.shape[1]
         q_group = cp.gather_dcp_heads(torch.cat([q_nope, q_pe], dim=-1), step.rank)
         q_nope, q_pe = q_group.split([self.kv_lora_rank, q_pe.shape[-1]], dim=-1)
@@ -247,6 +253,10 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         out = output.view(-1, self.num_heads, self.v_head_dim)
+        if self.prolog_rows is not None:  # the prefill rows follow the decode rows
+            start = attn_metadata.num_decode_tokens
+            rows = tuple(r[start : start + q.shape[0]] for r in self.prolog_rows)
+            q[..., self.qk_nope_head_dim :] = kernels.rope_query(q[..., self.qk_nope_head_dim :], rows)
         if attn_metadata.cp_step is not None:
             return self._context_parallel_prefill(q, latent, rope, attn_metadata, out)
         table = attn_metadata.request_block_table

@@ -5,6 +5,15 @@ holds each token's compressed KV ``c``; ``rope [num_blocks, block_size, 1, rope_
 its rotary key ``k_pe``.
 
 * ``write_latent_cache``: store ``c`` and ``k_pe`` at the tokens' slots.
+* ``latent_prolog``: ``kv_lora [T, L + R]`` (the ``kv_a`` projection) -> ``c`` RMS-normed
+  ``[T, L]`` and ``k_pe`` rotated ``[T, 1, R]``, both written at the tokens' slots, in one
+  call; ``rope_query`` rotates the query's rope part ``[T, N, R]`` to match. GPT-J
+  (interleaved) rotary only. Rows come from ``prolog_tables`` (once per model) and
+  ``prolog_rows`` (once per step). The NPU forms (``npu_kv_rmsnorm_rope_cache``,
+  ``npu_interleave_rope``) return the rotated part de-interleaved (the even elements,
+  then the odd: their docs' reshape-transpose before a rotate-half rotation), so the rope
+  plane and the query's rope part are both in that order; their dot product, the only
+  place the two meet, is unchanged. The reference forms keep the GPT-J order.
 * ``mla_decode``: absorbed decode. ``q_nope [B, H, L]`` is already multiplied by
   ``W_UK``; scores are ``q_nope . c + q_pe . k_pe``, output ``[B, H, L]`` is
   ``softmax . c`` (the caller applies ``W_UV``). ``seq_lens`` is a host list. With
@@ -25,7 +34,7 @@ from itertools import accumulate
 
 import torch
 
-from vllm.ascend.kernels import pick, torch_npu
+from vllm.ascend.kernels import norm, pick, rotary, torch_npu
 from vllm.ascend.kernels.attention import (
     causal_mask,
     empty_rows_to_identity,
@@ -54,6 +63,29 @@ def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, step_sl
     rope.view(-1, rope.shape[-1])[slots] = k_pe.to(rope.dtype)
 
 
+def reference_prolog_tables(cos_sin_cache: torch.Tensor):
+    return rotary.full_tables(cos_sin_cache, neox=False)
+
+
+def prolog_rows(tables, positions: torch.Tensor):
+    """(cos, sin) ``[T, R]`` for the step's positions: two gathers shared by every layer."""
+    return tuple(t.index_select(0, positions.flatten()) for t in tables)
+
+
+def reference_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
+    cos, sin = rows
+    return rotary.reference_rotate(x, cos[None, :, None], sin[None, :, None], neox=False)
+
+
+def reference_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
+    rank = latent.shape[-1]
+    c, k = kv_lora.split([rank, kv_lora.shape[-1] - rank], dim=-1)
+    c = norm.reference_rms_norm(c, gamma, eps)
+    k_pe = reference_rope_query(k.unsqueeze(1), rows)
+    reference_write_latent_cache(c, k_pe, latent, rope, slot_mapping)
+    return c, k_pe
+
+
 def _gather(plane, block_row, seq_len):
     from vllm.ascend.kernels.attention import gather_tokens
 
@@ -61,10 +93,13 @@ def _gather(plane, block_row, seq_len):
 
 
 def reference_mla_decode(
-    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False
+    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False, q_rope=None
 ):
     """With ``return_lse`` also the softmax log-sum-exp ``[B, H]`` (float32; -inf and a zero
-    output for a row with no keys on this rank)."""
+    output for a row with no keys on this rank). ``q_rope``: the ``prolog_rows`` to rotate
+    ``q_pe`` with first (the latent prolog left it unrotated)."""
+    if q_rope is not None:
+        q_pe = reference_rope_query(q_pe, q_rope)
     out = q_nope.new_zeros(q_nope.shape)
     lse = torch.full(q_nope.shape[:2], float("-inf"), dtype=torch.float32, device=q_nope.device)
     for b, seq_len in enumerate(seq_lens):
@@ -114,6 +149,41 @@ def reference_write_slots(slot_mapping, num_tokens: int) -> None:
     return None  # the reference write reads the slot mapping itself
 
 
+def npu_prolog_tables(cos_sin_cache: torch.Tensor):
+    return rotary.full_tables(cos_sin_cache, neox=True)  # the de-interleaved order's tables
+
+
+def _rows_bnsd(rows, tokens: int):
+    return tuple(r.view(tokens, 1, 1, r.shape[-1]) for r in rows)
+
+
+def npu_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
+    """``npu_interleave_rope`` on ``[T, N, 1, R]`` (it takes contiguous input only)."""
+    cos, sin = _rows_bnsd(rows, x.shape[0])
+    return torch_npu().npu_interleave_rope(x.unsqueeze(2).contiguous(), cos, sin)[:, :, 0]
+
+
+def npu_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
+    """``npu_kv_rmsnorm_rope_cache`` in PA_BNSD mode: one launch for the norm, the rotary
+    and both plane writes; ``kv_lora`` as ``[T, 1, 1, L + R]``, the slots as int64 indices
+    (the caller passes no padding: the op leaves repeated indices undefined)."""
+    tokens, width = kv_lora.shape
+    cos, sin = _rows_bnsd(rows, tokens)
+    _, _, k_pe, c = torch_npu().npu_kv_rmsnorm_rope_cache(
+        kv_lora.reshape(tokens, 1, 1, width),
+        gamma,
+        cos,
+        sin,
+        slot_mapping[:tokens],
+        rope,
+        latent,
+        epsilon=eps,
+        cache_mode="PA_BNSD",
+        is_output_kv=True,
+    )
+    return c.view(tokens, -1), k_pe.view(tokens, 1, -1)
+
+
 def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, slots=None) -> None:
     """ATB ReshapeAndCache with key = ``c`` and value = ``k_pe`` (their last dims may
     differ), one head each. ``slots``: this step's ``write_slots`` when the caller has them."""
@@ -140,11 +210,12 @@ def npu_padded_heads(num_heads: int) -> int:
 
 
 def npu_mla_decode(
-    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False
+    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False, q_rope=None
 ):
     """``npu_fused_infer_attention_score`` in its MLA form: BNSD query ``c``-space parts
     (heads padded to 32/64/128), ``query_rope``/``key_rope`` the rotary parts, value = ``c``;
-    ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``."""
+    ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``. With ``q_rope`` the
+    BNSD rope part is rotated by ``npu_interleave_rope`` (it is contiguous by then)."""
     batch, heads, rank = q_nope.shape
     padded = npu_padded_heads(heads)
 
@@ -155,6 +226,9 @@ def npu_mla_decode(
         return x.contiguous()
 
     query, query_rope = bnsd(q_nope), bnsd(q_pe)
+    if q_rope is not None:
+        cos, sin = _rows_bnsd(q_rope, batch)
+        query_rope = torch_npu().npu_interleave_rope(query_rope, cos, sin)
     latent_bnsd = head_major(latent)
     out, lse = torch_npu().npu_fused_infer_attention_score(
         query,
@@ -278,6 +352,9 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
         )
 
 
+prolog_tables = pick(reference_prolog_tables, npu_prolog_tables)
+latent_prolog = pick(reference_latent_prolog, npu_latent_prolog)
+rope_query = pick(reference_rope_query, npu_rope_query)
 write_slots = pick(reference_write_slots, npu_write_slots)
 write_latent_cache = pick(reference_write_latent_cache, npu_write_latent_cache)
 mla_decode = pick(reference_mla_decode, npu_mla_decode)

@@ -16,12 +16,13 @@ The formula is upstream vLLM 0.33's routers' (``FusedTopKRouter``, ``FusedTopKBi
 4. ``ids = topk(choice, k)`` among the eligible experts; ``weights = scores[ids]``;
 5. ``renormalize``: ``weights / sum(weights)``; then ``weights * routed_scaling_factor``.
 
-``npu_route`` calls ``npu_moe_gating_top_k_softmax`` for plain softmax top-k and
-``npu_moe_gating_top_k`` for everything else (sigmoid, bias, groups); where the expert
-count or grouping is outside what the fused op documents, it computes the same formula
-with plain torch ops. The fused ops give the ids and the un-normalised scores; the
-renormalisation and scaling are done here, so the ``eps`` of the fused op's own
-normalisation never enters.
+``npu_route`` calls ``npu_moe_gating_top_k_softmax`` for plain softmax top-k without
+renormalisation and ``npu_moe_gating_top_k`` for everything else (renormalised softmax,
+sigmoid, bias, groups); where the expert count or grouping is outside what the fused op
+documents, it computes the same formula with plain torch ops. With renormalisation the
+gating op's weights are used as they come (``y / (sum(y) + eps) * routed_scaling_factor``,
+eps 1e-20: below float32's resolution next to a sum of top-k scores); without it the
+weights are gathered from the op's scores.
 """
 
 from __future__ import annotations
@@ -118,16 +119,14 @@ def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None 
     npu = torch_npu()
     x = logits.to(torch.float32)  # scores in float32, as the reference computes them
     num_experts = x.shape[-1]
-    if (
-        routing.scoring_func == "softmax"
-        and bias is None
-        and routing.num_expert_group == 1
-        and routing.top_k <= SOFTMAX_OP_MAX_K
-    ):
+    plain_softmax = routing.scoring_func == "softmax" and bias is None and routing.num_expert_group == 1
+    if plain_softmax and not routing.renormalize and routing.top_k <= SOFTMAX_OP_MAX_K:
         y, ids, _ = npu.npu_moe_gating_top_k_softmax(x, None, routing.top_k)
         return _finish(y, ids, routing)
     if _gating_op_takes(num_experts, routing):
-        _, ids, norm = npu.npu_moe_gating_top_k(
+        # The op's own weights are renormalised and scaled (y / (sum(y) + eps) * scale): one
+        # launch when the layer renormalises; otherwise the weights are gathered from its scores.
+        y, ids, norm = npu.npu_moe_gating_top_k(
             x,
             routing.top_k,
             bias=None if bias is None else bias.to(torch.float32),
@@ -136,8 +135,11 @@ def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None 
             group_select_mode=0 if bias is None else 1,  # group max, or the sum of its top two
             renorm=0,
             norm_type=0 if routing.scoring_func == "softmax" else 1,
-            out_flag=True,  # the scores themselves (norm_out): the weights are gathered from them
+            out_flag=not routing.renormalize,
+            routed_scaling_factor=routing.routed_scaling_factor,
         )
+        if routing.renormalize:
+            return y, ids
         return _finish(norm.gather(1, ids.to(torch.int64)), ids, routing)
     return reference_route(logits, routing, bias)
 

@@ -2,8 +2,10 @@
 
 Out-of-tree forms (``CustomOp.register_oot``, the registry upstream consults when it
 builds a layer) of ``RMSNorm`` with and without the residual add (``norm.py``),
-``RotaryEmbedding`` and its subclasses that only change the cosine/sine cache
-(``rotary.py``), and ``SiluAndMul`` (``activation.py``). They run where upstream's
+``RotaryEmbedding`` and its subclasses that only change the cosine/sine cache, and
+DeepSeek's YaRN rotary (``rotary.py``), and ``SiluAndMul`` (``activation.py``); the
+out-of-tree replacement (``PluggableLayer.register_oot``) of upstream's multi-head latent
+attention layer, whose forward fuses the latent prolog (``mla.py``). They run where upstream's
 custom-op switch runs ``forward_oot``: ``compilation_config.custom_ops`` turns them on by
 default; ``none`` turns all off, ``-rms_norm`` / ``-rotary_embedding`` / ``-silu_and_mul``
 one of them (upstream's op names, which the forms keep).
@@ -20,8 +22,9 @@ from functools import cache
 
 @cache
 def register_layer_ops() -> None:
-    from vllm.ascend.ops import activation, norm, rotary
+    from vllm.ascend.ops import activation, mla, norm, rotary
 
     norm.register()
     rotary.register()
     activation.register()
+    mla.register()

@@ -1,6 +1,8 @@
-"""Out-of-tree forms of upstream's ``RotaryEmbedding`` and of each subclass that keeps its
+"""Out-of-tree forms of upstream's ``RotaryEmbedding``, of each subclass that keeps its
 forward (the scaled variants that only compute another cosine/sine cache: linear,
-dynamic NTK, YaRN, Llama 3, ...).
+dynamic NTK, YaRN, Llama 3, ...) and of DeepSeek's YaRN rotary
+(``DeepseekScalingRotaryEmbedding``: the same cache layout and formula; calls with
+position offsets keep its native form).
 
 The full-width cosine/sine tables are built once per module and dtype; the rows for a
 step's positions are gathered once per forward pass and reused by every layer that
@@ -39,7 +41,15 @@ class AscendRotaryForm:
         key = ("rope-rows", id(self), positions.data_ptr(), positions.numel(), query.dtype)
         return once_per_step(key, lambda: rotary.tables_at(self._tables(query), positions))
 
-    def forward_oot(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
+    def forward_oot(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ):
+        if offsets is not None:  # DeepSeek YaRN's position offsets: upstream's native form
+            return self.forward_native(positions, query, key, offsets)
         if not all(rotary.takes(x, self.rotary_dim, self.head_size) for x in (query, key) if x is not None):
             logger.info_once(
                 "Ascend rotary form not used by %s (rotary_dim %d, head_size %d): upstream's native form runs",
@@ -74,9 +84,16 @@ def _subclasses(cls: type) -> list[type]:
 
 def register() -> None:
     import vllm.model_executor.layers.rotary_embedding  # noqa: F401  (defines every subclass)
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+        DeepseekScalingRotaryEmbedding,
+    )
 
-    for cls in [RotaryEmbedding, *_subclasses(RotaryEmbedding)]:
-        if cls.__module__.startswith("vllm.model_executor") and _keeps_forward(cls):
+    # DeepSeek's YaRN rotary is not a RotaryEmbedding subclass, but its cache has the same
+    # layout and its native forward the same formula (plus position offsets, kept native).
+    for cls in [RotaryEmbedding, *_subclasses(RotaryEmbedding), DeepseekScalingRotaryEmbedding]:
+        if cls is DeepseekScalingRotaryEmbedding or (
+            cls.__module__.startswith("vllm.model_executor") and _keeps_forward(cls)
+        ):
             form = type(f"Ascend{cls.__name__}", (AscendRotaryForm, cls), {"__module__": __name__})
             CustomOp.register_oot(form, name=cls.__name__)
             form.name = cls.name  # register_oot renames it; custom_ops uses upstream's name

@@ -26,6 +26,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend import step_cache
 from vllm.ascend.attention.kv_layout import connector_addresses_planes
 from vllm.ascend.context_parallel import forward as pcp_forward
 from vllm.ascend.kernels import npu_kernels
@@ -91,7 +92,8 @@ class NPUModelRunner(GPUModelRunner):
     def _dummy_run(self, num_tokens: int, *args, skip_attn: bool = False, is_profile: bool = False, **kwargs):
         if is_profile and self._profiling_with_attention:
             skip_attn = False
-        return super()._dummy_run(num_tokens, *args, skip_attn=skip_attn, is_profile=is_profile, **kwargs)
+        with step_cache.dummy_run():
+            return super()._dummy_run(num_tokens, *args, skip_attn=skip_attn, is_profile=is_profile, **kwargs)
 
     def _release_profiling_kv_cache(self) -> None:
         """Drop the profiling cache before the worker sizes the real one (V2 has no

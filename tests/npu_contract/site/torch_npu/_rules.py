@@ -35,6 +35,12 @@ OP_PLUGIN_ATB_COMMON = "Ascend/op-plugin op_plugin/utils/custom_functions/atb/At
 ADD_RMS_NORM_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_add_rms_norm.md (commit 7416cfc3)"
 )
+KV_RMSNORM_ROPE_CACHE_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_kv_rmsnorm_rope_cache.md (commit 09fca6f6)"
+)
+INTERLEAVE_ROPE_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_interleave_rope.md (commit 09fca6f6)"
+)
 
 
 @dataclass(frozen=True)
@@ -602,6 +608,83 @@ RULES: dict[str, Rule] = {
             "GTK.renorm", DOCS, "表示renorm标记，默认值为`0`，表示先进行norm再进行topk计算。当前仅支持`0`。"
         ),
         Rule("GTK.norm_type", DOCS, "表示norm函数类型，`1`表示使用Sigmoid函数，`0`表示Softmax函数。"),
+        # -- npu_kv_rmsnorm_rope_cache (the MLA latent prolog) --------------------------------------
+        Rule(
+            "KRRC.kv",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "数据类型支持torch.bfloat16、torch.float16，数据格式为BNSD，要求为4维张量，形状为"
+            "[batch_size, 1, seq_len, hidden_size]，其中hidden_size=rms_size(RMS)+rope_size(RoPE)。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.sizes",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "Atlas A2系列产品、Atlas A3系列产品：hidden_size取值仅支持576，rms_size取值仅支持512，"
+            "rope_size取值仅支持64。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.gamma",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "gamma：数据类型支持torch.bfloat16、torch.float16，数据格式为ND，要求为1维张量，形状为[rms_size]。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.cos_sin",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "cos/sin：数据类型支持torch.bfloat16、torch.float16，数据格式为ND，要求为4维张量，形状为"
+            "[batch_size, 1, seq_len, rope_size]。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.index",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "index：数据类型支持torch.int64 ... PA/PA_BNSD ... index形状为[batch_size*seq_len]，"
+            "index里的值表示每个token的偏移。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.index_unique",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "所有cache_mode缓存模式下，index的值不可以重复，如果传入的index值存在重复，算子的行为是未定义的且不可预知的。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.cache",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "PA/PA_BNSD：k_cache形状为[block_num, block_size, 1, rope_size]，ckv_cache形状为"
+            "[block_num, block_size, 1, rms_size]。... 非量化模式：当k_rope_scale和c_kv_scale为空时，"
+            "k_cache和ckv_cache的dtype为torch.bfloat16或torch.float16。",
+            in_wheel=False,
+        ),
+        Rule(
+            "KRRC.is_output_kv",
+            KV_RMSNORM_ROPE_CACHE_DOC,
+            "is_output_kv：表示是否输出处理后的k_embed_out和y_out（未量化的原始值），默认值False不输出，"
+            "仅cache_mode在(PA/PA_BNSD/PA_NZ/PA_BLK_BNSD/PA_BLK_NZ)模式下有效。",
+            in_wheel=False,
+        ),
+        # -- npu_interleave_rope (the MLA query's rope part) -----------------------------------------
+        Rule(
+            "IROPE.x",
+            INTERLEAVE_ROPE_DOC,
+            "x：要求为4维张量，shape为(B, N, S, D) ... Atlas A2系列产品、Atlas A3系列产品：数据类型支持"
+            "torch.bfloat16、torch.float16，不支持非连续的Tensor。",
+            in_wheel=False,
+        ),
+        Rule(
+            "IROPE.cos_sin",
+            INTERLEAVE_ROPE_DOC,
+            "cos：要求为4维张量，shape为(B, N, S, D)，S可以为1或与x的S相同，数据类型、数据格式与x一致。"
+            "... sin：shape、数据类型、数据格式需要与cos保持一致。",
+            in_wheel=False,
+        ),
+        Rule(
+            "IROPE.dims",
+            INTERLEAVE_ROPE_DOC,
+            "Atlas A2系列产品、Atlas A3系列产品：输入x、cos、sin的D维度均必须等于64，且cos、sin的N维度必须等于1。",
+            in_wheel=False,
+        ),
     ]
 }
 
