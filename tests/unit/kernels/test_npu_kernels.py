@@ -649,15 +649,15 @@ def test_mla_latent_prolog_and_query_rope_equal_reference(data, heads, block_siz
     gamma = torch.rand(rank, dtype=BF16) + 0.5
     cache = _yarn_like_cache(512, rope_dim).to(BF16)
     planes, outs = {}, {}
-    for form, prolog_tables, prolog in (
-        ("npu", mla.npu_prolog_tables, mla.npu_latent_prolog),
-        ("ref", mla.reference_prolog_tables, mla.reference_latent_prolog),
+    for form, neox, prolog in (
+        ("npu", True, mla.npu_latent_prolog),
+        ("ref", False, mla.reference_latent_prolog),
     ):
         planes[form] = (
             torch.zeros(num_blocks, block_size, 1, rank, dtype=BF16),
             torch.zeros(num_blocks, block_size, 1, rope_dim, dtype=BF16),
         )
-        rows = mla.prolog_rows(prolog_tables(cache), positions)
+        rows = rotary.tables_at(rotary.full_tables(cache, neox), positions)
         outs[form] = (rows, *prolog(kv_lora, gamma, 1e-6, rows, *planes[form], slots))
     (_, c_npu, pe_npu), (_, c_ref, pe_ref) = outs["npu"], outs["ref"]
     torch.testing.assert_close(c_npu.float(), c_ref.float(), **TOL)
@@ -672,11 +672,9 @@ def test_mla_latent_prolog_and_query_rope_equal_reference(data, heads, block_siz
     seq_lens = [int(s % block_size) + 1 for s in slots]
     q_nope = torch.randn(tokens, heads, rank, dtype=BF16)
     q_pe = torch.randn(tokens, heads, rope_dim, dtype=BF16)
-    decoded = {
-        form: mla.npu_mla_decode if form == "npu" else mla.reference_mla_decode for form in ("npu", "ref")
-    }
-    out_npu, out_ref = (
-        decoded[f](q_nope, q_pe, *planes[f], table, seq_lens, 0.04, q_rope=outs[f][0]) for f in ("npu", "ref")
+    out_npu = mla.npu_mla_decode(q_nope, q_pe, *planes["npu"], table, seq_lens, 0.04, q_rope=outs["npu"][0])
+    out_ref = mla.reference_mla_decode(
+        q_nope, q_pe, *planes["ref"], table, seq_lens, 0.04, q_rope=outs["ref"][0]
     )
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
     # Prefill: rope_query gives the same rotation in the same order as the rope plane.
@@ -690,8 +688,8 @@ def test_latent_prolog_refuses_repeated_or_padding_slots():
     rank, rope_dim = 512, 64
     kv_lora = torch.randn(2, rank + rope_dim, dtype=BF16)
     planes = (torch.zeros(2, 16, 1, rank, dtype=BF16), torch.zeros(2, 16, 1, rope_dim, dtype=BF16))
-    rows = mla.prolog_rows(
-        mla.npu_prolog_tables(_yarn_like_cache(8, rope_dim).to(BF16)), torch.tensor([0, 1])
+    rows = rotary.tables_at(
+        rotary.full_tables(_yarn_like_cache(8, rope_dim).to(BF16), True), torch.tensor([0, 1])
     )
     gamma = torch.ones(rank, dtype=BF16)
     from torch_npu._rules import ContractViolation

@@ -212,7 +212,8 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         self.cp_kv_cache_interleave_size = 1
         self.need_to_return_lse_for_decode = self.cp_rank is not None
         # Set by the Ascend MLA layer (ops/mla.py) for one call when its latent prolog has
-        # written the cache and left the query's rope part unrotated: the step's rotary rows.
+        # written the cache and left the query's rope part unrotated: the step's rotary rows
+        # (cos, sin) [1, T, 1, R].
         self.prolog_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def do_kv_cache_update(
@@ -238,7 +239,7 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         if step is None:
             q_rope = None
             if self.prolog_rows is not None:  # decode tokens come first
-                q_rope = tuple(r[: q_pe.shape[0]] for r in self.prolog_rows)
+                q_rope = tuple(r[:, : q_pe.shape[0]] for r in self.prolog_rows)
             return kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale, q_rope=q_rope), None
         heads = q_nope.shape[1]
         q_group = cp.gather_dcp_heads(torch.cat([q_nope, q_pe], dim=-1), step.rank)
@@ -255,7 +256,7 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         out = output.view(-1, self.num_heads, self.v_head_dim)
         if self.prolog_rows is not None:  # the prefill rows follow the decode rows
             start = attn_metadata.num_decode_tokens
-            rows = tuple(r[start : start + q.shape[0]] for r in self.prolog_rows)
+            rows = tuple(r[:, start : start + q.shape[0]] for r in self.prolog_rows)
             q[..., self.qk_nope_head_dim :] = kernels.rope_query(q[..., self.qk_nope_head_dim :], rows)
         if attn_metadata.cp_step is not None:
             return self._context_parallel_prefill(q, latent, rope, attn_metadata, out)

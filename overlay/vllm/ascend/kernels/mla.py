@@ -8,8 +8,9 @@ its rotary key ``k_pe``.
 * ``latent_prolog``: ``kv_lora [T, L + R]`` (the ``kv_a`` projection) -> ``c`` RMS-normed
   ``[T, L]`` and ``k_pe`` rotated ``[T, 1, R]``, both written at the tokens' slots, in one
   call; ``rope_query`` rotates the query's rope part ``[T, N, R]`` to match. GPT-J
-  (interleaved) rotary only. Rows come from ``prolog_tables`` (once per model) and
-  ``prolog_rows`` (once per step). The NPU forms (``npu_kv_rmsnorm_rope_cache``,
+  (interleaved) rotary only. ``rows``: the step's (cos, sin) ``[1, T, 1, R]`` of the
+  rotary module's ``step_tables``, laid out as ``prolog_neox_tables()`` says. The NPU
+  forms (``npu_kv_rmsnorm_rope_cache``,
   ``npu_interleave_rope``) return the rotated part de-interleaved (the even elements,
   then the odd: their docs' reshape-transpose before a rotate-half rotation), so the rope
   plane and the query's rope part are both in that order; their dot product, the only
@@ -34,7 +35,7 @@ from itertools import accumulate
 
 import torch
 
-from vllm.ascend.kernels import norm, pick, rotary, torch_npu
+from vllm.ascend.kernels import norm, npu_kernels, pick, rotary, torch_npu
 from vllm.ascend.kernels.attention import (
     causal_mask,
     empty_rows_to_identity,
@@ -63,18 +64,14 @@ def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, step_sl
     rope.view(-1, rope.shape[-1])[slots] = k_pe.to(rope.dtype)
 
 
-def reference_prolog_tables(cos_sin_cache: torch.Tensor):
-    return rotary.full_tables(cos_sin_cache, neox=False)
-
-
-def prolog_rows(tables, positions: torch.Tensor):
-    """(cos, sin) ``[T, R]`` for the step's positions: two gathers shared by every layer."""
-    return tuple(t.index_select(0, positions.flatten()) for t in tables)
+def prolog_neox_tables() -> bool:
+    """The table layout the prolog forms rotate with: the NPU ops rotate the de-interleaved
+    part (rotate-half, neox tables); the reference rotates GPT-J pairs."""
+    return npu_kernels()
 
 
 def reference_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
-    cos, sin = rows
-    return rotary.reference_rotate(x, cos[None, :, None], sin[None, :, None], neox=False)
+    return rotary.reference_rotate(x, *rows, neox=False)
 
 
 def reference_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
@@ -96,7 +93,7 @@ def reference_mla_decode(
     q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False, q_rope=None
 ):
     """With ``return_lse`` also the softmax log-sum-exp ``[B, H]`` (float32; -inf and a zero
-    output for a row with no keys on this rank). ``q_rope``: the ``prolog_rows`` to rotate
+    output for a row with no keys on this rank). ``q_rope``: the rotary rows to rotate
     ``q_pe`` with first (the latent prolog left it unrotated)."""
     if q_rope is not None:
         q_pe = reference_rope_query(q_pe, q_rope)
@@ -149,11 +146,8 @@ def reference_write_slots(slot_mapping, num_tokens: int) -> None:
     return None  # the reference write reads the slot mapping itself
 
 
-def npu_prolog_tables(cos_sin_cache: torch.Tensor):
-    return rotary.full_tables(cos_sin_cache, neox=True)  # the de-interleaved order's tables
-
-
 def _rows_bnsd(rows, tokens: int):
+    """``[1, T, 1, R]`` rows as the ``[T, 1, 1, R]`` tables of the BNSD ops (a view)."""
     return tuple(r.view(tokens, 1, 1, r.shape[-1]) for r in rows)
 
 
@@ -352,7 +346,6 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
         )
 
 
-prolog_tables = pick(reference_prolog_tables, npu_prolog_tables)
 latent_prolog = pick(reference_latent_prolog, npu_latent_prolog)
 rope_query = pick(reference_rope_query, npu_rope_query)
 write_slots = pick(reference_write_slots, npu_write_slots)

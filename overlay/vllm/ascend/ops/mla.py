@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.forward_context import is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.custom_op import PluggableLayer
+from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
 from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.ops.norm import AscendRMSNorm
 from vllm.ascend.ops.rotary import AscendRotaryForm
-from vllm.ascend.step_cache import in_dummy_run, once_per_step
+from vllm.ascend.step_cache import in_dummy_run
 
 logger = init_logger(__name__)
 
@@ -52,30 +53,14 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
             return "another attention backend or context parallelism"
         return ""
 
-    def _step_rows(self, positions: torch.Tensor, dtype: torch.dtype):
-        """The step's rotary rows, gathered once per step for every layer sharing the
-        rotary module (``get_rope`` shares one per configuration)."""
-        rotary = self.rotary_emb
-        tables = rotary.__dict__.setdefault("_ascend_prolog_tables", {})
-        if dtype not in tables:  # once per model: the cache already lives on the device
-            tables[dtype] = kernels.prolog_tables(rotary.cos_sin_cache.to(dtype))
-        key = ("mla-prolog-rows", id(rotary), dtype, positions.data_ptr(), positions.numel())
-        return once_per_step(key, lambda: kernels.prolog_rows(tables[dtype], positions))
-
     def _step_slots(self, num_tokens: int) -> torch.Tensor | None:
         """This layer's slot mapping when the step's tokens are all real (none padded)."""
         if not is_forward_context_available() or in_dummy_run():
             return None
-        context = get_forward_context()
-        name = self.mla_attn.layer_name
-        metadata = context.attn_metadata
-        if isinstance(metadata, list):
-            metadata = metadata[0]
-        metadata = metadata.get(name) if isinstance(metadata, dict) else metadata
-        slots = context.slot_mapping.get(name) if isinstance(context.slot_mapping, dict) else None
-        if metadata is None or slots is None or metadata.num_actual_tokens != num_tokens:
+        metadata, _, kv_cache, slots = get_attention_context(self.mla_attn.layer_name)
+        if metadata is None or slots is None or not kv_cache.numel():
             return None
-        if slots.numel() < num_tokens or not self.mla_attn.kv_cache.numel():
+        if metadata.num_actual_tokens != num_tokens or slots.numel() < num_tokens:
             return None
         return slots
 
@@ -99,7 +84,8 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
             kv_lora = self.kv_a_proj_with_mqa(hidden_states)[0]
             q = self.q_proj(hidden_states)[0]
         q = q.view(-1, self.num_heads, self.qk_head_dim)
-        rows = self._step_rows(positions, kv_lora.dtype)
+        # every layer shares the rotary module, so the rows are gathered once per step
+        rows = self.rotary_emb.step_tables(positions, kv_lora, neox=kernels.prolog_neox_tables())
         latent, rope = mla_planes(self.mla_attn.kv_cache, self.kv_lora_rank)
         norm = self.kv_a_layernorm
         kv_c_normed, k_pe = kernels.latent_prolog(

@@ -30,16 +30,22 @@ class AscendRotaryForm:
 
     _ascend_tables: dict | None = None
 
-    def _tables(self, query: torch.Tensor):
-        key = (query.dtype, query.device)
-        if self._ascend_tables is None or key not in self._ascend_tables:
+    def _tables(self, query: torch.Tensor, neox: bool):
+        key = (query.dtype, query.device, neox)
+        if self._ascend_tables is None:
+            self._ascend_tables = {}
+        if key not in self._ascend_tables:
             cache = self._match_cos_sin_cache_dtype(query)
-            self._ascend_tables = {key: rotary.full_tables(cache, self.is_neox_style)}
+            self._ascend_tables[key] = rotary.full_tables(cache, neox)
         return self._ascend_tables[key]
 
-    def _step_tables(self, positions: torch.Tensor, query: torch.Tensor):
-        key = ("rope-rows", id(self), positions.data_ptr(), positions.numel(), query.dtype)
-        return once_per_step(key, lambda: rotary.tables_at(self._tables(query), positions))
+    def step_tables(self, positions: torch.Tensor, query: torch.Tensor, neox: bool | None = None):
+        """(cos, sin) ``[1, T, 1, rot]`` for the step's positions, in ``query``'s dtype: the
+        rows of this module's tables laid out for ``neox`` (default: its own style), gathered
+        once per forward pass for every layer sharing the module."""
+        neox = self.is_neox_style if neox is None else neox
+        key = ("rope-rows", id(self), positions.data_ptr(), positions.numel(), query.dtype, neox)
+        return once_per_step(key, lambda: rotary.tables_at(self._tables(query, neox), positions))
 
     def forward_oot(
         self,
@@ -58,7 +64,7 @@ class AscendRotaryForm:
                 self.head_size,
             )
             return self.forward_native(positions, query, key)
-        cos, sin = self._step_tables(positions, query)
+        cos, sin = self.step_tables(positions, query)
         tokens = positions.numel()
 
         def turn(x: torch.Tensor) -> torch.Tensor:
