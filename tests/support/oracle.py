@@ -36,3 +36,41 @@ def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[lis
             )
             outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
+
+
+def router_margins(model: Path, prompt: str, continuation: list[int]) -> tuple[int, list[list[float]]]:
+    """How close the MoE router came to another expert choice, by transformers: for each
+    position whose logits pick a generated token (the prompt's last one, then each of
+    ``continuation``) and each layer, the float32 gap between the k-th and (k+1)-th router
+    logit (k = experts per token) in units of that layer's bf16 rounding noise. The noise
+    is measured on the same sequence: the 90th percentile, over its tokens, of how far a
+    bf16 forward moves that gap from the float32 one. Below 1, another correct bf16 kernel
+    order can plausibly route the token to other experts. Returns the prompt's token count
+    (to check against the engine's) and the gaps, ``[step][layer]``. For models whose
+    transformers class reports its router logits (Qwen-MoE, Mixtral)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    key = ("router", str(model))
+    if key not in _HF_CACHE:
+        k = AutoConfig.from_pretrained(model).num_experts_per_tok
+        forwards = [
+            AutoModelForCausalLM.from_pretrained(model, dtype=t).eval()
+            for t in (torch.float32, torch.bfloat16)
+        ]
+        _HF_CACHE[key] = (AutoTokenizer.from_pretrained(model), forwards, k)
+    tok, (hf32, hf16), k = _HF_CACHE[key]
+    prompt_ids = tok(prompt).input_ids
+    ids = torch.tensor([prompt_ids + list(continuation)])
+    with torch.no_grad():
+        exact, rounded = (hf(ids, output_router_logits=True).router_logits for hf in (hf32, hf16))
+    assert exact, f"{model}: transformers reports no router logits"
+    gaps = []
+    for logits32, logits16 in zip(exact, rounded):  # [tokens, experts] per layer
+        logits32 = logits32.reshape(ids.shape[1], -1)
+        top, experts = logits32.topk(k + 1, dim=-1)
+        pair16 = logits16.reshape(ids.shape[1], -1).float().gather(1, experts[:, k - 1 :])
+        gap32 = top[:, k - 1] - top[:, k]
+        noise = torch.quantile((gap32 - (pair16[:, 0] - pair16[:, 1])).abs(), 0.9)
+        gaps.append(gap32[len(prompt_ids) - 1 :] / noise)
+    return len(prompt_ids), torch.stack(gaps, dim=1).tolist()

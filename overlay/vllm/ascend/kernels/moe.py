@@ -93,48 +93,83 @@ def _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input: boo
     return out.to(x.dtype)
 
 
-def _routed_on_device(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """Every row this rank's (no expert map): ``npu_moe_init_routing_v2`` sorts the
-    ``T * k`` rows by expert and counts them, the grouped matmuls take the counts
-    (``group_list_type=1``), ``npu_moe_finalize_routing`` weighs and sums each token's rows
-    back. Init gives each source row ``token * k + slot`` its sorted position; finalize reads
-    the position of ``token + slot * T``, hence the transpose."""
-    npu = torch_npu()
-    num_tokens, top_k = topk_ids.shape
-    rows, position, counts, _ = npu.npu_moe_init_routing_v2(
+def _sorted_by_expert(x, ids, expert_num: int, active: int):
+    """``npu_moe_init_routing_v2``: the ``T * k`` rows of experts ``[0, active)`` sorted by
+    expert at the head of the output, each source row ``token * k + slot``'s position in
+    it (``-1`` for a row of an expert outside that range: the op's documented gather
+    index), and the per-expert row counts."""
+    rows, position, counts, _ = torch_npu().npu_moe_init_routing_v2(
         x,
-        topk_ids.to(torch.int32),
-        active_num=num_tokens * top_k,
-        expert_num=w13.shape[0],
+        ids.to(torch.int32),
+        active_num=ids.numel(),
+        expert_num=expert_num,
         expert_tokens_num_type=1,
         expert_tokens_num_flag=True,
-        active_expert_range=[0, w13.shape[0]],
+        active_expert_range=[0, active],
         quant_mode=-1,
     )
+    return rows, position, counts
+
+
+def _expert_mlps(rows, counts, w13, w2):
+    """Both grouped matmuls (count group list) with SwiGLU between; rows past the counts'
+    sum are not computed and must not be read."""
+    npu = torch_npu()
     gate_up = npu.npu_grouped_matmul(
         [rows], [w13.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
     )[0]
     act = npu.npu_swiglu(gate_up)
-    y = npu.npu_grouped_matmul(
+    return npu.npu_grouped_matmul(
         [act], [w2.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
     )[0]
+
+
+def _routed_on_device(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Every row this rank's (no expert map): init sorts and counts, the expert MLPs run,
+    ``npu_moe_finalize_routing`` weighs and sums each token's rows back (5 launches). Init
+    gives each source row ``token * k + slot`` its sorted position; finalize reads the
+    position of ``token + slot * T``, hence the transpose."""
+    num_tokens, top_k = topk_ids.shape
+    rows, position, counts = _sorted_by_expert(x, topk_ids, w13.shape[0], w13.shape[0])
+    y = _expert_mlps(rows, counts, w13, w2)
     slot_major = position.view(num_tokens, top_k).t().contiguous().view(-1)
-    return npu.npu_moe_finalize_routing(
+    return torch_npu().npu_moe_finalize_routing(
         y, None, None, None, topk_weights.to(y.dtype), slot_major, topk_ids.to(torch.int32), 0, top_k
     )
+
+
+def _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+    """With an expert map (EP): the ids become local ones, and another rank's expert
+    becomes ``num_local``, outside init's active range, so init leaves its rows out
+    (position ``-1``) and counts only this rank's. Finalize takes no such rows, so the
+    weighted sum over each token's rows is taken here, with ``where`` (an unset row may
+    hold anything, and 0 * NaN is NaN)."""
+    num_tokens, top_k = topk_ids.shape
+    num_local = w13.shape[0]
+    local = _local_ids(topk_ids, expert_map)
+    local = torch.where(local >= 0, local, num_local)
+    rows, position, counts = _sorted_by_expert(x, local, num_local + 1, num_local)
+    y = _expert_mlps(rows, counts, w13, w2)
+    held = (position >= 0).view(num_tokens, top_k, 1)
+    picked = y[position.clamp(min=0).to(torch.int64)].view(num_tokens, top_k, -1)
+    weighted = torch.where(held, picked.float(), 0.0) * topk_weights.to(torch.float32).unsqueeze(-1)
+    return weighted.sum(dim=1).to(x.dtype)
 
 
 def npu_moe_experts(
     x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
 ) -> torch.Tensor:
-    """With every expert on this rank and the router weights on the output: routing,
-    grouped matmuls and the weighted sum on device (``_routed_on_device``, 5 launches).
-    Otherwise: sort tokens by expert, two grouped matmuls (``npu_grouped_matmul``, one x,
-    one 3-D weight used transposed, cumulative int64 group list) with ``npu_swiglu``
-    between, scatter back; rows of other ranks' experts are dropped with ``where``.
-    Passes the contract double; not verified on an NPU."""
-    if expert_map is None and not apply_router_weight_on_input and topk_ids.numel() > 0:
-        return _routed_on_device(x, w13, w2, topk_weights, topk_ids)
+    """With the router weights on the output: routing, grouped matmuls and the weighted
+    sum on device through ``npu_moe_init_routing_v2`` (``_routed_on_device``, and with an
+    expert map ``_routed_on_device_with_map``). With the weights on the input: sort tokens
+    by expert, two grouped matmuls (``npu_grouped_matmul``, one x, one 3-D weight used
+    transposed, cumulative int64 group list) with ``npu_swiglu`` between, scatter back;
+    rows of other ranks' experts are dropped with ``where``. Passes the contract double;
+    not verified on an NPU."""
+    if not apply_router_weight_on_input and topk_ids.numel() > 0:
+        if expert_map is None:
+            return _routed_on_device(x, w13, w2, topk_weights, topk_ids)
+        return _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map)
     npu = torch_npu()
     tokens, h, weights, mine, group_list = _rows_by_expert(
         x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input

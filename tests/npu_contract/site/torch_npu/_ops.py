@@ -785,7 +785,9 @@ def npu_moe_init_routing_v2(**a):
     """Dropless, unquantized, gather-type row index, per-expert counts: the one mode this
     project calls. Source row ``s = token * K + k`` (``expert_idx`` flattened); the rows of
     experts in ``active_expert_range`` are sorted by expert (stably, here) into the head of
-    ``expanded_x``; the rest of ``expanded_x`` is undefined (NaN here, so a reader shows)."""
+    ``expanded_x``; the rest of ``expanded_x`` is undefined (NaN here, so a reader shows).
+    A row outside the range keeps index -1: the op docs' equivalent logic starts the gather
+    index at -1 everywhere and sets only the in-range (``availableIdxNum``) rows."""
     op = INIT_ROUTING
     x, ids = a["x"], a["expert_idx"]
     _refuse_unmodelled(op, a, ("scale", "offset", "x_dtype"))
