@@ -72,5 +72,8 @@ def router_margins(model: Path, prompt: str, continuation: list[int]) -> tuple[i
         pair16 = logits16.reshape(ids.shape[1], -1).float().gather(1, experts[:, k - 1 :])
         gap32 = top[:, k - 1] - top[:, k]
         noise = torch.quantile((gap32 - (pair16[:, 0] - pair16[:, 1])).abs(), 0.9)
+        noise = noise.clamp_min(
+            torch.finfo(torch.float32).tiny
+        )  # bf16 equal to float32: only exact ties are near
         gaps.append(gap32[len(prompt_ids) - 1 :] / noise)
     return len(prompt_ids), torch.stack(gaps, dim=1).tolist()

@@ -126,7 +126,7 @@ def _expert_mlps(rows, counts, w13, w2):
 
 def _routed_on_device(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """Every row this rank's (no expert map): init sorts and counts, the expert MLPs run,
-    ``npu_moe_finalize_routing`` weighs and sums each token's rows back (5 launches). Init
+    ``npu_moe_finalize_routing`` weighs and sums each token's rows back. Init
     gives each source row ``token * k + slot`` its sorted position; finalize reads the
     position of ``token + slot * T``, hence the transpose."""
     num_tokens, top_k = topk_ids.shape
