@@ -16,13 +16,13 @@ import vllm
 from ascend_builder.config import pinned_version
 
 
-def _vllm(
+def _vllm_command(
     *args: str,
     emulate: str | None = None,
-    timeout: int = 300,
     extra_env: dict | None = None,
     without_torch_npu: bool = False,
-) -> subprocess.CompletedProcess:
+) -> tuple[list[str], dict]:
+    """The `vllm` CLI's argv and environment."""
     exe = Path(sys.executable).with_name("vllm")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
     if without_torch_npu:  # no contract double either: a CPU host after the documented install
@@ -30,13 +30,12 @@ def _vllm(
     if emulate is not None:
         env["VLLM_ASCEND_EMULATE"] = emulate
     env.update(extra_env or {})
-    return subprocess.run(
-        [str(exe) if exe.exists() else shutil.which("vllm"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return [str(exe) if exe.exists() else shutil.which("vllm"), *args], env
+
+
+def _vllm(*args: str, timeout: int = 300, **options) -> subprocess.CompletedProcess:
+    argv, env = _vllm_command(*args, **options)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_version_and_help_work_without_npu():

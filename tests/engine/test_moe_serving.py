@@ -1,7 +1,7 @@
 """MoE serving end to end in host emulation: tiny DeepSeek-V3 models (MLA + MoE) with
-tensor parallelism + expert parallelism and with data parallelism (with and without
-expert parallelism), each MoE strategy in turn. The DP instances run under the
-collective recorder (``dp_collectives.py``).
+TP + EP and with DP x TP + EP, the MoE strategies spread over the starts (see
+QUANTIZED_TP2_STRATEGIES). The DP instances run under the collective recorder
+(``dp_collectives.py``).
 
 The expert-parallel cases serve an msModelSlim W8A8 checkpoint (``--quantization
 ascend``, chosen from its description) of a three-layer DeepSeek-V3: static W8A8
@@ -10,11 +10,10 @@ float routed experts in layer 2, which vLLM serves with the unquantized Ascend M
 method. So each start carries both MoE methods through its strategy. Their oracle is
 the fake-quantized transformers model (``quant_reference.py``), and the TP=1 engine of
 the same checkpoint; a divergence at a near-tie of the oracle is reported, not hidden.
-The DP case without expert parallelism serves the float model against transformers.
 
 A tiny Qwen3-MoE (softmax top-k routing, renormalised: the routing of Mixtral and the
 Qwen MoE models, which upstream computes with a CUDA kernel) is served with TP=2 + EP
-under each strategy and with DP=2 + EP, against transformers.
+and with DP=2 + EP, against transformers.
 
 Every engine writes which strategies its MoE layers ran ("Ascend MoE: first step with
 the <name> strategy"), so each test also proves the strategy it forced really ran.
@@ -38,6 +37,14 @@ from .quant_reference import compare, fake_quantized, greedy_with_gaps
 
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "distributed_executor_backend": "mp"}
+# Engine starts are CI's scarcest resource, so each strategy runs with each routing and
+# each expert method at least once across the engine tests, not every pairing here:
+# AllGather with the W8A8-dynamic experts runs in the DP x TP + EP server below (its decode
+# steps), AllToAll with softmax routing in tests/engine/test_npu_path.py (TP=2 + EP on
+# an A3), and every pairing of strategy, layout (DP x TP x EP included) and expert method in
+# the multi-process strategy tests (tests/unit/moe/test_moe_strategies.py).
+QUANTIZED_TP2_STRATEGIES = ["alltoall", "mc2"]
+SOFTMAX_TP2_STRATEGIES = ["allgather", "mc2"]
 USED = re.compile(r"Ascend MoE: first step with the (\w+) strategy")
 
 
@@ -89,8 +96,8 @@ def quantized(tmp_path_factory) -> Quantized:
     return Quantized(tmp_path_factory.mktemp("moe_w8a8"))
 
 
-def test_tp2_expert_parallel_each_strategy_equals_tp1_on_a_quantized_model(quantized):
-    strategies = ["allgather", "alltoall", "mc2"]
+def test_tp2_expert_parallel_dispatching_strategies_equal_tp1_on_a_quantized_model(quantized):
+    strategies = QUANTIZED_TP2_STRATEGIES
     runs = [
         {
             "model": str(quantized.path),
@@ -128,9 +135,9 @@ def _tp2_ep_runs(model, strategies: list[str]) -> list[dict]:
     ]
 
 
-def test_softmax_routed_moe_tp2_expert_parallel_each_strategy_equals_transformers(tiny_models):
+def test_softmax_routed_moe_tp2_expert_parallel_strategies_equal_transformers(tiny_models):
     model = tiny_models["qwen3_moe"]
-    strategies = ["allgather", "alltoall", "mc2"]
+    strategies = SOFTMAX_TP2_STRATEGIES
     runs = _tp2_ep_runs(model, strategies)
     expected = hf_greedy(model, PROMPTS, MAX_TOKENS)
     result, output = run_spec({"runs": runs}, timeout=900)
@@ -154,31 +161,15 @@ def _complete(base: str, model, prompt: str) -> list[int]:
     return response.json()["choices"][0]["token_ids"]
 
 
-# name: (extra `vllm serve` arguments, prompts, strategies that must have run); the EP cases
-# serve the quantized checkpoint
+# name: (extra `vllm serve` arguments, prompts, strategies that must have run); the DeepSeek
+# case serves the quantized checkpoint
 DP_SERVERS = {
-    # DP 2 x TP 2 without EP, float model: the experts are sharded over all four ranks;
-    # gather/reduce-scatter.
-    "dp2_tp2": (["--tensor-parallel-size", "2"], PROMPTS, {"allgather"}),
     # DP 2 x TP 2 with EP 4, the selector's choice: AllGather for decode steps, AllToAll for
     # the long prompts' prefill steps (host rule: EP >= 4 and >= 256 tokens on a DP rank).
     "dp2_tp2_ep_auto": (
         ["--tensor-parallel-size", "2", "--enable-expert-parallel"],
         LONG_PROMPTS[-3:],
         {"allgather", "alltoall"},
-    ),
-    # DP 2 x TP 2 with EP 4 and MC2 forced: each TP rank dispatches its slice of its DP
-    # rank's tokens (the platform turns upstream's sequence-parallel MoE off).
-    "dp2_tp2_ep_mc2": (
-        [
-            "--tensor-parallel-size",
-            "2",
-            "--enable-expert-parallel",
-            "--additional-config",
-            '{"moe_comm_method": "mc2"}',
-        ],
-        PROMPTS,
-        {"mc2"},
     ),
     # DP 2 with EP 2, the Qwen3-MoE (softmax routing) against transformers.
     "dp2_ep_qwen3_moe": (["--enable-expert-parallel"], PROMPTS, {"allgather"}),
@@ -188,16 +179,8 @@ DP_SERVERS = {
 @pytest.mark.parametrize("name", DP_SERVERS)
 def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quantized, tmp_path):
     extra, prompts, must_run = DP_SERVERS[name]
-    expert_parallel = "--enable-expert-parallel" in extra
-    softmax_routed = "qwen3_moe" in name
-    quantized_model = expert_parallel and not softmax_routed
-    model = (
-        tiny_models["qwen3_moe"]
-        if softmax_routed
-        else quantized.path
-        if expert_parallel
-        else tiny_models["deepseek_v3"]
-    )
+    quantized_model = "qwen3_moe" not in name
+    model = quantized.path if quantized_model else tiny_models["qwen3_moe"]
     tp = int(extra[extra.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in extra else 1
     log = tmp_path / "server.log"
     args = [

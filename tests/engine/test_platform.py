@@ -12,7 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from .test_cli import _vllm
+from tests.support.processes import run_concurrently
+
+from .test_cli import _vllm_command
 
 torch_npu = pytest.importorskip("torch_npu")
 if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
@@ -37,6 +39,48 @@ def _python(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedPro
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="module")
+def refusals(tiny_models) -> dict:
+    """Every start-up refusal below, each a `vllm serve` that must stop before serving,
+    run two at a time (each is one CLI process whose import dominates; the tests read the
+    results)."""
+    qwen2 = str(tiny_models["qwen2"])
+    jobs = {}
+    for i, (args, extra_env, _) in enumerate(NPU_START_UP_ERRORS):
+        args = [json.dumps(_eagle3(tiny_models)) if a == "EAGLE3" else a for a in args]
+        jobs[("npu", i)] = _vllm_command(
+            "serve", qwen2, "--host", "127.0.0.1", "--port", "1", *args, extra_env={**NPU_HOST, **extra_env}
+        )
+    jobs["nnal"] = _vllm_command(
+        "serve",
+        str(tiny_models["deepseek_v3_mla512"]),
+        *("--host", "127.0.0.1", "--port", "1", "--dtype", "bfloat16"),
+        extra_env={**NPU_HOST, "TORCH_NPU_DOUBLE_NNAL": "0"},
+    )
+    jobs["float32_npu_path"] = _vllm_command(
+        "serve",
+        qwen2,
+        "--dtype",
+        "float32",
+        "--port",
+        "1",
+        emulate="1",
+        extra_env={"VLLM_ASCEND_KERNELS": "npu"},
+    )
+    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}'
+    jobs["mtp_draft_tp"] = _vllm_command(
+        "serve",
+        str(tiny_models["deepseek_v3"]),
+        *("--dtype", "float32", "--port", "1", "--tensor-parallel-size", "2", "--speculative-config", spec),
+        emulate="1",
+    )
+    for i, (args, _) in enumerate(CONTEXT_PARALLEL_REFUSALS):
+        jobs[("context_parallel", i)] = _vllm_command(
+            "serve", qwen2, "--dtype", "float32", "--port", "1", *args, emulate="1"
+        )
+    return run_concurrently(jobs, workers=2, timeout=600)
 
 
 def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
@@ -64,51 +108,42 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
     assert "using the V1 model runner" not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(
-    "args, extra_env, message",
-    [
-        (("--dtype", "float32"), {}, "error: dtype float32 is not supported by the Ascend NPU kernels"),
-        (
-            ("--dtype", "bfloat16", "--block-size", "16"),
-            {},
-            "error: --block-size 16 is not supported by the Ascend NPU attention kernels",
-        ),
-        # what upstream would run on its V1 runner, which the distribution does not have
-        (
-            ("--dtype", "bfloat16", "--speculative-config", "EAGLE3"),
-            {},
-            "error: the Ascend model runner (Model Runner V2) does not run speculative method 'eagle3' "
-            "(speculative methods it runs: mtp, ngram, ngram_gpu, draft_model, eagle)",
-        ),
-        (
-            ("--dtype", "bfloat16"),
-            {"VLLM_USE_V2_MODEL_RUNNER": "0"},
-            "error: the Ascend distribution runs Model Runner V2 only",
-        ),
-    ],
-)
-def test_npu_start_up_errors_are_one_line(args, extra_env, message, tiny_models):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
-    env.update(NPU_HOST, **extra_env)
-    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    args = [json.dumps(_eagle3(tiny_models)) if a == "EAGLE3" else a for a in args]
-    cmd = [*exe, "serve", str(tiny_models["qwen2"]), "--host", "127.0.0.1", "--port", "1", *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+# (serve arguments, environment, the error line's start) on an "NPU host" (the double)
+NPU_START_UP_ERRORS = [
+    (("--dtype", "float32"), {}, "error: dtype float32 is not supported by the Ascend NPU kernels"),
+    (
+        ("--dtype", "bfloat16", "--block-size", "16"),
+        {},
+        "error: --block-size 16 is not supported by the Ascend NPU attention kernels",
+    ),
+    # what upstream would run on its V1 runner, which the distribution does not have
+    (
+        ("--dtype", "bfloat16", "--speculative-config", "EAGLE3"),
+        {},
+        "error: the Ascend model runner (Model Runner V2) does not run speculative method 'eagle3' "
+        "(speculative methods it runs: mtp, ngram, ngram_gpu, draft_model, eagle)",
+    ),
+    (
+        ("--dtype", "bfloat16"),
+        {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+        "error: the Ascend distribution runs Model Runner V2 only",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NPU_START_UP_ERRORS)))
+def test_npu_start_up_errors_are_one_line(case, refusals):
+    result = refusals[("npu", case)]
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(message), last
+    assert last.startswith(NPU_START_UP_ERRORS[case][2]), last
     assert "Traceback" not in result.stderr
 
 
-def test_missing_nnal_stops_an_mla_model_at_start_up(tiny_models):
+def test_missing_nnal_stops_an_mla_model_at_start_up(refusals):
     """Without NNAL (the double mirrors torch_npu's lazy ATB guard) an MLA model would die
     at its first KV-cache write; the platform names the problem in one line instead."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
-    env.update(NPU_HOST, TORCH_NPU_DOUBLE_NNAL="0")
-    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    model = str(tiny_models["deepseek_v3_mla512"])
-    cmd = [*exe, "serve", model, "--host", "127.0.0.1", "--port", "1", "--dtype", "bfloat16"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = refusals["nnal"]
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: MLA models need torch_npu's ATB ops"), last
@@ -116,17 +151,8 @@ def test_missing_nnal_stops_an_mla_model_at_start_up(tiny_models):
     assert "Traceback" not in result.stderr
 
 
-def test_float32_in_npu_path_mode_is_refused_too(tiny_models):
-    result = _vllm(
-        "serve",
-        str(tiny_models["qwen2"]),
-        "--dtype",
-        "float32",
-        "--port",
-        "1",
-        emulate="1",
-        extra_env={"VLLM_ASCEND_KERNELS": "npu"},
-    )
+def test_float32_in_npu_path_mode_is_refused_too(refusals):
+    result = refusals["float32_npu_path"]
     assert result.returncode == 1 and "use --dtype with one of: bfloat16, float16" in result.stderr
 
 
@@ -190,21 +216,8 @@ def test_upstream_cleanup_helper_works_in_a_test_process():
     assert result.returncode == 0 and "CLEAN 0" in result.stdout, result.stderr[-3000:]
 
 
-def test_speculative_settings_the_platform_cannot_run_are_one_line(tiny_models):
-    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}'
-    result = _vllm(
-        "serve",
-        str(tiny_models["deepseek_v3"]),
-        "--dtype",
-        "float32",
-        "--port",
-        "1",
-        "--tensor-parallel-size",
-        "2",
-        "--speculative-config",
-        spec,
-        emulate="1",
-    )
+def test_speculative_settings_the_platform_cannot_run_are_one_line(refusals):
+    result = refusals["mtp_draft_tp"]
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
@@ -249,43 +262,41 @@ def test_speculative_config_checks(change, refused):
             validate_speculative_config(config)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
+# (serve arguments of the Qwen2 model, the error line's start). Qwen2 has 2 KV heads: DCP 2
+# at TP 2 (or DCP 4 at TP 4) would leave a head's tokens on fewer ranks than DCP.
+CONTEXT_PARALLEL_REFUSALS = [
+    (
+        ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "4"),
+        "error: decode_context_parallel_size 4 must divide tensor_parallel_size 2",
+    ),
+    (
+        ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"),  # upstream's own rule
+        "error: Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater",
+    ),
+    (
+        ("--tensor-parallel-size", "4", "--decode-context-parallel-size", "4"),
+        "error: `--decode-context-parallel-size` (4) exceeds the maximum supported value (2)",
+    ),
+    (
         (
-            ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "4"),
-            "error: decode_context_parallel_size 4 must divide tensor_parallel_size 2",
+            "--prefill-context-parallel-size",
+            "2",
+            "--block-size",
+            "8",
+            "--cp-kv-cache-interleave-size",
+            "3",
         ),
-        (
-            ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"),  # upstream's own rule
-            "error: Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater",
-        ),
-        (
-            ("--tensor-parallel-size", "4", "--decode-context-parallel-size", "4"),
-            "error: `--decode-context-parallel-size` (4) exceeds the maximum supported value (2)",
-        ),
-        (
-            (
-                "--prefill-context-parallel-size",
-                "2",
-                "--block-size",
-                "8",
-                "--cp-kv-cache-interleave-size",
-                "3",
-            ),
-            "error: cp_kv_cache_interleave_size 3 must divide the block size 8",
-        ),
-    ],
-)
-def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(args, message, tiny_models):
-    # Qwen2 has 2 KV heads: DCP 2 at TP 2 (or DCP 4 at TP 4) would leave a head's tokens
-    # on fewer ranks than DCP.
-    result = _vllm(
-        "serve", str(tiny_models["qwen2"]), "--dtype", "float32", "--port", "1", *args, emulate="1"
-    )
+        "error: cp_kv_cache_interleave_size 3 must divide the block size 8",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CONTEXT_PARALLEL_REFUSALS)))
+def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(case, refusals):
+    result = refusals[("context_parallel", case)]
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(message), last
+    assert last.startswith(CONTEXT_PARALLEL_REFUSALS[case][1]), last
     assert "Traceback" not in result.stderr
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 
 _TRUE = {"1", "true", "yes", "on"}
 KERNEL_CHOICES = ("auto", "npu", "reference")
@@ -79,3 +81,25 @@ def group_hccl_buffsize_mb() -> int:
     MC2's (world, TP, DP, EP, PP, context parallel), set through the group's options so a
     large HCCL_BUFFSIZE for MC2 does not apply to them (default 200, HCCL's own default)."""
     return _int_setting("VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB", HCCL_DEFAULT_BUFFSIZE_MB, "MB")
+
+
+# Every VLLM_* variable the distribution reads (docs/runtime.md), besides upstream's own
+# (vllm.envs). The builder's two (docs/builder.md) are listed too: they are often exported
+# in the shell that then runs `vllm serve`, and are harmless there.
+DISTRIBUTION_VARIABLES = (
+    "VLLM_ASCEND_EMULATE",
+    "VLLM_ASCEND_KERNELS",
+    "VLLM_ASCEND_HOST_KV_CACHE_MB",
+    "VLLM_ASCEND_PREFILL_CHUNK_TOKENS",
+    "VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB",
+    "VLLM_ASCEND_BUILD_CACHE",
+    "VLLM_ASCEND_SDIST",
+)
+
+
+def unknown_variables(names: Iterable[str], upstream: Iterable[str]) -> dict[str, str | None]:
+    """The VLLM_* names neither upstream nor this distribution reads, each with the known
+    name it most likely misspells (or None)."""
+    known = set(upstream) | set(DISTRIBUTION_VARIABLES)
+    unknown = sorted(n for n in names if n.startswith("VLLM_") and n not in known)
+    return {n: next(iter(difflib.get_close_matches(n, known, n=1, cutoff=0.85)), None) for n in unknown}

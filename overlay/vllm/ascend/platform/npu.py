@@ -18,7 +18,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm.ascend import device as ascend_device
-from vllm.ascend.errors import AscendConfigError
+from vllm.ascend.errors import AscendConfigError, AscendStartupError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -181,6 +181,21 @@ def _check_runner(vllm_config: VllmConfig) -> None:
 
 
 V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model", "eagle")
+
+
+def _check_not_bootstrapping() -> None:
+    """A script that builds an engine at import time, re-imported by a spawned child:
+    say why, before Python's own bootstrapping error (which names neither vLLM nor the fix)."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise AscendStartupError(
+            "this script creates a vLLM engine when it is imported: the Ascend platform starts "
+            "the engine and its workers with multiprocessing's 'spawn' method (a forked process "
+            "would inherit a half-initialised NPU runtime), which imports the script again in "
+            "each new process; put the code that creates the LLM under "
+            '`if __name__ == "__main__":`'
+        )
 
 
 def v2_unsupported_features(vllm_config: VllmConfig) -> list[str]:
@@ -408,10 +423,24 @@ class NPUPlatform(Platform):
             raise AscendConfigError(str(exc)) from None
 
     @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        # upstream's check, knowing the distribution's own variables as well
+        from vllm import envs
+
+        from vllm.ascend.envs import unknown_variables
+
+        for name, likely in unknown_variables(os.environ, envs.environment_variables).items():
+            hint = f" (did you mean {likely}?)" if likely else ""
+            if hard_fail:
+                raise ValueError(f"Unknown vLLM environment variable detected: {name}{hint}")
+            logger.warning("Unknown vLLM environment variable detected: %s%s", name, hint)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode
         from vllm.config.compilation import CUDAGraphMode
 
+        _check_not_bootstrapping()
         register_attention_backends()
         cache_config = vllm_config.cache_config
         parallel_config = vllm_config.parallel_config

@@ -1,0 +1,96 @@
+"""Start-up checks of the NPU platform that need no engine: upstream's environment
+variable check knows the distribution's own variables (and suggests the likely one for a
+misspelling), and a script that builds an engine at import time is told why the spawned
+children need the ``__main__`` guard."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm import envs as upstream_envs
+
+from vllm.ascend import envs
+from vllm.ascend.errors import AscendStartupError
+from vllm.ascend.platform import npu
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _read_in(paths) -> set[str]:
+    names = set()
+    for path in paths:
+        names |= set(re.findall(r"\bVLLM_ASCEND_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    return names
+
+
+def _documented() -> set[str]:
+    # the rows of the docs' variable tables
+    names = set()
+    for path in (ROOT / "docs").glob("*.md"):
+        names |= set(re.findall(r"^\| `(VLLM_ASCEND_[A-Z0-9_]+)`", path.read_text(), re.MULTILINE))
+    return names
+
+
+def test_every_variable_the_code_reads_or_the_docs_list_is_known():
+    read = _read_in([*(ROOT / "overlay").rglob("*.py"), *(ROOT / "build").rglob("*.py")])
+    documented = _documented()
+    assert read and documented, "the scan found no variable: the pattern or the paths are wrong"
+    assert read | documented == set(envs.DISTRIBUTION_VARIABLES)
+    assert read <= documented, f"read but not in a docs table: {sorted(read - documented)}"
+
+
+def test_known_variables_pass_and_unknown_ones_are_named(monkeypatch):
+    for name in [*envs.DISTRIBUTION_VARIABLES, "VLLM_LOGGING_LEVEL"]:
+        monkeypatch.setenv(name, "1")
+    npu.NPUPlatform.validate_environ(hard_fail=True)  # nothing unknown
+
+    warned = []
+    monkeypatch.setattr(npu.logger, "warning", lambda fmt, *args: warned.append(fmt % args))
+    monkeypatch.setenv("VLLM_ASCEND_KERNEL", "npu")  # one letter short
+    monkeypatch.setenv("VLLM_NOT_A_SETTING_AT_ALL", "1")
+    npu.NPUPlatform.validate_environ(hard_fail=False)
+    assert sorted(warned) == [
+        "Unknown vLLM environment variable detected: VLLM_ASCEND_KERNEL (did you mean VLLM_ASCEND_KERNELS?)",
+        "Unknown vLLM environment variable detected: VLLM_NOT_A_SETTING_AT_ALL",
+    ]
+    with pytest.raises(ValueError, match="VLLM_ASCEND_KERNEL .did you mean VLLM_ASCEND_KERNELS"):
+        npu.NPUPlatform.validate_environ(hard_fail=True)
+
+
+def test_upstream_variables_stay_known():
+    names = [n for n in upstream_envs.environment_variables if n.startswith("VLLM_")][:50]
+    assert names and envs.unknown_variables(names, upstream_envs.environment_variables) == {}
+
+
+def test_a_spawned_child_that_reimports_an_unguarded_script_says_why(tmp_path):
+    # the child re-imports the script while multiprocessing bootstraps it; the check fires
+    # there (and not in the parent, which imports the script as __main__)
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing
+            from vllm.ascend.platform.npu import _check_not_bootstrapping
+
+            _check_not_bootstrapping()
+            child = multiprocessing.get_context("spawn").Process(target=print)
+            child.start()
+            child.join()
+            print("child exit code", child.exitcode)
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "child exit code 1" in out.stdout, out.stderr[-2000:]
+    assert AscendStartupError.__name__ in out.stderr
+    assert "'spawn'" in out.stderr and 'if __name__ == "__main__":' in out.stderr
+
+
+def test_the_parent_process_is_not_refused():
+    npu._check_not_bootstrapping()
