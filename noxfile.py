@@ -95,12 +95,14 @@ def tests(session: nox.Session) -> None:
     conformance selection. Args replace the pytest arguments (and skip the conformance)."""
     _install_test_requirements(session)
     wheel = _install_built_wheel(session)
-    # the slowest tests are listed so the CI time budget can be kept
+    # Two workers, each taking whole files (a module's engine fixture stays in one process):
+    # on 2 cores one worker's engine start overlaps the other's waits and imports. The
+    # slowest tests are listed so the CI time budget can be kept.
     session.run(
         "python",
         "-m",
         "pytest",
-        *(session.posargs or ["tests", "--durations=30"]),
+        *(session.posargs or ["tests", "-n", "2", "--dist", "loadfile", "--durations=40"]),
         env={**BUILDER_ENV, "VLLM_ASCEND_TEST_WHEEL": str(wheel)},
     )
     if not session.posargs:

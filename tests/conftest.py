@@ -45,6 +45,13 @@ def _install_contract_double() -> None:
 
 _install_contract_double()
 
+# The suite runs on two pytest-xdist workers (`nox -s tests`), so a TP=2 engine may stop
+# while another test's engine loads both cores; upstream's 5 s grace for a worker to exit
+# is then too short and it force-kills (which clean_shutdown() fails). Every process the
+# tests start inherits a longer grace; a worker that really hangs is still killed, and
+# reported, after it.
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> TinyModels:
