@@ -257,7 +257,12 @@ def main(argv: list[str] | None = None) -> Path:
     )
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=512,
+        help="tokens in the vocabulary (at least 10000 for `vllm bench latency`, which draws ids below 10000)",
+    )
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
