@@ -18,5 +18,4 @@ def run_concurrently(
         return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
     with ThreadPoolExecutor(workers) as pool:
-        results = dict(zip(jobs, pool.map(run, jobs.values())))
-    return results
+        return dict(zip(jobs, pool.map(run, jobs.values())))
