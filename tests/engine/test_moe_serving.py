@@ -131,6 +131,9 @@ def _tp2_ep_runs(model, strategies: list[str]) -> list[dict]:
             "batches": [PROMPTS],
             "max_tokens": MAX_TOKENS,
             "engine": {**engine, "additional_config": {"moe_comm_method": s}},
+            # the engine core in the runner process, its two workers processes (mp): one
+            # Python start less per engine (separate engine cores: the DP servers below)
+            "env": IN_PROCESS,
         }
         for s in strategies
     ]

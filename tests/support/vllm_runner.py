@@ -72,7 +72,11 @@ def _run(spec: dict) -> dict:
         drafter = llm.collective_rpc(_drafter_parameters)[0] if spec.get("drafter_parameters") else None
         runner = llm.collective_rpc(_runner_class)[0] if spec.get("report_runner") else None
         async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
-        llm.llm_engine.engine_core.shutdown()
+        # the engine-core process gets the same exit grace as its workers (upstream's
+        # explicit shutdown() gives it 5 s, which a loaded 2-core machine can exceed)
+        llm.llm_engine.engine_core.shutdown(
+            timeout=float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60"))
+        )
         del llm
         gc.collect()
     finally:
