@@ -76,6 +76,13 @@ def refusals(tiny_models) -> dict:
         *("--dtype", "float32", "--port", "1", "--tensor-parallel-size", "2", "--speculative-config", spec),
         emulate="1",
     )
+    jobs["lora_cli"] = _vllm_command(
+        "serve", qwen2, "--dtype", "float32", "--port", "1", "--enable-lora", emulate="1"
+    )
+    jobs["lora_api"] = (
+        [sys.executable, "-c", f"from vllm import LLM; LLM({qwen2!r}, dtype='float32', enable_lora=True)"],
+        dict(os.environ, VLLM_ASCEND_EMULATE="1"),
+    )
     for i, (args, _) in enumerate(CONTEXT_PARALLEL_REFUSALS):
         jobs[("context_parallel", i)] = _vllm_command(
             "serve", qwen2, "--dtype", "float32", "--port", "1", *args, emulate="1"
@@ -154,6 +161,18 @@ def test_missing_nnal_stops_an_mla_model_at_start_up(refusals):
 def test_float32_in_npu_path_mode_is_refused_too(refusals):
     result = refusals["float32_npu_path"]
     assert result.returncode == 1 and "use --dtype with one of: bfloat16, float16" in result.stderr
+
+
+def test_lora_is_refused_in_one_line_before_any_process_starts(refusals):
+    """In the CLI an error line; in the Python API one exception from the constructor, no
+    engine-core process started (it would log its own traceback)."""
+    cli, api = refusals["lora_cli"], refusals["lora_api"]
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-3000:]
+    assert cli.stderr.strip().splitlines()[-1].startswith("error: LoRA is not supported"), cli.stderr[-3000:]
+    assert api.returncode == 1, api.stderr[-3000:]
+    last = api.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm.ascend.errors.AscendConfigError: LoRA is not supported"), last
+    assert "EngineCore" not in api.stdout + api.stderr
 
 
 def test_data_parallel_ranks_get_their_own_devices():

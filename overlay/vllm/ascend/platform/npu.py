@@ -483,6 +483,12 @@ class NPUPlatform(Platform):
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")
         _check_runner(vllm_config)
+        if vllm_config.lora_config is not None:
+            # here, before any process starts, rather than in the worker's punica wrapper
+            raise AscendConfigError(
+                "LoRA is not supported by the Ascend distribution yet; drop --enable-lora "
+                "(or serve the adapter merged into the base weights)"
+            )
         if model_config is not None and model_config.enable_sleep_mode:
             raise AscendConfigError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
 

@@ -1,0 +1,197 @@
+"""Offline disaggregated prefill: a prefill ``LLM`` and a decode ``LLM`` in two processes,
+each prompt's KV cache pulled by the decode side over the AscendP2PConnector.
+
+    python examples/disaggregated_prefill/offline.py [--model DIR] [--max-tokens N]
+
+The prefill process computes each prompt (one token, ``do_remote_decode``) and hands the
+``kv_transfer_params`` its outputs carry to the decode process, which generates with them:
+the decode side pulls the prompt's KV instead of computing it. The decode process then
+resets its prefix cache and generates the same prompts on its own (colocated), and the
+script prints both and exits with status 1 if any greedy output differs or nothing was
+pulled.
+
+On an NPU host each process sees its own NPUs (``--prefill-devices``, ``--decode-devices``:
+``ASCEND_RT_VISIBLE_DEVICES``; NPU-unverified). In host emulation (``VLLM_ASCEND_EMULATE=1``)
+both run on the CPU; with no ``--model`` a tiny random Qwen2 is made first
+(examples/make_tiny_model.py). The transport is Mooncake (install the wheel's
+``mooncake-host`` extra here, ``mooncake`` on an NPU host). ``--json FILE`` writes the
+prompts, the token ids of both runs and the pulled byte count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPTS = [
+    "Paged attention keeps keys and values in blocks",
+    "The decode instance pulls the prompt's cache from the prefill instance and",
+    "Disaggregated prefill separates the two phases of serving a request, so",
+    "A short prompt",
+]
+# how long the prefill side waits for the decode side to finish (seconds)
+HANDOFF_TIMEOUT = 600
+
+
+def _engine(model: str, role: str, kv_port: int, host: str, dtype: str):
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=1024,
+        seed=0,
+        disable_log_stats=False,  # the connector's pulled-bytes counter is a logged stat
+        kv_transfer_config={
+            "kv_connector": "AscendP2PConnector",
+            "kv_role": role,
+            "kv_port": kv_port,
+            "kv_connector_extra_config": {"host": host},
+        },
+    )
+
+
+def _close(llm) -> None:
+    """Stop the engine-core process before this process ends: a multiprocessing child
+    ends without the exit hooks that would stop it, and would wait for it forever."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _greedy(max_tokens: int, kv_transfer_params: dict | None = None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+
+def prefill(args, devices: str, handoff, done) -> None:
+    os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
+    llm = _engine(args.model, "kv_producer", args.prefill_kv_port, args.host, args.dtype)
+    outputs = llm.generate(PROMPTS, _greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    params = [out.kv_transfer_params for out in outputs]
+    if not all(params):
+        handoff.put({"error": "the prefill outputs carry no kv_transfer_params (is the connector on?)"})
+        return
+    handoff.put({"params": params})
+    # the blocks stay held for the decode side until it reports each request done; the
+    # engine must be alive to answer it
+    done.wait(HANDOFF_TIMEOUT)
+    _close(llm)
+
+
+def decode(args, devices: str, handoff, results) -> None:
+    os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
+    llm = _engine(args.model, "kv_consumer", args.decode_kv_port, args.host, args.dtype)
+    message = handoff.get(timeout=HANDOFF_TIMEOUT)
+    if "error" in message:
+        results.put(message)
+        return
+    disaggregated = [
+        llm.generate([prompt], _greedy(args.max_tokens, params), use_tqdm=False)[0]
+        for prompt, params in zip(PROMPTS, message["params"], strict=True)
+    ]
+    pulled = sum(
+        metric.value
+        for metric in llm.get_metrics()
+        # (the registry names a counter without its _total suffix)
+        if metric.name in ("vllm:ascend_p2p_pulled_bytes", "vllm:ascend_p2p_pulled_bytes_total")
+    )
+    llm.reset_prefix_cache()  # the colocated run computes every prompt itself
+    colocated = llm.generate(PROMPTS, _greedy(args.max_tokens), use_tqdm=False)
+    _close(llm)
+    results.put(
+        {
+            "disaggregated": [list(out.outputs[0].token_ids) for out in disaggregated],
+            "colocated": [list(out.outputs[0].token_ids) for out in colocated],
+            "text": [out.outputs[0].text for out in disaggregated],
+            "colocated_text": [out.outputs[0].text for out in colocated],
+            "pulled_bytes": pulled,
+        }
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: a tiny random Qwen2, made here)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--dtype", default="auto", help="as vllm's --dtype (the NPU kernels need bfloat16 or float16)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address both connectors bind and advertise")
+    parser.add_argument("--prefill-kv-port", type=int, default=21100)
+    parser.add_argument("--decode-kv-port", type=int, default=22100)
+    parser.add_argument(
+        "--prefill-devices", default="0", help="ASCEND_RT_VISIBLE_DEVICES of the prefill process"
+    )
+    parser.add_argument(
+        "--decode-devices", default="1", help="ASCEND_RT_VISIBLE_DEVICES of the decode process"
+    )
+    parser.add_argument("--json", type=Path, help="write the token ids and the pulled byte count here")
+    args = parser.parse_args()
+    if args.model is None:
+        args.model = "/tmp/pd-offline-example-model"
+        if not Path(args.model).is_dir():
+            print(f"making a tiny random Qwen2 in {args.model} ...", flush=True)
+            maker = Path(__file__).resolve().parents[1] / "make_tiny_model.py"
+            subprocess.run([sys.executable, str(maker), "--arch", "qwen2", "--out", args.model], check=True)
+
+    # spawn: each process imports vLLM (and on an NPU host, the runtime) with its own devices
+    context = multiprocessing.get_context("spawn")
+    handoff, results, done = context.Queue(), context.Queue(), context.Event()
+    producer = context.Process(
+        target=prefill, args=(args, args.prefill_devices, handoff, done), name="prefill"
+    )
+    consumer = context.Process(
+        target=decode, args=(args, args.decode_devices, handoff, results), name="decode"
+    )
+    producer.start()
+    consumer.start()
+    try:
+        result = _wait_for(results, consumer, producer)
+    finally:
+        done.set()
+        for process in (consumer, producer):
+            process.join(120)
+            if process.is_alive():
+                process.terminate()
+    if "error" in result:
+        print(f"error: {result['error']}", file=sys.stderr)
+        return 1
+    for prompt, pd_text, local_text in zip(PROMPTS, result["text"], result["colocated_text"]):
+        print(f"{prompt!r}\n  disaggregated: {pd_text!r}\n  colocated:     {local_text!r}")
+    print(f"KV pulled by the decode process: {result['pulled_bytes']:.0f} bytes")
+    if args.json:
+        args.json.write_text(json.dumps({"prompts": PROMPTS, **result}))
+    if result["disaggregated"] != result["colocated"]:
+        print("error: the disaggregated and colocated outputs differ", file=sys.stderr)
+        return 1
+    if not result["pulled_bytes"]:
+        print("error: the decode process pulled no KV (it computed the prompts itself)", file=sys.stderr)
+        return 1
+    print("equal greedy outputs")
+    return 0
+
+
+def _wait_for(results, consumer, producer) -> dict:
+    """The decode process's result; an error if either process dies first."""
+    import queue
+
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            for process in (consumer, producer):
+                if not process.is_alive():
+                    return {
+                        "error": f"the {process.name} process exited (code {process.exitcode}) "
+                        "before the decode process had a result; its output is above"
+                    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
