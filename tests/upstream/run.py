@@ -54,7 +54,7 @@ def default_expectations() -> Path:
 
 
 ACCEPTS = {"pass": {"passed"}, "fail": {"failed", "error"}, "skip": {"skipped"}}
-NEEDS_REF = {"upstream-bug", "not-offered", "ascend-semantics"}
+NEEDS_REF = {"upstream-bug", "not-offered", "ascend-semantics", "slow"}
 # Variables of this project's own test session that must not leak into upstream's run.
 DROP_ENV = ("PYTHONPATH", "TORCH_NPU_DOUBLE_WHEEL", "TORCH_NPU_DOUBLE_DEVICES", "VLLM_ASCEND_KERNELS")
 

@@ -83,6 +83,7 @@ def test_the_committed_expectations_are_well_formed():
         "upstream-bug",
         "not-offered",
         "ascend-semantics",
+        "slow",
     }
     assert {"fast", "full"} <= set(selections)
     assert all(e.reason in reasons for e in expectations)
