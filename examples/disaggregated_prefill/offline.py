@@ -72,38 +72,41 @@ def _greedy(max_tokens: int, kv_transfer_params: dict | None = None):
 def prefill(args, devices: str, handoff, done) -> None:
     os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
     llm = _engine(args.model, "kv_producer", args.prefill_kv_port, args.host, args.dtype)
-    outputs = llm.generate(PROMPTS, _greedy(1, {"do_remote_decode": True}), use_tqdm=False)
-    params = [out.kv_transfer_params for out in outputs]
-    if not all(params):
-        handoff.put({"error": "the prefill outputs carry no kv_transfer_params (is the connector on?)"})
-        return
-    handoff.put({"params": params})
-    # the blocks stay held for the decode side until it reports each request done; the
-    # engine must be alive to answer it
-    done.wait(HANDOFF_TIMEOUT)
-    _close(llm)
+    try:
+        outputs = llm.generate(PROMPTS, _greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        params = [out.kv_transfer_params for out in outputs]
+        if not all(params):
+            handoff.put({"error": "the prefill outputs carry no kv_transfer_params (is the connector on?)"})
+            return
+        handoff.put({"params": params})
+        # the blocks stay held for the decode side until it reports each request done; the
+        # engine must be alive to answer it
+        done.wait(HANDOFF_TIMEOUT)
+    finally:
+        _close(llm)
 
 
 def decode(args, devices: str, handoff, results) -> None:
     os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
     llm = _engine(args.model, "kv_consumer", args.decode_kv_port, args.host, args.dtype)
-    message = handoff.get(timeout=HANDOFF_TIMEOUT)
-    if "error" in message:
-        results.put(message)
-        return
-    disaggregated = [
-        llm.generate([prompt], _greedy(args.max_tokens, params), use_tqdm=False)[0]
-        for prompt, params in zip(PROMPTS, message["params"], strict=True)
-    ]
-    pulled = sum(
-        metric.value
-        for metric in llm.get_metrics()
-        # (the registry names a counter without its _total suffix)
-        if metric.name in ("vllm:ascend_p2p_pulled_bytes", "vllm:ascend_p2p_pulled_bytes_total")
-    )
-    llm.reset_prefix_cache()  # the colocated run computes every prompt itself
-    colocated = llm.generate(PROMPTS, _greedy(args.max_tokens), use_tqdm=False)
-    _close(llm)
+    try:
+        message = handoff.get(timeout=HANDOFF_TIMEOUT)
+        if "error" in message:
+            results.put(message)
+            return
+        # one batch, each request with the transfer parameters of its own prompt
+        sampling = [_greedy(args.max_tokens, params) for params in message["params"]]
+        disaggregated = llm.generate(PROMPTS, sampling, use_tqdm=False)
+        pulled = sum(
+            metric.value
+            for metric in llm.get_metrics()
+            # (the registry names a counter without its _total suffix)
+            if metric.name in ("vllm:ascend_p2p_pulled_bytes", "vllm:ascend_p2p_pulled_bytes_total")
+        )
+        llm.reset_prefix_cache()  # the colocated run computes every prompt itself
+        colocated = llm.generate(PROMPTS, _greedy(args.max_tokens), use_tqdm=False)
+    finally:
+        _close(llm)
     results.put(
         {
             "disaggregated": [list(out.outputs[0].token_ids) for out in disaggregated],
