@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -182,8 +183,6 @@ def main() -> int:
 
 def _wait_for(results, consumer, producer) -> dict:
     """The decode process's result; an error if either process dies first."""
-    import queue
-
     while True:
         try:
             return results.get(timeout=5)

@@ -38,10 +38,9 @@ ENGINES = {  # name -> (engine settings, batches, environment)
         [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]],
         IN_PROCESS,
     ),
-    # the engine core in the runner process too (one Python start less); its two workers
-    # are processes (mp). Separate engine-core processes with TP=2 run in test_npu_path,
-    # test_pd_serving and test_dp_serving.
-    # (report_runner's function reaches the workers pickled: upstream's opt-in below)
+    # the engine core in the runner process too (one Python start less), its two workers
+    # processes (mp; separate TP=2 engine cores: test_npu_path, test_pd_serving,
+    # test_dp_serving); report_runner's function reaches the workers pickled (the opt-in)
     "tp2": (
         {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
         [PROMPTS],

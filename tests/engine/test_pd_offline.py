@@ -36,5 +36,4 @@ def test_offline_example_decodes_pulled_kv_like_transformers(tiny_models, tmp_pa
     assert result["disaggregated"] == expected
     assert result["colocated"] == expected
     assert result["pulled_bytes"] > 0
-    # both processes stopped their engines: nothing killed, nothing left behind
-    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]  # in neither process

@@ -74,9 +74,9 @@ def _run(spec: dict) -> dict:
         async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
         # the engine-core process gets the same exit grace as its workers (upstream's
         # explicit shutdown() gives it 5 s, which a loaded 2-core machine can exceed)
-        llm.llm_engine.engine_core.shutdown(
-            timeout=float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60"))
-        )
+        from vllm import envs
+
+        llm.llm_engine.engine_core.shutdown(timeout=envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
         del llm
         gc.collect()
     finally:
