@@ -8,7 +8,11 @@ text, or {"embeds_of": text}: the model's input embeddings of its tokens, as pro
 "batch_sampling": [{...SamplingParams...} per batch] (added to "sampling" for that batch),
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
 processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "report_runner": true (also
-return the worker's model runner class name, as "runner"; the same condition), "kv_dump": {"prompt": str,
+return the worker's model runner class name, as "runner"; the same condition), "calls":
+[[{"method": name, "args": [...], "kwargs": {...}}, ...] per batch] (LLM methods called
+before that batch, such as sleep, wake_up or collective_rpc; a dotted name is an
+attribute path from the LLM, as llm_engine.is_sleeping; each result or error message is
+returned in "call_results"), "kv_dump": {"prompt": str,
 "dir": DIR} (before the batches, prefill that prompt alone and have every worker save its
 first attention layer's KV planes of the request's blocks to DIR/rank<N>.pt; needs
 VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1), "env": {...}}, or
@@ -55,9 +59,11 @@ def _run(spec: dict) -> dict:
         params = SamplingParams(**base)
         per_batch = [_from_json(b) for b in spec.get("batch_sampling") or [{}] * len(spec["batches"])]
         kv_dump = _kv_dump(llm, **spec["kv_dump"]) if "kv_dump" in spec else None
-        results = []
+        calls = spec.get("calls") or [[]] * len(spec["batches"])
+        results, call_results = [], []
         t0 = time.perf_counter()
-        for batch, extra in zip(spec["batches"], per_batch, strict=True):
+        for batch, extra, before in zip(spec["batches"], per_batch, calls, strict=True):
+            call_results.append([_call(llm, **call) for call in before])
             batch = [_prompt(p, llm) for p in batch]
             outs = llm.generate(
                 batch, SamplingParams(**{**base, **extra}) if extra else params, use_tqdm=False
@@ -99,7 +105,16 @@ def _run(spec: dict) -> dict:
         "runner": runner,
         "async_scheduling": async_scheduling,
         "kv_dump": kv_dump,
+        "call_results": call_results,
     }
+
+
+def _call(llm, method: str, args: list | None = None, kwargs: dict | None = None) -> dict:
+    try:
+        target = functools.reduce(getattr, method.split("."), llm)  # "llm_engine.is_sleeping"
+        return {"result": target(*(args or []), **(kwargs or {})), "error": None}
+    except Exception as exc:  # the test decides whether this call had to fail
+        return {"result": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def _prompt(prompt, llm):

@@ -1,7 +1,8 @@
 """Start-up checks of the NPU platform that need no engine: upstream's environment
 variable check knows the distribution's own variables (and suggests the likely one for a
 misspelling), and a script that builds an engine at import time is told why the spawned
-children need the ``__main__`` guard."""
+children need the ``__main__`` guard; sleep-mode settings with no Ascend form are
+refused by name."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from vllm.ascend import envs
-from vllm.ascend.errors import AscendStartupError
+from vllm.ascend.errors import AscendConfigError, AscendStartupError
 from vllm.ascend.platform import npu
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -86,3 +88,26 @@ def test_a_spawned_child_that_reimports_an_unguarded_script_says_why(tmp_path):
     assert "child exit code 1" in out.stdout, out.stderr[-2000:]
     assert AscendStartupError.__name__ in out.stderr
     assert "'spawn'" in out.stderr and 'if __name__ == "__main__":' in out.stderr
+
+
+@pytest.mark.parametrize(
+    "setting,named",
+    [
+        ({"sleep_mode_backend": "cuda_checkpoint"}, "--sleep-mode-backend"),
+        ({"enable_nccl_comm_suspend": True}, "--enable-nccl-comm-suspend"),
+    ],
+)
+def test_sleep_mode_settings_without_an_ascend_form_are_refused_by_name(setting, named):
+    model_config = SimpleNamespace(
+        **{
+            "enable_sleep_mode": True,
+            "sleep_mode_backend": "cumem",
+            "enable_nccl_comm_suspend": False,
+            **setting,
+        }
+    )
+    with pytest.raises(AscendConfigError, match=named):
+        npu._check_sleep_mode(model_config)
+    npu._check_sleep_mode(
+        SimpleNamespace(enable_sleep_mode=True, sleep_mode_backend="cumem", enable_nccl_comm_suspend=False)
+    )

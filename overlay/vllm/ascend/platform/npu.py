@@ -180,6 +180,21 @@ def _check_runner(vllm_config: VllmConfig) -> None:
         )
 
 
+def _check_sleep_mode(model_config) -> None:
+    """Sleep mode here is the worker's own (worker/sleep.py): upstream's allocator-based
+    backends and NCCL communicator suspension have no Ascend form."""
+    if model_config.sleep_mode_backend != "cumem":  # upstream's default name: ours takes it
+        raise AscendConfigError(
+            f"sleep-mode backend {model_config.sleep_mode_backend!r} is not offered on Ascend: "
+            "drop --sleep-mode-backend (the Ascend worker releases weights and KV cache itself)"
+        )
+    if model_config.enable_nccl_comm_suspend:
+        raise AscendConfigError(
+            "communicator suspension during sleep is not offered on Ascend (HCCL buffers stay "
+            "allocated): drop --enable-nccl-comm-suspend"
+        )
+
+
 V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model", "eagle")
 
 
@@ -281,6 +296,9 @@ class NPUPlatform(Platform):
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
         torch.manual_seed(seed)
+
+    def is_sleep_mode_available(self) -> bool:
+        return True  # the worker's storage-level sleep mode (worker/sleep.py)
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
@@ -490,7 +508,7 @@ class NPUPlatform(Platform):
                 "(or serve the adapter merged into the base weights)"
             )
         if model_config is not None and model_config.enable_sleep_mode:
-            raise AscendConfigError("sleep mode is not supported on Ascend; drop --enable-sleep-mode")
+            _check_sleep_mode(model_config)
 
         if parallel_config.use_sequence_parallel_moe:
             # Upstream splits the tokens of DP x TP + EP MoE layers over TP ("sequence

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 from contextlib import AbstractContextManager, nullcontext
 
+import torch
+
 from vllm.config import set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -151,7 +153,7 @@ class NPUWorker(Worker):
         return runner_cls(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
-        # No sleep-mode memory pool on Ascend (sleep mode is refused at config time).
+        # Sleep mode releases tensor storages itself (worker/sleep.py): no allocator pool.
         return nullcontext()
 
     def determine_available_memory(self) -> int:
@@ -180,8 +182,76 @@ class NPUWorker(Worker):
             encoder=self.compilation_config.encoder_compilation_time,
         )
 
+    # -- sleep mode (worker/sleep.py) ---------------------------------------------------
+    @property
+    def sleep_mode_backend(self):
+        if self._sleep_mode_backend is None:
+            from vllm.ascend.worker.sleep import StorageSleepBackend
+
+            self._sleep_mode_backend = StorageSleepBackend(
+                self.device, ascend_device.current(), current_platform.is_pin_memory_available()
+            )
+        return self._sleep_mode_backend
+
+    def _require_sleep_mode(self) -> None:
+        if not self.model_config.enable_sleep_mode:
+            raise RuntimeError(
+                "sleep mode is off for this engine: start it with --enable-sleep-mode "
+                "(LLM(..., enable_sleep_mode=True)) to use sleep and wake_up"
+            )
+
     def sleep(self, level: int = 1) -> None:
-        raise RuntimeError("sleep mode is not supported on Ascend")
+        self._require_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        backend = self.sleep_mode_backend
+        backend.suspend(level, self._collect_sleep_storages())
+        self._log_sleep(level, backend.report)
+
+    def _collect_sleep_storages(self) -> dict[int, bool]:
+        runner = self.model_runner
+        models = [("", runner.model)]
+        draft = self.get_draft_model()
+        if draft is not None:
+            models.append(("draft.", draft))
+        kv_caches = list(getattr(runner, "kv_caches", []))
+        for layer in self.compilation_config.static_forward_context.values():
+            cache = getattr(layer, "kv_cache", None)
+            if isinstance(cache, torch.Tensor):
+                kv_caches.append(cache)
+        return self.sleep_mode_backend.collect(
+            models, kv_caches, self.model_config.sleep_preserve_parameter_names
+        )
+
+    def _log_sleep(self, level: int, report) -> None:
+        logger.info(
+            "Sleep level %d released %.1f MiB of weights (%.1f MiB copied to host) and %.1f MiB "
+            "of KV cache; device memory in use %.1f -> %.1f MiB",
+            level,
+            report.released["weights"] / 2**20,
+            report.copied_to_host / 2**20,
+            report.released["kv_cache"] / 2**20,
+            report.device_in_use_before / 2**20,
+            report.device_in_use_after / 2**20,
+        )
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        raise RuntimeError("sleep mode is not supported on Ascend")
+        self._require_sleep_mode()
+        self.sleep_mode_backend.resume(tags)
+        zeroer = getattr(self.model_runner, "kv_block_zeroer", None)
+        if zeroer is not None and (tags is None or "kv_cache" in tags):
+            self.model_runner._init_kv_zero_meta()  # it keeps the cache's addresses
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        self._require_sleep_mode()
+        self._collect_sleep_storages()
+        self.sleep_mode_backend.discard(tags)
+
+    def sleep_report(self) -> dict:
+        """The last sleep's figures and what is asleep now (collective_rpc("sleep_report"))."""
+        backend = self.sleep_mode_backend
+        return {
+            **backend.report.as_dict(),
+            "asleep": sorted(backend.asleep_tags()),
+            "held": {tag: backend.held_bytes(tag) for tag in ("weights", "kv_cache")},
+        }
