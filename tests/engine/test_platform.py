@@ -76,11 +76,12 @@ def refusals(tiny_models) -> dict:
         *("--dtype", "float32", "--port", "1", "--tensor-parallel-size", "2", "--speculative-config", spec),
         emulate="1",
     )
+    moe = str(tiny_models["deepseek_v3"])  # LoRA runs on dense models only
     jobs["lora_cli"] = _vllm_command(
-        "serve", qwen2, "--dtype", "float32", "--port", "1", "--enable-lora", emulate="1"
+        "serve", moe, "--dtype", "float32", "--port", "1", "--enable-lora", emulate="1"
     )
     jobs["lora_api"] = (
-        [sys.executable, "-c", f"from vllm import LLM; LLM({qwen2!r}, dtype='float32', enable_lora=True)"],
+        [sys.executable, "-c", f"from vllm import LLM; LLM({moe!r}, dtype='float32', enable_lora=True)"],
         dict(os.environ, VLLM_ASCEND_EMULATE="1"),
     )
     for i, (args, _) in enumerate(CONTEXT_PARALLEL_REFUSALS):
@@ -163,15 +164,17 @@ def test_float32_in_npu_path_mode_is_refused_too(refusals):
     assert result.returncode == 1 and "use --dtype with one of: bfloat16, float16" in result.stderr
 
 
-def test_lora_is_refused_in_one_line_before_any_process_starts(refusals):
+def test_lora_on_a_moe_model_is_refused_in_one_line_before_any_process_starts(refusals):
     """In the CLI an error line; in the Python API one exception from the constructor, no
     engine-core process started (it would log its own traceback)."""
     cli, api = refusals["lora_cli"], refusals["lora_api"]
     assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-3000:]
-    assert cli.stderr.strip().splitlines()[-1].startswith("error: LoRA is not supported"), cli.stderr[-3000:]
+    assert (
+        cli.stderr.strip().splitlines()[-1].startswith("error: LoRA on MoE and MLA models is not supported")
+    ), cli.stderr[-3000:]
     assert api.returncode == 1, api.stderr[-3000:]
     last = api.stderr.strip().splitlines()[-1]
-    assert last.startswith("vllm.ascend.errors.AscendConfigError: LoRA is not supported"), last
+    assert last.startswith("vllm.ascend.errors.AscendConfigError: LoRA on MoE and MLA models"), last
     assert "EngineCore" not in api.stdout + api.stderr
 
 

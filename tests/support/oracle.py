@@ -1,4 +1,5 @@
-"""The oracle of the engine tests: Hugging Face transformers' greedy ``generate``."""
+"""The oracle of the engine tests: Hugging Face transformers' greedy ``generate`` (with
+peft for LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,49 @@ def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[lis
             )
             outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
+
+
+def hf_lora_greedy(
+    model: Path, adapter: Path | None, prompts: list[str], max_tokens: int = 16
+) -> list[list[int]]:
+    """Oracle for LoRA: transformers' greedy generate of the base model with the adapter
+    loaded by peft (``None``: the base model alone), float32, no EOS stop."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if adapter is None:
+        return hf_greedy(model, prompts, max_tokens)
+    tok = AutoTokenizer.from_pretrained(model)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf = PeftModel.from_pretrained(base, adapter).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            gen = hf.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.pad_token_id,
+            )
+            outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+def make_lora_adapter(model: Path, out: Path, rank: int, seed: int, targets: list[str]) -> Path:
+    """A LoRA adapter for ``model`` made by peft with random (non-zero) weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
+    return out
 
 
 def router_margins(model: Path, prompt: str, continuation: list[int]) -> tuple[int, list[list[float]]]:

@@ -6,6 +6,7 @@ Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ..
 text, or {"embeds_of": text}: the model's input embeddings of its tokens, as prompt embeddings),
 "chats": [[message, ...], ...], "max_tokens": N, "logprobs": K, "sampling": {...SamplingParams...},
 "batch_sampling": [{...SamplingParams...} per batch] (added to "sampling" for that batch),
+"batch_loras": [[adapter dir or null per prompt] per batch] (each adapter one LoRARequest),
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
 processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "report_runner": true (also
 return the worker's model runner class name, as "runner"; the same condition), "calls":
@@ -60,13 +61,17 @@ def _run(spec: dict) -> dict:
         per_batch = [_from_json(b) for b in spec.get("batch_sampling") or [{}] * len(spec["batches"])]
         kv_dump = _kv_dump(llm, **spec["kv_dump"]) if "kv_dump" in spec else None
         calls = spec.get("calls") or [[]] * len(spec["batches"])
+        loras = spec.get("batch_loras") or [None] * len(spec["batches"])
         results, call_results = [], []
         t0 = time.perf_counter()
-        for batch, extra, before in zip(spec["batches"], per_batch, calls, strict=True):
+        for batch, extra, before, adapters in zip(spec["batches"], per_batch, calls, loras, strict=True):
             call_results.append([_call(llm, **call) for call in before])
             batch = [_prompt(p, llm) for p in batch]
             outs = llm.generate(
-                batch, SamplingParams(**{**base, **extra}) if extra else params, use_tqdm=False
+                batch,
+                SamplingParams(**{**base, **extra}) if extra else params,
+                use_tqdm=False,
+                lora_request=None if adapters is None else [_lora(a) for a in adapters],
             )
             results.append([_completion(o) for o in outs])
         generate = time.perf_counter() - t0
@@ -107,6 +112,15 @@ def _run(spec: dict) -> dict:
         "kv_dump": kv_dump,
         "call_results": call_results,
     }
+
+
+@functools.cache
+def _lora(adapter: str | None):
+    from vllm.lora.request import LoRARequest
+
+    if adapter is None:
+        return None
+    return LoRARequest(Path(adapter).name, _lora.cache_info().currsize + 1, adapter)
 
 
 def _call(llm, method: str, args: list | None = None, kwargs: dict | None = None) -> dict:

@@ -180,6 +180,19 @@ def _check_runner(vllm_config: VllmConfig) -> None:
         )
 
 
+def _check_lora(model_config) -> None:
+    """LoRA runs through the torch punica wrapper (lora/punica.py) on dense models. Here,
+    before any process starts, rather than as a worker traceback: upstream's LoRA for
+    fused MoE layers needs its Triton kernels, and an MLA layer's absorbed ``kv_b_proj``
+    bypasses the LoRA layer (measured: tokens differ from transformers + peft)."""
+    kinds = [k for k, on in (("MoE", model_config.is_moe), ("MLA", model_config.use_mla)) if on]
+    if kinds:
+        raise AscendConfigError(
+            f"LoRA on {' and '.join(kinds)} models is not supported on Ascend yet (dense models "
+            "are); drop --enable-lora or serve the adapter merged into the base weights"
+        )
+
+
 def _check_sleep_mode(model_config) -> None:
     """Sleep mode here is the worker's own (worker/sleep.py): upstream's allocator-based
     backends and NCCL communicator suspension have no Ascend form."""
@@ -401,7 +414,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        raise NotImplementedError("LoRA is not supported by the Ascend distribution yet")
+        return "vllm.ascend.lora.punica.PunicaWrapperNPU"
 
     # -- attention ------------------------------------------------------------
     @classmethod
@@ -501,12 +514,8 @@ class NPUPlatform(Platform):
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")
         _check_runner(vllm_config)
-        if vllm_config.lora_config is not None:
-            # here, before any process starts, rather than in the worker's punica wrapper
-            raise AscendConfigError(
-                "LoRA is not supported by the Ascend distribution yet; drop --enable-lora "
-                "(or serve the adapter merged into the base weights)"
-            )
+        if vllm_config.lora_config is not None and model_config is not None:
+            _check_lora(model_config)
         if model_config is not None and model_config.enable_sleep_mode:
             _check_sleep_mode(model_config)
 
