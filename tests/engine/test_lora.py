@@ -43,7 +43,7 @@ def adapters(tiny_models, tmp_path_factory):
     }
 
 
-def _assignments(adapters) -> list[list]:
+def _assignments() -> list[list]:
     """Two batches of the prompts, each prompt with adapter a, b or none (rotated)."""
     names = ["a", None, "b"]
     return [[names[(i + shift) % 3] for i in range(len(PROMPTS))] for shift in (0, 1)]
@@ -51,7 +51,7 @@ def _assignments(adapters) -> list[list]:
 
 @pytest.fixture(scope="module")
 def served(tiny_models, adapters):
-    assignments = _assignments(adapters)
+    assignments = _assignments()
     runs = [
         {
             "model": str(tiny_models["qwen2"]),

@@ -24,6 +24,12 @@ def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[lis
         hf.generation_config.eos_token_id = None
         _HF_CACHE[key] = (tok, hf)
     tok, hf = _HF_CACHE[key]
+    return _generate(tok, hf, prompts, max_tokens)
+
+
+def _generate(tok, hf, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    import torch
+
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -52,21 +58,9 @@ def hf_lora_greedy(
         return hf_greedy(model, prompts, max_tokens)
     tok = AutoTokenizer.from_pretrained(model)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    base.generation_config.eos_token_id = None
     hf = PeftModel.from_pretrained(base, adapter).eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            gen = hf.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=tok.pad_token_id,
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
+    return _generate(tok, hf, prompts, max_tokens)
 
 
 def make_lora_adapter(model: Path, out: Path, rank: int, seed: int, targets: list[str]) -> Path:

@@ -114,13 +114,15 @@ def _run(spec: dict) -> dict:
     }
 
 
-@functools.cache
+_LORA_IDS: dict[str, int] = {}  # adapter dir -> its LoRA id (1, 2, ... in first use)
+
+
 def _lora(adapter: str | None):
     from vllm.lora.request import LoRARequest
 
     if adapter is None:
         return None
-    return LoRARequest(Path(adapter).name, _lora.cache_info().currsize + 1, adapter)
+    return LoRARequest(Path(adapter).name, _LORA_IDS.setdefault(adapter, len(_LORA_IDS) + 1), adapter)
 
 
 def _call(llm, method: str, args: list | None = None, kwargs: dict | None = None) -> dict:

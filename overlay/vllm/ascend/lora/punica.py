@@ -2,10 +2,10 @@
 with prefill batches taking the per-token path as decode does.
 
 Upstream's native prefill path expands each request's adapter index to its tokens with
-``repeat_interleave`` over a device tensor of lengths, once per LoRA layer; on an NPU
-that is a host synchronisation per layer (the output size is read back). The per-token
-adapter indices upstream already builds once per step (``token_lora_indices``) give the
-same rows, so every shrink and expand here gathers by them. The ops are plain torch,
+``repeat_interleave`` over a device tensor of lengths, once per LoRA layer, which (by
+torch's documentation) reads the output size back to the host: a synchronisation per
+layer. The per-token adapter indices upstream already builds once per step
+(``token_lora_indices``) give the same rows, so every shrink and expand here gathers by them. The ops are plain torch,
 so host emulation, NPU-path mode and an NPU run the same code (on an NPU as torch ops on
 the device; not run on an NPU here)."""
 

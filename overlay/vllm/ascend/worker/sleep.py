@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -52,13 +52,7 @@ class SleepReport:
     device_in_use_after: int = 0
 
     def as_dict(self) -> dict:
-        return {
-            "level": self.level,
-            "released": dict(self.released),
-            "copied_to_host": self.copied_to_host,
-            "device_in_use_before": self.device_in_use_before,
-            "device_in_use_after": self.device_in_use_after,
-        }
+        return asdict(self)
 
 
 def module_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -130,9 +124,6 @@ class StorageSleepBackend(SleepModeBackend):
                 )
             into[key] = _Storage(storage, nbytes, tag)
         return key
-
-    def held_bytes(self, tag: str) -> int:
-        return sum(s.nbytes for s in self._storages.values() if s.tag == tag and not s.asleep)
 
     def asleep_tags(self) -> set[str]:
         return {s.tag for s in self._storages.values() if s.asleep}

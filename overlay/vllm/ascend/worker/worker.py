@@ -202,10 +202,8 @@ class NPUWorker(Worker):
 
     def sleep(self, level: int = 1) -> None:
         self._require_sleep_mode()
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, not {level}")
         backend = self.sleep_mode_backend
-        backend.suspend(level, self._collect_sleep_storages())
+        backend.suspend(level, self._collect_sleep_storages())  # a bad level: refused, nothing released
         self._log_sleep(level, backend.report)
 
     def _collect_sleep_storages(self) -> dict[int, bool]:
@@ -238,9 +236,6 @@ class NPUWorker(Worker):
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._require_sleep_mode()
         self.sleep_mode_backend.resume(tags)
-        zeroer = getattr(self.model_runner, "kv_block_zeroer", None)
-        if zeroer is not None and (tags is None or "kv_cache" in tags):
-            self.model_runner._init_kv_zero_meta()  # it keeps the cache's addresses
 
     def discard(self, tags: tuple[str, ...]) -> None:
         self._require_sleep_mode()
@@ -250,8 +245,4 @@ class NPUWorker(Worker):
     def sleep_report(self) -> dict:
         """The last sleep's figures and what is asleep now (collective_rpc("sleep_report"))."""
         backend = self.sleep_mode_backend
-        return {
-            **backend.report.as_dict(),
-            "asleep": sorted(backend.asleep_tags()),
-            "held": {tag: backend.held_bytes(tag) for tag in ("weights", "kv_cache")},
-        }
+        return {**backend.report.as_dict(), "asleep": sorted(backend.asleep_tags())}
