@@ -58,6 +58,10 @@ class Device(ABC):
     def set_stream(self, stream) -> None:
         """Make ``stream`` the current one (``torch.cuda.set_stream(s)``)."""
 
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Keep ``tensor``'s memory until the work queued on ``stream`` is done."""
+        tensor.record_stream(stream)
+
     @abstractmethod
     def soc_generation(self) -> str:
         """ "A2", "A3", "other" (another Ascend SoC) or "host" (emulation): what the MoE

@@ -26,6 +26,12 @@ class _HostStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event=None):
+        return event if event is not None else _HostEvent()
+
+    def wait_event(self, event) -> None:
+        pass
+
 
 class _HostEvent:
     def __init__(self, **kwargs) -> None:
@@ -83,6 +89,9 @@ class HostDevice(Device):
 
     def set_stream(self, stream) -> None:
         pass
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        pass  # host tensors are freed when their last reference goes
 
     def soc_generation(self) -> str:
         return "host"

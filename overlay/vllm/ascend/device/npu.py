@@ -121,6 +121,9 @@ class NPUPathDevice(NPUDevice):
     def memory_allocated(self) -> int:
         return self._host.memory_allocated()
 
+    def record_stream(self, tensor, stream) -> None:
+        self._host.record_stream(tensor, stream)  # the tensors are host tensors
+
     def device_name(self, index: int = 0) -> str:
         return f"{super().device_name(index)} (NPU-path mode on the host CPU)"
 

@@ -345,6 +345,10 @@ class NPUPlatform(Platform):
         ascend_device.current().set_stream(stream)
 
     @classmethod
+    def record_tensor_stream(cls, tensor, stream) -> None:
+        ascend_device.current().record_stream(tensor, stream)
+
+    @classmethod
     def runs_model_runner_v2_without_triton(cls) -> bool:
         # the V2 kernels on the paths the platform allows have torch forms
         # (vllm.ascend.kernels.v2_runner, worker/block_tables.py)
