@@ -59,8 +59,9 @@ def _install_built_wheel(session: nox.Session) -> Path:
     shutil.rmtree(dist, ignore_errors=True)  # a wheel of another upstream must not linger
     _builder(session, "build", "--dist-dir", str(dist))
     [wheel] = sorted(dist.glob("*.whl"))
-    # with the Mooncake engine for CPU hosts: the P/D tests and benchmark move KV over it
-    session.install(f"{wheel}[mooncake-host]")
+    # with the Mooncake engine for CPU hosts (the P/D tests and benchmark move KV over it)
+    # and Ray (the multi-node tests start a local two-node Ray cluster)
+    session.install(f"{wheel}[mooncake-host,ray]")
     session.install("--force-reinstall", "--no-deps", str(wheel))  # same version, new bytes
     return wheel
 

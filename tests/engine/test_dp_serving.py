@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.engines import RUNNER_LINE, VllmServer
+from tests.support.engines import RUNNER_LINE, VllmServer, greedy_completion
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PROMPTS
 
@@ -67,17 +67,7 @@ def servers(tiny_models, tmp_path_factory):
 
 
 def _complete(server, prompt: str, max_tokens: int = MAX_TOKENS, timeout: float = 600) -> list[int]:
-    body = {
-        "model": str(server.model),
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=timeout)
-    response.raise_for_status()
-    return response.json()["choices"][0]["token_ids"]
+    return greedy_completion(server.url, server.model, prompt, max_tokens, timeout)
 
 
 def test_each_instance_runs_the_ascend_runner(servers):

@@ -24,10 +24,16 @@ from __future__ import annotations
 import concurrent.futures
 import re
 
-import httpx
 import pytest
 
-from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec, vllm_server
+from tests.support.engines import (
+    IN_PROCESS,
+    RUNNER_LINE,
+    clean_shutdown,
+    greedy_completion,
+    run_spec,
+    vllm_server,
+)
 from tests.support.models import make_model, quantize_model
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import LONG_PROMPTS, PROMPTS
@@ -151,20 +157,6 @@ def test_softmax_routed_moe_tp2_expert_parallel_strategies_equal_transformers(ti
     assert _strategies_used(output) == set(strategies)
 
 
-def _complete(base: str, model, prompt: str) -> list[int]:
-    body = {
-        "model": str(model),
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
-    response.raise_for_status()
-    return response.json()["choices"][0]["token_ids"]
-
-
 # name: (extra `vllm serve` arguments, prompts, strategies that must have run); the DeepSeek
 # case serves the quantized checkpoint
 DP_SERVERS = {
@@ -206,10 +198,12 @@ def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quan
     env = dp_collectives.recorder_env(recorded)
     with vllm_server(model, args, log, timeout=420, env=env) as base:
         # One request alone: the other DP rank has nothing to do and runs dummy steps.
-        first = _complete(base, model, prompts[1])
+        first = greedy_completion(base, model, prompts[1], MAX_TOKENS, 300)
         # Then every prompt at once, spread over both ranks.
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            got = dict(zip(prompts, pool.map(lambda p: _complete(base, model, p), prompts)))
+            got = dict(
+                zip(prompts, pool.map(lambda p: greedy_completion(base, model, p, MAX_TOKENS, 300), prompts))
+            )
         if quantized_model:
             quantized.check(name, prompts, [got[p] for p in prompts])
             alone, _ = compare([first], quantized.reference(prompts)[1:2])

@@ -80,6 +80,9 @@ def test_wheel_name_tag_and_reproducibility(wheels):
         r.startswith("mooncake-transfer-engine-non-cuda") and 'extra == "mooncake-host"' in r
         for r in requires
     )
+    # Ray only as an extra (the multi-node tests run the release it names)
+    assert any(r.startswith("ray") and 'extra == "ray"' in r for r in requires)
+    assert not any(r.startswith("ray") and "extra ==" not in r for r in requires)
     # What upstream's code imports for the served model families (docs/conformance.md).
     assert "numba==0.65.0" in requires
     assert f"torchvision=={pinned_version('torchvision')}" in requires

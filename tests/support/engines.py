@@ -71,11 +71,16 @@ def vllm_cli() -> str:
 
 
 class VllmServer:
-    """``vllm serve`` in host emulation on 127.0.0.1, started at once; ``wait`` until healthy."""
+    """``vllm serve`` in host emulation on 127.0.0.1, started at once; ``wait`` until healthy.
+    ``headless``: a node without an API server (``--headless``), for multi-node launches;
+    nothing to wait for, it serves through the head node."""
 
-    def __init__(self, model: Path, args: list[str], log: Path, env: dict | None = None):
+    def __init__(
+        self, model: Path, args: list[str], log: Path, env: dict | None = None, headless: bool = False
+    ):
         self.port, self.log = free_port(), log
-        cmd = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        front = ["--headless"] if headless else ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [vllm_cli(), "serve", str(model), *front, *args]
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 cmd,
@@ -104,7 +109,7 @@ class VllmServer:
                 )
             time.sleep(1)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 60) -> None:
         # SIGTERM to `vllm serve` alone, as a service manager stops it: its process manager
         # then stops the API servers and engine cores in order. Signalling the whole group
         # at once races them (with DP, an API server logs EngineDeadError as its engine
@@ -112,7 +117,7 @@ class VllmServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=grace)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
@@ -133,6 +138,21 @@ def vllm_server(model: Path, args: list[str], log: Path, timeout: float = 300, e
         yield server.url
     finally:
         server.stop()
+
+
+def greedy_completion(url: str, model: Path, prompt: str, max_tokens: int, timeout: float = 600) -> list[int]:
+    """One greedy `/v1/completions` request of exactly ``max_tokens`` tokens: their ids."""
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    response.raise_for_status()
+    return response.json()["choices"][0]["token_ids"]
 
 
 def clean_shutdown(output: str) -> None:

@@ -16,7 +16,8 @@ class HostEmulationPlatform(NPUPlatform):
     device_name: str = "cpu"
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
-    ray_device_key: str = "CPU"
+    # as on an NPU host: clusters declare `--resources '{"NPU": N}'` (Ray reserves "CPU")
+    ray_device_key: str = "NPU"
     dist_backend: str = "gloo"
     emulated: bool = True
 

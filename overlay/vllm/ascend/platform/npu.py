@@ -244,6 +244,9 @@ class NPUPlatform(Platform):
     dispatch_key: str = "PrivateUse1"
     ray_device_key: str = "NPU"
     device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    # Ray's NPU accelerator would narrow ASCEND_RT_VISIBLE_DEVICES per actor; upstream's
+    # Ray executor maps local ranks to the devices Ray assigned itself, so keep them all
+    ray_noset_device_env_vars: list[str] = ["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"]
     dist_backend: str = "hccl"
     simple_compile_backend: str = "eager"  # no inductor lowering for NPU here
     supported_quantization: list[str] = []

@@ -1,0 +1,208 @@
+"""Multi-node deployments, every "node" its own processes on 127.0.0.1 (host emulation, gloo
+between the nodes), each against transformers' greedy tokens:
+
+- vLLM's own launcher, ``--nnodes 2 --node-rank N --master-addr``, the second node
+  ``--headless``: TP=2 of the tiny Qwen2 and PP=2 of the tiny DeepSeek-V3 (MoE + MLA), one
+  rank per node;
+- data parallelism across nodes: DP=2 of the tiny Qwen2, rank 1 on a ``--headless`` node;
+- the Ray executor on a two-node local Ray cluster that this module starts (``ray start``
+  twice, each node declaring one NPU, as Ray's resource for Ascend is named), so TP=2 has to
+  place one worker on each node.
+
+A Ray node's platform is decided where its worker imports vLLM, so the Ray nodes are started
+with ``VLLM_ASCEND_EMULATE=1`` (on an NPU host, detection finds the devices). The
+``--nnodes`` and DP deployments start side by side; the Ray cluster after them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import RUNNER_LINE, VllmServer, greedy_completion
+from tests.support.oracle import hf_greedy
+from tests.support.ports import free_port
+from tests.support.prompts import PROMPTS
+
+MAX_TOKENS = 12
+COMMON = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+START_BOUND = 900  # seconds for every deployment of a group to be healthy (2 cores)
+
+
+def _nnodes(parallel: list[str]) -> tuple[list[str], list[str]]:
+    """Arguments of node 0 and node 1 for vLLM's own multi-node launch."""
+    shared = [*COMMON, *parallel, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port"]
+    shared.append(str(free_port()))
+    return [*shared, "--node-rank", "0"], [*shared, "--node-rank", "1"]
+
+
+def _dp_across_nodes() -> tuple[list[str], list[str]]:
+    shared = [
+        *COMMON,
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(free_port()),
+    ]
+    # one API server (upstream starts one per DP rank); a headless node takes no such flag
+    return [*shared, "--api-server-count", "1"], [*shared, "--data-parallel-start-rank", "1"]
+
+
+class Deployment:
+    """A head node with the API server and a ``--headless`` second node."""
+
+    def __init__(self, name: str, model: Path, args: tuple[list[str], list[str]], root: Path, env=None):
+        self.name, self.model = name, model
+        head, other = args
+        self.head = VllmServer(model, head, root / f"{name}.node0.log", env)
+        self.other = VllmServer(model, other, root / f"{name}.node1.log", env, headless=True)
+
+    def wait(self, deadline: float) -> None:
+        # the head waits for the other node forever: watch the other node meanwhile
+        while True:
+            if self.other.proc.poll() is not None:
+                pytest.fail(f"{self.name}: node 1 exited:\n{self.other.log.read_text()[-4000:]}")
+            with contextlib.suppress(pytest.fail.Exception):
+                self.head.wait(min(deadline, time.monotonic() + 5))
+                return
+            if time.monotonic() > deadline:
+                self.head.wait(deadline)  # fails with the head's log
+
+    def stop(self) -> None:
+        self.head.stop()
+        # upstream's headless TP/PP node keeps waiting for its worker once the head is gone
+        # and SIGTERM does not end that wait (vLLM 0.33.0): after 10 s its group is killed
+        self.other.stop(grace=10)
+
+    def logs(self) -> str:
+        return self.head.log.read_text() + self.other.log.read_text()
+
+
+def _complete_all(url: str, model: Path) -> list[list[int]]:
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: greedy_completion(url, model, p, MAX_TOKENS), PROMPTS))
+
+
+def _no_traceback_before_shutdown(name: str, text: str) -> None:
+    # up to the shutdown: the head's exit may reach a headless node as a lost peer
+    before = text.split("[shutdown]", 1)[0]
+    assert "Traceback" not in before, f"{name}:\n{before[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi_node")
+    started = {
+        "tp": Deployment("tp", tiny_models["qwen2"], _nnodes(["-tp", "2"]), root),
+        "pp": Deployment("pp", tiny_models["deepseek_v3"], _nnodes(["-pp", "2"]), root),
+        "dp": Deployment("dp", tiny_models["qwen2"], _dp_across_nodes(), root),
+    }
+    try:
+        deadline = time.monotonic() + START_BOUND
+        for deployment in started.values():
+            deployment.wait(deadline)
+        yield started
+    finally:
+        for deployment in started.values():
+            deployment.stop()
+    for name, deployment in started.items():
+        _no_traceback_before_shutdown(name, deployment.logs())
+
+
+@pytest.mark.parametrize("name", ["tp", "pp", "dp"])
+def test_two_node_launch_equals_transformers(deployments, name):
+    deployment = deployments[name]
+    got = _complete_all(deployment.head.url, deployment.model)
+    assert got == hf_greedy(deployment.model, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(("name", "rank_1"), [("tp", "Worker_TP1"), ("pp", "Worker_PP1")])
+def test_each_node_holds_one_rank_of_the_model(deployments, name, rank_1):
+    head = deployments[name].head.log.read_text()
+    # upstream's multiproc executor names the group it leads: two ranks, one on this node
+    assert re.search(r"DP group leader: node_rank=0, .*world_size=2, local_world_size=1", head), head[-3000:]
+    assert RUNNER_LINE in head and f"({rank_1} " not in head
+    other = deployments[name].other.log.read_text()
+    assert f"({rank_1} " in other and RUNNER_LINE not in other, other[-3000:]
+
+
+def test_dp_rank_1_runs_on_the_headless_node(deployments):
+    head, other = (log.read_text() for log in (deployments["dp"].head.log, deployments["dp"].other.log))
+    assert "(EngineCore_DP1 " in other and "(EngineCore_DP1 " not in head, other[-3000:]
+    assert RUNNER_LINE in other  # each replica's rank 0 says which runner it runs
+
+
+def _ray() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    assert exe.exists(), "ray is not installed: the wheel's `ray` extra brings it"
+    return str(exe)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(deployments, tmp_path_factory):
+    """Two Ray nodes on 127.0.0.1, one NPU each; after the launcher deployments stopped
+    (they share the fixture order, not the cores)."""
+    for deployment in deployments.values():
+        deployment.stop()
+    root = tmp_path_factory.mktemp("ray")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["VLLM_ASCEND_EMULATE"] = "1"
+    node = [
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        "1",
+        "--resources",
+        '{"NPU": 1}',
+        "--object-store-memory",
+        str(200 * 1024 * 1024),
+        "--disable-usage-stats",
+    ]
+    head = [_ray(), "start", "--head", "--port", str(port), "--include-dashboard=false", *node]
+    worker = [_ray(), "start", "--address", f"127.0.0.1:{port}", *node]
+    try:
+        for i, cmd in enumerate((head, worker)):
+            with open(root / f"ray-start-{i}.log", "w") as out:
+                subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=180, check=True)
+        yield {"address": f"127.0.0.1:{port}", "root": root}
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ray_server(ray_cluster, tiny_models):
+    model = tiny_models["qwen2"]
+    args = [*COMMON, "-tp", "2", "--distributed-executor-backend", "ray"]
+    server = VllmServer(
+        model, args, ray_cluster["root"] / "ray-tp.log", {"RAY_ADDRESS": ray_cluster["address"]}
+    )
+    try:
+        server.wait(time.monotonic() + START_BOUND)
+        yield server, model
+    finally:
+        server.stop()
+    _no_traceback_before_shutdown("ray", server.log.read_text())
+
+
+def test_ray_executor_on_two_nodes_equals_transformers(ray_server):
+    server, model = ray_server
+    assert _complete_all(server.url, model) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+    text = server.log.read_text()
+    assert "Connected to Ray cluster" in text, text[-3000:]
+    # upstream's placement check names every node that holds fewer NPUs than TP: both do
+    nodes = set(re.findall(r"reserved number of NPUs \(1 NPUs\) in a node (\w+)", text))
+    assert len(nodes) == 2, text[-3000:]
