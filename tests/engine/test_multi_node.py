@@ -11,7 +11,7 @@ between the nodes), each against transformers' greedy tokens:
 
 A Ray node's platform is decided where its worker imports vLLM, so the Ray nodes are started
 with ``VLLM_ASCEND_EMULATE=1`` (on an NPU host, detection finds the devices). The
-``--nnodes`` and DP deployments start side by side; the Ray cluster after them.
+``--nnodes`` deployments start side by side, then the DP one, then the Ray cluster.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -101,45 +102,72 @@ def _no_traceback_before_shutdown(name: str, text: str) -> None:
     assert "Traceback" not in before, f"{name}:\n{before[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def deployments(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("multi_node")
-    started = {
-        "tp": Deployment("tp", tiny_models["qwen2"], _nnodes(["-tp", "2"]), root),
-        "pp": Deployment("pp", tiny_models["deepseek_v3"], _nnodes(["-pp", "2"]), root),
-        "dp": Deployment("dp", tiny_models["qwen2"], _dp_across_nodes(), root),
-    }
+@contextlib.contextmanager
+def _running(deployments: dict[str, Deployment]):
+    """Started side by side; stopped (and their logs checked) when the block ends."""
     try:
         deadline = time.monotonic() + START_BOUND
-        for deployment in started.values():
+        for deployment in deployments.values():
             deployment.wait(deadline)
-        yield started
+        yield deployments
     finally:
-        for deployment in started.values():
+        for deployment in deployments.values():
             deployment.stop()
-    for name, deployment in started.items():
+    for name, deployment in deployments.items():
         _no_traceback_before_shutdown(name, deployment.logs())
 
 
-@pytest.mark.parametrize("name", ["tp", "pp", "dp"])
-def test_two_node_launch_equals_transformers(deployments, name):
-    deployment = deployments[name]
+def _stop(deployments: dict[str, Deployment]) -> None:
+    """Free the cores and memory for the next group (every group fits beside another
+    module's engines on 2 cores and 24 GB; all at once do not)."""
+    for deployment in deployments.values():
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def launcher(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi_node")
+    with _running(
+        {
+            "tp": Deployment("tp", tiny_models["qwen2"], _nnodes(["-tp", "2"]), root),
+            "pp": Deployment("pp", tiny_models["deepseek_v3"], _nnodes(["-pp", "2"]), root),
+        }
+    ) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def dp_nodes(launcher, tiny_models, tmp_path_factory):
+    _stop(launcher)
+    root = tmp_path_factory.mktemp("dp_across_nodes")
+    with _running({"dp": Deployment("dp", tiny_models["qwen2"], _dp_across_nodes(), root)}) as started:
+        yield started["dp"]
+
+
+@pytest.mark.parametrize("name", ["tp", "pp"])
+def test_two_node_launch_equals_transformers(launcher, name):
+    deployment = launcher[name]
     got = _complete_all(deployment.head.url, deployment.model)
     assert got == hf_greedy(deployment.model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(("name", "rank_1"), [("tp", "Worker_TP1"), ("pp", "Worker_PP1")])
-def test_each_node_holds_one_rank_of_the_model(deployments, name, rank_1):
-    head = deployments[name].head.log.read_text()
+def test_each_node_holds_one_rank_of_the_model(launcher, name, rank_1):
+    head = launcher[name].head.log.read_text()
     # upstream's multiproc executor names the group it leads: two ranks, one on this node
     assert re.search(r"DP group leader: node_rank=0, .*world_size=2, local_world_size=1", head), head[-3000:]
     assert RUNNER_LINE in head and f"({rank_1} " not in head
-    other = deployments[name].other.log.read_text()
+    other = launcher[name].other.log.read_text()
     assert f"({rank_1} " in other and RUNNER_LINE not in other, other[-3000:]
 
 
-def test_dp_rank_1_runs_on_the_headless_node(deployments):
-    head, other = (log.read_text() for log in (deployments["dp"].head.log, deployments["dp"].other.log))
+def test_dp_across_nodes_equals_transformers(dp_nodes):
+    got = _complete_all(dp_nodes.head.url, dp_nodes.model)
+    assert got == hf_greedy(dp_nodes.model, PROMPTS, MAX_TOKENS)
+
+
+def test_dp_rank_1_runs_on_the_headless_node(dp_nodes):
+    head, other = (log.read_text() for log in (dp_nodes.head.log, dp_nodes.other.log))
     assert "(EngineCore_DP1 " in other and "(EngineCore_DP1 " not in head, other[-3000:]
     assert RUNNER_LINE in other  # each replica's rank 0 says which runner it runs
 
@@ -151,15 +179,17 @@ def _ray() -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(deployments, tmp_path_factory):
-    """Two Ray nodes on 127.0.0.1, one NPU each; after the launcher deployments stopped
-    (they share the fixture order, not the cores)."""
-    for deployment in deployments.values():
-        deployment.stop()
+def ray_cluster(dp_nodes, tmp_path_factory):
+    """Two Ray nodes on 127.0.0.1, one NPU each, once the launcher deployments are stopped."""
+    _stop({"dp": dp_nodes})
     root = tmp_path_factory.mktemp("ray")
     port = free_port()
+    # Ray 2.60 turns token authentication on by itself once ~/.ray/auth_token exists (any
+    # local ray.init() writes one), and then a joining node without the token is refused:
+    # this cluster's own token, given to every node and to vLLM
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["VLLM_ASCEND_EMULATE"] = "1"
+    env.update(auth, VLLM_ASCEND_EMULATE="1")
     node = [
         "--node-ip-address",
         "127.0.0.1",
@@ -177,7 +207,7 @@ def ray_cluster(deployments, tmp_path_factory):
         for i, cmd in enumerate((head, worker)):
             with open(root / f"ray-start-{i}.log", "w") as out:
                 subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=180, check=True)
-        yield {"address": f"127.0.0.1:{port}", "root": root}
+        yield {"env": {"RAY_ADDRESS": f"127.0.0.1:{port}", **auth}, "root": root}
     finally:
         with contextlib.suppress(subprocess.SubprocessError):
             subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
@@ -187,9 +217,7 @@ def ray_cluster(deployments, tmp_path_factory):
 def ray_server(ray_cluster, tiny_models):
     model = tiny_models["qwen2"]
     args = [*COMMON, "-tp", "2", "--distributed-executor-backend", "ray"]
-    server = VllmServer(
-        model, args, ray_cluster["root"] / "ray-tp.log", {"RAY_ADDRESS": ray_cluster["address"]}
-    )
+    server = VllmServer(model, args, ray_cluster["root"] / "ray-tp.log", ray_cluster["env"])
     try:
         server.wait(time.monotonic() + START_BOUND)
         yield server, model

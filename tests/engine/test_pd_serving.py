@@ -153,7 +153,8 @@ class Proxy:
         self.model = prefill[0].model
 
     def wait(self) -> None:
-        deadline = time.monotonic() + 60
+        # its imports alone took over 60 s on 2 cores while another module started engines
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             try:
                 httpx.get(f"{self.url}/v1/models", timeout=2)
