@@ -91,13 +91,16 @@ class VllmServer:
             )
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def wait(self, deadline: float) -> None:
+    def wait(self, deadline: float, companions: tuple[VllmServer, ...] = ()) -> None:
+        """Until healthy; fails as soon as this server or a ``companions`` process (the
+        headless nodes it waits for) has exited."""
         while True:
-            if self.proc.poll() is not None:
-                pytest.fail(
-                    f"vllm serve ({self.log.name}) exited with {self.proc.returncode}:\n"
-                    f"{self.log.read_text()[-4000:]}"
-                )
+            for server in (self, *companions):
+                if server.proc.poll() is not None:
+                    pytest.fail(
+                        f"vllm serve ({server.log.name}) exited with {server.proc.returncode}:\n"
+                        f"{server.log.read_text()[-4000:]}"
+                    )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
