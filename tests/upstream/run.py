@@ -234,6 +234,15 @@ def run_pytest(
             "ascend_outcomes",
             "-p",
             "no:cacheprovider",
+            # pytest's hooks for exceptions raised in __del__ and in threads format the
+            # traceback with the traceback module, which on Python 3.11 calls ast.parse; a
+            # garbage collection inside pytest's own ast.parse (failure reports) then nests
+            # two parses and CPython 3.11.7 aborts the worker ("AST constructor recursion
+            # depth mismatch"). Without them Python's own hooks print those exceptions.
+            "-p",
+            "no:unraisableexception",
+            "-p",
+            "no:threadexception",
             "-q",
             "--continue-on-collection-errors",
             f"--timeout={timeout}",
