@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -42,7 +44,7 @@ def _python(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="module")
-def refusals(tiny_models) -> dict:
+def refusals(tiny_models, tmp_path_factory) -> dict:
     """Every start-up refusal below, each a `vllm serve` that must stop before serving,
     run two at a time (each is one CLI process whose import dominates; the tests read the
     results)."""
@@ -84,11 +86,23 @@ def refusals(tiny_models) -> dict:
         [sys.executable, "-c", f"from vllm import LLM; LLM({moe!r}, dtype='float32', enable_lora=True)"],
         dict(os.environ, VLLM_ASCEND_EMULATE="1"),
     )
+    windowed = _with_config(tiny_models["llama"], tmp_path_factory.mktemp("windowed"), sliding_window=8)
+    jobs["sliding_window_cli"] = _vllm_command(
+        "serve", str(windowed), "--dtype", "float32", "--port", "1", emulate="1"
+    )
     for i, (args, _) in enumerate(CONTEXT_PARALLEL_REFUSALS):
         jobs[("context_parallel", i)] = _vllm_command(
             "serve", qwen2, "--dtype", "float32", "--port", "1", *args, emulate="1"
         )
     return run_concurrently(jobs, workers=2, timeout=600)
+
+
+def _with_config(model: Path, out: Path, **changes) -> Path:
+    """A copy of a tiny model whose config.json has ``changes``."""
+    shutil.copytree(model, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
 
 
 def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
@@ -236,6 +250,18 @@ def test_upstream_cleanup_helper_works_in_a_test_process():
         {"VLLM_ASCEND_EMULATE": "1"},
     )
     assert result.returncode == 0 and "CLEAN 0" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_model_feature_the_backends_lack_is_one_line_before_any_process_starts(refusals):
+    """A Llama whose config declares an 8-token sliding window (upstream applies it to every
+    layer); the configurations themselves: tests/unit/platform/test_model_features.py."""
+    result = refusals["sliding_window_cli"]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: not supported on Ascend yet: sliding-window attention (a window of 8 tokens on 2 of 2 layers"
+    ), last
+    assert "EngineCore" not in result.stdout + result.stderr
 
 
 def test_speculative_settings_the_platform_cannot_run_are_one_line(refusals):

@@ -143,6 +143,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             "alibi_slopes": alibi_slopes,
             "sliding_window": sliding_window,
             "logits_soft_cap": logits_soft_cap,
+            "sinks": extra.get("sinks"),
         }
         for name, value in unsupported.items():
             if value is not None:

@@ -180,6 +180,8 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
             raise NotImplementedError("Ascend MLA supports decoder self-attention only")
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap is not None:
             raise NotImplementedError("Ascend MLA does not support alibi, sliding window or soft cap")
+        if mla_args.get("sinks") is not None:
+            raise NotImplementedError("Ascend MLA does not support attention sinks")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

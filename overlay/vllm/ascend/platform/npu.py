@@ -19,6 +19,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend.errors import AscendConfigError, AscendStartupError
+from vllm.ascend.platform.model_features import check_model_features
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -521,6 +522,8 @@ class NPUPlatform(Platform):
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")
         _check_runner(vllm_config)
+        if model_config is not None:
+            check_model_features(vllm_config)
         if vllm_config.lora_config is not None and model_config is not None:
             _check_lora(model_config)
         if model_config is not None and model_config.enable_sleep_mode:

@@ -1,0 +1,85 @@
+"""Model features the Ascend attention and MoE backends do not implement yet, read from
+the model's config when the platform checks the engine config: in the process that builds
+it, before any engine-core or worker process is spawned. One error names every such
+feature of the model and what the user can do.
+
+The backends refuse the same features again when a layer is built (the layer is the
+authority: a model may apply a feature its config does not announce in a form read here),
+so a model missed here still stops, as a worker error."""
+
+from __future__ import annotations
+
+from vllm.ascend.errors import AscendConfigError
+
+# Architectures whose upstream implementation gives every attention layer ALiBi slopes,
+# and those that do when their config says so.
+ALIBI_ARCHITECTURES = {"BloomForCausalLM", "Step1ForCausalLM"}
+ALIBI_WHEN_CONFIGURED = {"FalconForCausalLM": "alibi", "RWForCausalLM": "alibi"}
+# Attention with one learned sink logit per head.
+SINK_MODEL_TYPES = {"gpt_oss"}
+# MoE experts whose activation is not SiLU-gated (the Ascend expert kernels' only form).
+MOE_ACTIVATIONS = {"gpt_oss": "a clamped SwiGLU (swigluoai)"}
+
+
+def sliding_window_layers(vllm_config) -> tuple[int | None, int, int]:
+    """(window, layers that use it, layers) as upstream applies it: the model-level window
+    (``cache_config.sliding_window``, set when every layer slides or the config lists no
+    layer types) reaches every attention layer; otherwise the layers ``layer_types`` marks
+    ``sliding_attention`` get the config's window."""
+    hf = vllm_config.model_config.hf_text_config
+    layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
+    window = vllm_config.model_config.get_sliding_window()
+    if not window:
+        return None, 0, layers
+    if vllm_config.cache_config.sliding_window is not None:
+        return vllm_config.cache_config.sliding_window, layers, layers
+    kinds = getattr(hf, "layer_types", None) or []
+    return window, sum(kind == "sliding_attention" for kind in kinds), layers
+
+
+def unsupported_features(vllm_config) -> list[str]:
+    """Each unsupported feature of this model and configuration, as a phrase that says
+    what to do where something can be done."""
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    found = []
+    window, sliding, layers = sliding_window_layers(vllm_config)
+    if sliding:
+        found.append(
+            f"sliding-window attention (a window of {window} tokens on {sliding} of {layers} layers; "
+            f"--disable-sliding-window serves it with full attention and max-model-len capped "
+            f"to {window})"
+        )
+    soft_cap = getattr(hf, "attn_logit_softcapping", None)
+    if soft_cap:
+        found.append(f"attention logit soft-capping (attn_logit_softcapping={soft_cap})")
+    architectures = set(model.architectures or ())
+    if architectures & ALIBI_ARCHITECTURES or any(
+        getattr(model.hf_config, key, False)
+        for arch, key in ALIBI_WHEN_CONFIGURED.items()
+        if arch in architectures
+    ):
+        found.append("ALiBi position biases")
+    model_type = getattr(model.hf_config, "model_type", None)
+    if model_type in SINK_MODEL_TYPES or getattr(hf, "attention_sinks", False):
+        found.append("attention sinks")
+    if model_type in MOE_ACTIVATIONS:
+        found.append(f"MoE experts with {MOE_ACTIVATIONS[model_type]} activation")
+    if hasattr(hf, "index_topk"):
+        found.append("sparse attention (DeepSeek V3.2's indexer)")
+    kind = model.attn_type
+    if kind in ("encoder_only", "encoder_decoder"):
+        found.append(f"{kind.replace('_', '-')} attention (the Ascend backends run decoder self-attention)")
+    elif kind in ("hybrid", "attention_free"):
+        found.append("state-space or linear-attention layers (upstream's kernels for them need Triton)")
+    if vllm_config.parallel_config.enable_eplb:
+        found.append("expert-parallel load balancing (drop --enable-eplb)")
+    return found
+
+
+def check_model_features(vllm_config) -> None:
+    found = unsupported_features(vllm_config)
+    if found:
+        raise AscendConfigError(
+            f"not supported on Ascend yet: {'; '.join(found)} (docs/runtime.md, 'Supported models')"
+        )

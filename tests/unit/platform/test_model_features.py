@@ -1,0 +1,219 @@
+"""Model features the Ascend backends do not implement are refused while upstream's
+EngineArgs builds the engine config (the platform's check), in one AscendConfigError that
+names each feature, before any engine process exists. The configs are transformers'
+config classes with tiny sizes, written as config.json; no weights are needed to build a
+config."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+from transformers import (
+    BertConfig,
+    BloomConfig,
+    FalconConfig,
+    Gemma2Config,
+    GptOssConfig,
+    LlamaConfig,
+    MambaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from vllm.ascend.errors import AscendConfigError
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+WINDOW = 64
+FEATURES = (
+    "sliding-window attention",
+    "soft-capping",
+    "ALiBi",
+    "attention sinks",
+    "MoE experts",
+    "sparse attention",
+    "encoder-only",
+    "encoder-decoder",
+    "state-space",
+    "expert-parallel load balancing",
+)
+
+
+@pytest.fixture(autouse=True)
+def inspect_models_in_this_process(monkeypatch):
+    # Upstream inspects each architecture in a fresh Python process (about 25 s here, once
+    # per architecture and machine); the same inspection in this process takes a second.
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+
+
+def _engine_config(tmp_path, hf_config, **engine_args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    hf_config.save_pretrained(tmp_path)
+    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", **engine_args)
+    return args.create_engine_config()
+
+
+def _sliding(layers: int, of: int) -> str:
+    return f"sliding-window attention (a window of {WINDOW} tokens on {layers} of {of} layers"
+
+
+# (name, config, engine args, the phrases the error names; None: accepted)
+CASES = [
+    ("llama", lambda: LlamaConfig(architectures=["LlamaForCausalLM"], **SMALL), {}, None),
+    (
+        "mistral",  # a model-level window: upstream gives it to every layer
+        lambda: MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL),
+        {},
+        [
+            _sliding(2, 2),
+            f"--disable-sliding-window serves it with full attention and max-model-len capped to {WINDOW}",
+        ],
+    ),
+    (
+        "llama-with-window",  # Phi-3 style: a window in a Llama config, again on every layer
+        lambda: LlamaConfig(architectures=["LlamaForCausalLM"], sliding_window=WINDOW, **SMALL),
+        {},
+        [_sliding(2, 2)],
+    ),
+    (
+        "qwen2-windowless-layers",  # use_sliding_window, but max_window_layers covers every layer
+        lambda: Qwen2Config(
+            architectures=["Qwen2ForCausalLM"],
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=2,
+            **SMALL,
+        ),
+        {},
+        None,
+    ),
+    (
+        "gemma2",  # alternating sliding and full layers, soft-capped attention logits
+        lambda: Gemma2Config(
+            architectures=["Gemma2ForCausalLM"], sliding_window=WINDOW, head_dim=16, **SMALL
+        ),
+        {},
+        [_sliding(1, 2), "attention logit soft-capping (attn_logit_softcapping=50.0)"],
+    ),
+    (
+        "gpt-oss",
+        lambda: GptOssConfig(
+            architectures=["GptOssForCausalLM"],
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            head_dim=16,
+            **SMALL,
+        ),
+        {},
+        [_sliding(1, 2), "attention sinks", "MoE experts with a clamped SwiGLU (swigluoai) activation"],
+    ),
+    (
+        "bloom",
+        lambda: BloomConfig(
+            architectures=["BloomForCausalLM"], hidden_size=64, n_layer=2, n_head=4, vocab_size=256
+        ),
+        {},
+        ["ALiBi position biases"],
+    ),
+    (
+        "falcon-alibi",
+        lambda: FalconConfig(
+            architectures=["FalconForCausalLM"],
+            alibi=True,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=256,
+        ),
+        {},
+        ["ALiBi position biases"],
+    ),
+    (
+        "falcon-rotary",
+        lambda: FalconConfig(
+            architectures=["FalconForCausalLM"],
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=256,
+        ),
+        {},
+        None,
+    ),
+    (
+        "bert-embeddings",
+        lambda: BertConfig(
+            architectures=["BertModel"],
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=256,
+        ),
+        {"runner": "pooling"},
+        ["encoder-only attention"],
+    ),
+    (
+        "mamba",
+        lambda: MambaConfig(
+            architectures=["MambaForCausalLM"], hidden_size=64, num_hidden_layers=2, vocab_size=256
+        ),
+        {},
+        ["state-space or linear-attention layers"],
+    ),
+]
+
+
+@pytest.mark.parametrize("name, make, engine_args, named", CASES, ids=[c[0] for c in CASES])
+def test_unsupported_model_features_are_named_when_the_config_is_built(
+    tmp_path, name, make, engine_args, named
+):
+    if named is None:
+        _engine_config(tmp_path, make(), **engine_args)
+        return
+    with pytest.raises(AscendConfigError) as refused:
+        _engine_config(tmp_path, make(), **engine_args)
+    message = str(refused.value)
+    assert message.startswith("not supported on Ascend yet: "), message
+    for phrase in named:
+        assert phrase in message, message
+    for feature in FEATURES:  # and nothing else
+        assert (feature in message) == any(feature in phrase for phrase in named), (feature, message)
+
+
+def test_the_suggested_way_out_of_a_sliding_window_runs(tmp_path):
+    config = MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL)
+    built = _engine_config(tmp_path, config, disable_sliding_window=True)
+    assert built.model_config.max_model_len == WINDOW
+    assert built.model_config.get_sliding_window() is None and built.cache_config.sliding_window is None
+
+
+def test_eplb_is_refused_by_name(tmp_path):
+    config = LlamaConfig(architectures=["LlamaForCausalLM"], **SMALL)
+    from vllm.ascend.platform.model_features import unsupported_features
+
+    built = _engine_config(tmp_path, config)
+    built.parallel_config.enable_eplb = True  # upstream accepts it only with an MoE model and EP
+    assert unsupported_features(built) == ["expert-parallel load balancing (drop --enable-eplb)"]
+
+
+def test_the_python_api_raises_before_any_process_starts(tmp_path):
+    from vllm import LLM
+
+    MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(AscendConfigError, match="sliding-window attention"):
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32")
+    assert multiprocessing.active_children() == []
