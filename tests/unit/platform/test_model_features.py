@@ -19,6 +19,7 @@ from transformers import (
     MambaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3MoeConfig,
 )
 
 from vllm.ascend.errors import AscendConfigError
@@ -44,6 +45,8 @@ FEATURES = (
     "encoder-decoder",
     "state-space",
     "expert-parallel load balancing",
+    "MoE routing simulation",
+    "MoE expert substitution",
 )
 
 
@@ -190,6 +193,28 @@ def test_unsupported_model_features_are_named_when_the_config_is_built(
         assert phrase in message, message
     for feature in FEATURES:  # and nothing else
         assert (feature in message) == any(feature in phrase for phrase in named), (feature, message)
+
+
+def _qwen3_moe(**extra):
+    return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        **SMALL,
+        **extra,
+    )
+
+
+def test_moe_options_that_change_routes_are_refused(tmp_path, monkeypatch):
+    _engine_config(tmp_path / "plain", _qwen3_moe())  # the model itself runs
+    with pytest.raises(AscendConfigError, match=r"yet: MoE expert substitution \(approximate_experts\) \("):
+        _engine_config(tmp_path / "substituted", _qwen3_moe(approximate_experts={"1": [3]}))
+    monkeypatch.setenv("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "uniform_random")
+    with pytest.raises(
+        AscendConfigError, match=r"MoE routing simulation \(unset VLLM_MOE_ROUTING_SIMULATION_STRATEGY\)"
+    ):
+        _engine_config(tmp_path / "simulated", _qwen3_moe())
 
 
 def test_the_suggested_way_out_of_a_sliding_window_runs(tmp_path):

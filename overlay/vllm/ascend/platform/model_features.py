@@ -72,8 +72,24 @@ def unsupported_features(vllm_config) -> list[str]:
         found.append(f"{kind.replace('_', '-')} attention (the Ascend backends run decoder self-attention)")
     elif kind in ("hybrid", "attention_free"):
         found.append("state-space or linear-attention layers (upstream's kernels for them need Triton)")
+    if model.is_moe:
+        found += _moe_route_changes(model)
     if vllm_config.parallel_config.enable_eplb:
         found.append("expert-parallel load balancing (drop --enable-eplb)")
+    return found
+
+
+def _moe_route_changes(model) -> list[str]:
+    """Upstream options that change an MoE layer's routes between routing and experts (the
+    Ascend MoE routes and runs the experts in one method)."""
+    import vllm.envs as vllm_envs
+    from vllm.model_executor.layers.fused_moe.expert_substitution import get_expert_substitution_spec
+
+    found = []
+    if vllm_envs.VLLM_MOE_ROUTING_SIMULATION_STRATEGY:
+        found.append("MoE routing simulation (unset VLLM_MOE_ROUTING_SIMULATION_STRATEGY)")
+    if get_expert_substitution_spec(model) is not None:
+        found.append("MoE expert substitution (approximate_experts)")
     return found
 
 
