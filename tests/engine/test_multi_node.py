@@ -173,7 +173,7 @@ def _ray() -> str:
 @pytest.fixture(scope="module")
 def ray_cluster(dp_nodes, tmp_path_factory):
     """Two Ray nodes on 127.0.0.1, one NPU each, once the launcher deployments are stopped."""
-    _stop({"dp": dp_nodes})
+    dp_nodes.stop()
     root = tmp_path_factory.mktemp("ray")
     port = free_port()
     # Ray 2.60 turns token authentication on by itself once ~/.ray/auth_token exists (any

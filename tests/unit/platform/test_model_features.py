@@ -24,15 +24,10 @@ from transformers import (
 
 from vllm.ascend.errors import AscendConfigError
 
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
+# the sizes every config class below takes by these names
+TINY = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256)
+HEADS = dict(TINY, num_attention_heads=4)
+SMALL = dict(HEADS, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=512)
 WINDOW = 64
 FEATURES = (
     "sliding-window attention",
@@ -131,47 +126,25 @@ CASES = [
     ),
     (
         "falcon-alibi",
-        lambda: FalconConfig(
-            architectures=["FalconForCausalLM"],
-            alibi=True,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=256,
-        ),
+        lambda: FalconConfig(architectures=["FalconForCausalLM"], alibi=True, **HEADS),
         {},
         ["ALiBi position biases"],
     ),
     (
         "falcon-rotary",
-        lambda: FalconConfig(
-            architectures=["FalconForCausalLM"],
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=256,
-        ),
+        lambda: FalconConfig(architectures=["FalconForCausalLM"], **HEADS),
         {},
         None,
     ),
     (
         "bert-embeddings",
-        lambda: BertConfig(
-            architectures=["BertModel"],
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            vocab_size=256,
-        ),
+        lambda: BertConfig(architectures=["BertModel"], intermediate_size=128, **HEADS),
         {"runner": "pooling"},
         ["encoder-only attention"],
     ),
     (
         "mamba",
-        lambda: MambaConfig(
-            architectures=["MambaForCausalLM"], hidden_size=64, num_hidden_layers=2, vocab_size=256
-        ),
+        lambda: MambaConfig(architectures=["MambaForCausalLM"], **TINY),
         {},
         ["state-space or linear-attention layers"],
     ),

@@ -83,14 +83,29 @@ def _moe_route_changes(model) -> list[str]:
     """Upstream options that change an MoE layer's routes between routing and experts (the
     Ascend MoE routes and runs the experts in one method)."""
     import vllm.envs as vllm_envs
-    from vllm.model_executor.layers.fused_moe.expert_substitution import get_expert_substitution_spec
 
     found = []
     if vllm_envs.VLLM_MOE_ROUTING_SIMULATION_STRATEGY:
         found.append("MoE routing simulation (unset VLLM_MOE_ROUTING_SIMULATION_STRATEGY)")
-    if get_expert_substitution_spec(model) is not None:
-        found.append("MoE expert substitution (approximate_experts)")
+    if _mentions_expert_substitution(model):
+        # upstream's parser decides (an empty declaration substitutes nothing); importing it
+        # loads the fused-MoE package, ~2.5 s in the API server, so only when declared
+        from vllm.model_executor.layers.fused_moe.expert_substitution import get_expert_substitution_spec
+
+        if get_expert_substitution_spec(model) is not None:
+            found.append("MoE expert substitution (approximate_experts)")
     return found
+
+
+def _mentions_expert_substitution(model) -> bool:
+    """The config keys upstream's expert substitution reads."""
+    if any(
+        getattr(c, "approximate_experts", None) is not None for c in (model.hf_text_config, model.hf_config)
+    ):
+        return True
+    compression = getattr(model.hf_config, "compression_config", None)
+    transform = compression.get("transform_config") if isinstance(compression, dict) else None
+    return isinstance(transform, dict) and "expert_substitution" in transform
 
 
 def check_model_features(vllm_config) -> None:
