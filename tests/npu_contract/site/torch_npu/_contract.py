@@ -220,5 +220,8 @@ def install(module) -> None:
     _load_meta_functions(wheel)
     _export_names(module, data["schemas"], wheel)
     module.__version__ = data["torch_npu"]["version"]
+    from . import _graphs
+
+    _graphs.install(module, wheel)
     atexit.register(_write_call_log)
     _syncs.install()

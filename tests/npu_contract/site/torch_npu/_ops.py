@@ -1500,11 +1500,64 @@ def npu_moe_gating_top_k(**a):
     return y.to(x.dtype), idx.to(torch.int32), norm_out
 
 
+# -- the graph forms torch_npu's capture handler swaps in (npugraph_handlers/ifa_handler.py) --
+def npu_fused_infer_attention_score_out(**a):
+    """``.out``: the same attention, written into the caller's ``out`` pair."""
+    out, _ = a.pop("out"), a.pop("workspace")
+    require(
+        len(out) == 2,
+        FIA,
+        "FIA.out_pair",
+        f"out has {len(out)} tensors, expected [attention_out, softmax_lse]",
+    )
+    result = npu_fused_infer_attention_score(**a)
+    require(
+        out[0].shape == result[0].shape and out[0].dtype == result[0].dtype,
+        FIA,
+        "FIA.out_pair",
+        f"out[0] is {tuple(out[0].shape)} {out[0].dtype}, the op gives {tuple(result[0].shape)} {result[0].dtype}",
+    )
+    out[0].copy_(result[0])
+    if a["softmax_lse_flag"]:
+        out[1].copy_(result[1])
+    return out[0], out[1]
+
+
+def fia_infer_output(
+    query,
+    value,
+    input_layout,
+    quant_scale2,
+    block_table,
+    num_heads,
+    num_key_value_heads,
+    softmax_lse_flag,
+    query_rope,
+):
+    """Unwritten outputs shaped as the attention gives them (a host-side allocation)."""
+    if quant_scale2 is not None:
+        raise unmodelled(FIA, "infer_output with quant_scale2 (int8 output)")
+    if softmax_lse_flag:
+        shape = [*query.shape[:2], 1] if input_layout == "TND" else [*query.shape[:3], 1]
+        lse = torch.empty(shape, dtype=torch.float32)
+    else:
+        lse = torch.zeros(1, dtype=torch.float32)
+    return torch.empty_like(query), lse
+
+
+def fia_max_workspace(**a):
+    """The workspace the graph task keeps; the double's attention needs none."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
 KERNELS = {
     "npu": {
         GTKS: npu_moe_gating_top_k_softmax,
         GTK: npu_moe_gating_top_k,
         FIA: npu_fused_infer_attention_score,
+        FIA + ".out": npu_fused_infer_attention_score_out,
+        "_" + FIA + "_infer_output": fia_infer_output,
+        "_" + FIA + "_get_max_workspace": fia_max_workspace,
         "npu_scatter_nd_update_": npu_scatter_nd_update_,
         "npu_grouped_matmul": npu_grouped_matmul,
         "npu_swiglu": npu_swiglu,

@@ -75,6 +75,11 @@ RULES: dict[str, Rule] = {
             "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 数据类型支持float16、bfloat16、int8、int4(int32).",
         ),
         Rule("FIA.kv_same_shape", DOCS, "参数key、value中对应tensor的shape需要完全一致"),
+        Rule(
+            "FIA.out_pair",
+            "torch_npu/npu/_npugraph_handlers/ifa_handler.py",
+            'kwargs["out"] = [output, softmax_lse]',
+        ),
         # TND without page attention ("TND场景下query、key、value输入的综合限制"): K and V may
         # differ in D there (FIA.tnd_dense_d), so kv_same_shape is not applied to that form.
         Rule("FIA.tnd_dense_t", DOCS, "T小于等于65536;"),

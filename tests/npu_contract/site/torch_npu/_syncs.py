@@ -83,6 +83,12 @@ def _site_and_region() -> tuple[str, bool]:
 def _record(what: str) -> None:
     if in_flight == 0 or _kernel_depth:
         return
+    graphs = sys.modules.get("torch_npu._graphs")
+    if graphs is not None and graphs.capturing is not None:
+        raise graphs.GraphCaptureError(
+            f"{what} reads a device value on the host during NPU graph capture "
+            f"({_site_and_region()[0]}); the device refuses this: the value does not exist until replay"
+        )
     site, in_region = _site_and_region()
     entry = records[f"{site}: {what}"]
     entry["calls"] += 1
@@ -140,6 +146,9 @@ def _data_sized_repeat(self, args, kwargs) -> bool:
     return isinstance(repeats, torch.Tensor)
 
 
+_wrapped = False
+
+
 def install() -> None:
     """Count host synchronisations in this process (only with the log variable set)."""
     global _regions
@@ -149,6 +158,16 @@ def install() -> None:
     _regions = frozenset(
         n.strip() for n in os.environ.get(REGION_VARIABLE, "model_forward").split(",") if n.strip()
     )
+    ensure_wrappers()
+    atexit.register(_write, Path(directory))
+
+
+def ensure_wrappers() -> None:
+    """Watch host reads from now on (counting them, or refusing them in a graph capture)."""
+    global _wrapped
+    if _wrapped:
+        return
+    _wrapped = True
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         _wrap_method(name)
     _wrap_method("to", _to_host)
@@ -158,7 +177,6 @@ def install() -> None:
         _wrap_function(name)
     _wrap_method("repeat_interleave", _data_sized_repeat)
     _wrap_function("repeat_interleave", _data_sized_repeat)
-    atexit.register(_write, Path(directory))
 
 
 def _write(directory: Path) -> None:

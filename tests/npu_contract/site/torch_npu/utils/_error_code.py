@@ -1,4 +1,4 @@
-"""Stub of ``torch_npu.utils._error_code``: the names torch_npu's meta functions import."""
+"""Stub of ``torch_npu.utils._error_code``: the names torch_npu's meta functions and graph code import."""
 
 from enum import Enum
 
@@ -10,7 +10,12 @@ class ErrCode(Enum):
     VALUE = (3, "invalid value")
     NOT_SUPPORT = (7, "feature not supported")
     INTERNAL = (5, "internal error")
+    UNAVAIL = (6, "feature unavailable")
 
 
 def ops_error(error) -> str:
+    return f" [contract double: {getattr(error, 'name', error)}]"
+
+
+def pta_error(error) -> str:
     return f" [contract double: {getattr(error, 'name', error)}]"

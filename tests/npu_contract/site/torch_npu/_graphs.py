@@ -1,0 +1,518 @@
+"""NPU graphs in the double: capture records, replay re-runs, update rewrites a task.
+
+torch_npu's Python graph API (``torch_npu/npu/graphs.py`` and the op handlers in
+``torch_npu/npu/_npugraph_handlers/``) is loaded unmodified from the pinned wheel, as the
+meta functions are; this module stands in for what it calls in ``torch_npu._C``
+(``_NPUGraph``, ``_graph_pool_handle``, ``_npu_isCurrentStreamCapturing``,
+``_graph_task_group_begin``/``_end``, ``_graph_task_update_begin``/``_end``,
+``_weak_ref_tensor``) and for ``torch.npu.ExternalEvent``.
+
+What the device does, and so what the double does:
+
+- **Capture launches nothing.** Each op that reaches the dispatcher between
+  ``capture_begin`` and ``capture_end`` is recorded with its arguments: tensors by their
+  memory, every Python value (ints, lists, shapes, strings) frozen as it was. Nothing runs:
+  memory that existed before the capture is not written, and outputs are new, unwritten
+  memory (floating outputs are NaN) from the graph's pool, which lives as long as the graph.
+  Views, allocations and the host-side helpers torch_npu's handlers call
+  (``*_get_max_workspace``, ``*_infer_output``) run, since they launch nothing.
+- **Host reads of device values are errors during capture**: ``item()``/``bool()`` and
+  the other reads the double counts as synchronisations (``_syncs.py``), and ops whose
+  output size depends on device data (no meta function can size them).
+- **Replay re-runs exactly the recorded ops** on the recorded memory, with the frozen
+  Python values, through the double's kernels (their documented rules are checked then).
+- **Memory from before the capture is held by address, not owned**: if it was freed
+  (a buffer re-allocated after capture), replay fails naming the op and argument, where
+  the device would read freed memory.
+- **Update** (``NPUGraph.update`` → ``graph_task_update_begin`` … ``_end``): the op called
+  between the two replaces the captured task of that task group, with its new Python values;
+  it runs nothing either.
+
+One liberty the double takes: torch_npu's graph code records a device tensor by address
+(``TensorWeakRef``) and deep-copies anything else. The double's tensors are CPU tensors
+standing for device tensors, so a ``deepcopy`` of a tensor made by that code returns the
+tensor itself, as its weak reference would on a device.
+
+Only one capture at a time per process, as torch_npu documents.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import linecache
+import sys
+import types
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _python_dispatch as dispatch_modes
+from torch.utils._pytree import tree_map
+
+from . import _syncs
+
+
+class GraphCaptureError(RuntimeError):
+    """What the device refuses during capture (a host read, a data-dependent size)."""
+
+
+class StaleGraphInput(RuntimeError):
+    """A captured graph would read memory freed since its capture."""
+
+
+_GRAPH_MODULES = ("torch_npu.npu.graphs", "torch_npu.npu._npugraph_handlers.npugraph_handler")
+# Helpers torch_npu's handlers call during capture to allocate an op's workspace and outputs.
+_HOST_SIDE = frozenset(
+    {
+        "_npu_fused_infer_attention_score_get_max_workspace",
+        "_npu_fused_infer_attention_score_infer_output",
+        "_npu_fused_infer_attention_score_v2_get_max_workspace",
+        "_npu_fused_infer_attention_score_v2_infer_output",
+    }
+)
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+_HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
+
+capturing: _Graph | None = None
+_updating: tuple[_Graph, int, _Recorder] | None = None
+_handles = itertools.count(1)
+
+
+# -- recorded arguments --------------------------------------------------------------------
+class _Memory:
+    """A tensor argument as a device task holds it: its memory and its view of it."""
+
+    __slots__ = ("strong", "weak", "offset", "size", "stride", "dtype", "ptr")
+
+    def __init__(self, tensor: torch.Tensor, owned: bool) -> None:
+        storage = tensor.untyped_storage()
+        self.strong = storage if owned else None
+        self.weak = None if owned else StorageWeakRef(storage)
+        self.offset, self.size, self.stride = tensor.storage_offset(), tuple(tensor.shape), tensor.stride()
+        self.dtype, self.ptr = tensor.dtype, storage.data_ptr()
+
+    def tensor(self, where: str) -> torch.Tensor:
+        storage = self.strong
+        if storage is None:
+            if self.weak.expired():
+                raise StaleGraphInput(
+                    f"{where}: the graph reads memory at 0x{self.ptr:x} that was freed after capture "
+                    "(a buffer re-allocated since?); keep captured inputs alive and copy new values "
+                    "into them, or capture again"
+                )
+            storage = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+class _Task:
+    __slots__ = ("func", "args", "kwargs", "outputs", "group")
+
+    def __init__(self, func, args, kwargs, outputs, group) -> None:
+        self.func, self.args, self.kwargs, self.outputs, self.group = func, args, kwargs, outputs, group
+
+    def run(self) -> None:
+        where = str(self.func)
+
+        def live(value):
+            return value.tensor(where) if isinstance(value, _Memory) else value
+
+        result = self.func(*tree_map(live, self.args), **tree_map(live, self.kwargs))
+        if self.outputs is not None:  # a functional op: its result goes where capture placed it
+            flat = result if isinstance(result, (list, tuple)) else [result]
+            for out, got in zip(self.outputs, flat):
+                if isinstance(out, torch.Tensor) and isinstance(got, torch.Tensor):
+                    out.copy_(got)
+
+
+# -- the graph ----------------------------------------------------------------------------
+class _Graph:
+    """``torch_npu._C._NPUGraph`` as the double models it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._tasks: list[_Task] = []
+        self._pool_storages: dict[int, torch.UntypedStorage] = {}
+        self._pool = None
+        self._captured = False
+        self._recorder: _Recorder | None = None
+        self._open_group: int | None = None
+        self._groups: dict[int, list[int]] = {}
+
+    # capture ---------------------------------------------------------------------------
+    def capture_begin(self, pool=None, capture_error_mode="global", report_shape=True) -> None:
+        global capturing
+        if capturing is not None:
+            raise GraphCaptureError("another NPU graph capture is underway in this process")
+        self.reset()
+        self._pool = pool if pool is not None else _graph_pool_handle()
+        capturing = self
+        _syncs.ensure_wrappers()
+        _syncs.drained()
+        self._recorder = _Recorder(self)
+        _push_below_graph_modes(self._recorder)
+
+    def capture_end(self) -> None:
+        global capturing
+        if capturing is not self:
+            raise GraphCaptureError("capture_end without a capture underway on this graph")
+        _remove_below_graph_modes(self._recorder)
+        self._recorder = None
+        capturing = None
+        if self._open_group is not None:
+            raise GraphCaptureError("capture ended inside a task group (graph_task_group_begin without _end)")
+        self._captured = True
+
+    def replay(self) -> None:
+        if not self._captured:
+            raise GraphCaptureError("replay of a graph that was not captured")
+        if capturing is not None:
+            raise GraphCaptureError("replay during a capture")
+        with dispatch_modes._disable_current_modes(), torch.inference_mode():
+            for task in self._tasks:
+                if task is not None:
+                    task.run()
+        _syncs.launched()
+
+    def reset(self) -> None:
+        self._tasks, self._pool_storages, self._groups = [], {}, {}
+        self._captured, self._open_group = False, None
+
+    def pool(self):
+        return self._pool
+
+    # the double's own read-outs, for tests and the graph benchmark
+    def tasks(self) -> list[str]:
+        return [str(t.func) for t in self._tasks if t is not None]
+
+    def pool_bytes(self) -> int:
+        return sum(s.nbytes() for s in self._pool_storages.values())
+
+    # recording -------------------------------------------------------------------------
+    def _owned(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._pool_storages
+
+    def _adopt(self, value) -> None:
+        for t in _tensors(value):
+            storage = t.untyped_storage()
+            self._pool_storages.setdefault(storage.data_ptr(), storage)
+
+    def _freeze(self, value):
+        """An argument as the task keeps it: tensors by memory, Python values as they are now."""
+        if isinstance(value, torch.Tensor):
+            return _Memory(value, self._owned(value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._freeze(v) for v in value)
+        return copy.deepcopy(value)
+
+    def _task(self, func, args, kwargs, outputs) -> _Task:
+        frozen_kwargs = {k: self._freeze(v) for k, v in kwargs.items()}
+        return _Task(func, [self._freeze(a) for a in args], frozen_kwargs, outputs, self._open_group)
+
+    def _record(self, func, args, kwargs, outputs) -> None:
+        self._tasks.append(self._task(func, args, kwargs, outputs))
+        if self._open_group is not None:
+            self._groups[self._open_group].append(len(self._tasks) - 1)
+
+    def _group_begin(self) -> None:
+        if self._open_group is not None:
+            raise GraphCaptureError("graph_task_group_begin inside another task group")
+        self._open_group = next(_handles)
+        self._groups[self._open_group] = []
+
+    def _group_end(self) -> int:
+        if self._open_group is None:
+            raise GraphCaptureError("graph_task_group_end without graph_task_group_begin")
+        handle, self._open_group = self._open_group, None
+        return handle
+
+    def _replace_group(self, handle: int, tasks: list[_Task]) -> None:
+        slots = self._groups[handle]
+        if len(tasks) != len(slots):
+            raise GraphCaptureError(
+                f"an update issued {len(tasks)} ops where task group {handle} captured {len(slots)}"
+            )
+        for slot, task in zip(slots, tasks):
+            task.group = handle
+            self._tasks[slot] = task
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _written(schema, args, kwargs) -> tuple[list[torch.Tensor], bool]:
+    """The tensors an op writes in place, and whether it writes only those."""
+    written = []
+    positional = list(args)
+    for arg in schema.arguments:
+        value = kwargs.get(arg.name) if arg.kwarg_only or not positional else positional.pop(0)
+        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
+            written.extend(_tensors(value))
+    return written, bool(written)
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
+class _Recorder(dispatch_modes.TorchDispatchMode):
+    """Below torch_npu's own dispatch mode: sees each op as the stream would receive it."""
+
+    def __init__(self, graph: _Graph, update: bool = False) -> None:
+        super().__init__()
+        self.graph = graph
+        self.update = update
+        self.tasks: list[_Task] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name in _HOST_READS:
+            raise GraphCaptureError(
+                f"{func} reads a device value on the host during NPU graph capture; the device refuses "
+                "this (the value does not exist until replay)"
+            )
+        if name in _HOST_SIDE or any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        ):
+            return func(*args, **kwargs)  # a helper on the host, or a view: nothing launched
+        if name in _ALLOCATIONS:
+            result = func(*args, **kwargs)
+            self.graph._adopt(result)
+            return result
+        written, mutates = _written(func._schema, args, kwargs)
+        if mutates:
+            outputs, result = None, _mutated_result(func, args, kwargs, written)
+        else:
+            result = _allocate_like_meta(func, args, kwargs)
+            self.graph._adopt(result)
+            outputs = list(_tensors(result)) if not isinstance(result, torch.Tensor) else [result]
+        _syncs.launched()
+        if self.update:
+            self.tasks.append(self.graph._task(func, args, kwargs, outputs))
+        else:
+            self.graph._record(func, args, kwargs, outputs)
+        return result
+
+
+def _mutated_result(func, args, kwargs, written):
+    returns = func._schema.returns
+    if not returns:
+        return None
+    if len(returns) == 1 and not str(returns[0].type).startswith("List"):
+        return written[0]
+    return tuple(written[: len(returns)])
+
+
+def _allocate_like_meta(func, args, kwargs):
+    try:
+        meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+    except Exception as e:  # no meta kernel, or an output size that depends on device data
+        raise GraphCaptureError(
+            f"{func} cannot be captured in an NPU graph: its output cannot be sized without running it "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
+
+    def real(m):
+        if not isinstance(m, torch.Tensor):
+            return m
+        out = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+        if out.is_floating_point():
+            out.fill_(float("nan"))  # capture computed nothing
+        return out
+
+    return tree_map(real, meta)
+
+
+def _push_below_graph_modes(mode) -> None:
+    above = []
+    while isinstance(dispatch_modes._get_current_dispatch_mode(), _graph_dispatch_mode_cls()):
+        above.append(dispatch_modes._pop_mode())
+    dispatch_modes._push_mode(mode)
+    for m in reversed(above):
+        dispatch_modes._push_mode(m)
+
+
+def _remove_below_graph_modes(mode) -> None:
+    above = []
+    while dispatch_modes._get_current_dispatch_mode() is not mode:
+        above.append(dispatch_modes._pop_mode())
+    dispatch_modes._pop_mode()
+    for m in reversed(above):
+        dispatch_modes._push_mode(m)
+
+
+def _graph_dispatch_mode_cls():
+    graphs = sys.modules.get("torch_npu.npu.graphs")
+    return graphs._GraphDispatchMode if graphs is not None else ()
+
+
+# -- torch_npu._C names -------------------------------------------------------------------
+def _graph_pool_handle():
+    return (0, next(_handles))
+
+
+def _npu_isCurrentStreamCapturing() -> bool:
+    return capturing is not None
+
+
+def _graph_task_group_begin(stream) -> None:
+    if capturing is None:
+        raise GraphCaptureError("graph_task_group_begin outside a capture")
+    capturing._group_begin()
+
+
+def _graph_task_group_end(stream) -> int:
+    if capturing is None:
+        raise GraphCaptureError("graph_task_group_end outside a capture")
+    return capturing._group_end()
+
+
+def _graph_task_update_begin(stream, handle) -> None:
+    global _updating
+    graph = next((g for g in _live_graphs() if handle in g._groups), None)
+    if graph is None:
+        raise GraphCaptureError(f"graph_task_update_begin: no captured task group {handle!r}")
+    if _updating is not None:
+        raise GraphCaptureError("graph_task_update_begin inside another update")
+    recorder = _Recorder(graph, update=True)
+    dispatch_modes._push_mode(recorder)
+    _updating = (graph, handle, recorder)
+
+
+def _graph_task_update_end(stream) -> None:
+    global _updating
+    if _updating is None:
+        raise GraphCaptureError("graph_task_update_end without graph_task_update_begin")
+    graph, handle, recorder = _updating
+    _updating = None
+    _remove_below_graph_modes(recorder)
+    graph._replace_group(handle, recorder.tasks)
+
+
+_graphs: list = []
+
+
+def _live_graphs():
+    return [g for g in (ref() for ref in _graphs) if g is not None]
+
+
+def _weak_ref_tensor(tensor):
+    return tensor  # the double cannot alias without owning; the tensor stands for its address
+
+
+class ExternalEvent:
+    """``torch.npu.ExternalEvent``: ordering between the update stream and the graph's
+    stream. Work runs in program order here, so record/wait/reset only keep the state."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def reset(self, stream=None) -> None:
+        self.recorded = False
+
+
+def _identity_deepcopy_for_graph_code() -> None:
+    original = torch.Tensor.__deepcopy__
+
+    def __deepcopy__(self, memo):
+        try:
+            caller = sys._getframe(2).f_globals.get("__name__")
+        except ValueError:  # called from the top of a stack
+            caller = None
+        return self if caller in _GRAPH_MODULES else original(self, memo)
+
+    torch.Tensor.__deepcopy__ = __deepcopy__
+
+
+# -- loading torch_npu's graph code from the wheel ------------------------------------------
+def install(torch_npu_module, wheel) -> None:
+    import weakref
+
+    class _NPUGraph(_Graph):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__()
+            _graphs.append(weakref.ref(self))
+
+    import torch_npu._C as c
+
+    c._NPUStreamBase = type("_NPUStreamBase", (), {})  # the wheel's "compiled" marker
+    c._NPUGraph = _NPUGraph
+    for name in (
+        "_graph_pool_handle",
+        "_npu_isCurrentStreamCapturing",
+        "_graph_task_group_begin",
+        "_graph_task_group_end",
+        "_graph_task_update_begin",
+        "_graph_task_update_end",
+        "_weak_ref_tensor",
+    ):
+        setattr(c, name, globals()[name])
+    c._super_kernel_scope_begin = c._super_kernel_scope_end = _refused("super kernel scopes")
+
+    npu = torch_npu_module.npu
+    npu.ExternalEvent = ExternalEvent
+    npu.host_empty_cache = lambda: None
+    modules = [
+        ("torch_npu._compiler", None),
+        ("torch_npu._compiler._config", "torch_npu/_compiler/_config.py"),
+        (
+            "torch_npu.npu._npugraph_handlers.npugraph_handler",
+            "torch_npu/npu/_npugraph_handlers/npugraph_handler.py",
+        ),
+        ("torch_npu.npu._npugraph_handlers.ifa_handler", "torch_npu/npu/_npugraph_handlers/ifa_handler.py"),
+        (
+            "torch_npu.npu._npugraph_handlers.simple_handler",
+            "torch_npu/npu/_npugraph_handlers/simple_handler.py",
+        ),
+        (
+            "torch_npu.npu._npugraph_handlers._fa3_graph_handler",
+            "torch_npu/npu/_npugraph_handlers/_fa3_graph_handler.py",
+        ),
+        ("torch_npu.npu._npugraph_handlers", "torch_npu/npu/_npugraph_handlers/__init__.py"),
+        ("torch_npu.npu.graphs", "torch_npu/npu/graphs.py"),
+    ]
+    made = {}
+    for name, member in sorted(modules, key=lambda m: m[0].count(".")):  # packages before members
+        module = types.ModuleType(name)
+        package, _, leaf = name.rpartition(".")
+        is_package = member is None or member.endswith("__init__.py")
+        module.__package__ = name if is_package else package
+        if is_package:
+            module.__path__ = []
+        sys.modules[name] = made[name] = module
+        setattr(sys.modules[package], leaf, module)
+    for name, member in modules:
+        if member is not None:
+            module = made[name]
+            module.__file__ = f"{wheel.filename}!{member}"
+            source = wheel.read(member).decode()
+            # torch's config modules read their own source (inspect); tracebacks show it too
+            linecache.cache[module.__file__] = (len(source), None, source.splitlines(True), module.__file__)
+            exec(compile(source, module.__file__, "exec", dont_inherit=True), module.__dict__)
+    graphs = sys.modules["torch_npu.npu.graphs"]
+    for name in graphs.__all__:
+        setattr(npu, name, getattr(graphs, name))
+    _identity_deepcopy_for_graph_code()
+
+
+def _refused(what: str):
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"the torch_npu contract double does not model {what}")
+
+    return call

@@ -1,0 +1,166 @@
+"""The double's NPU graphs: torch_npu's own graph code (loaded from the pinned wheel) over a
+capture that launches nothing and a replay that re-runs exactly what was captured, with
+the Python values of capture time. Each test compares with the same ops run eagerly."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+torch_npu = pytest.importorskip("torch_npu")
+if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+    pytest.skip("the real torch_npu is active on this host", allow_module_level=True)
+
+from torch_npu._graphs import GraphCaptureError, StaleGraphInput  # noqa: E402
+
+BF16 = torch.bfloat16
+MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def npu_device_module():
+    """torch_npu's graph code calls ``torch.npu``; the double registers it only in processes
+    that pretend to have NPUs, so this module lends it for its own tests."""
+    had = hasattr(torch, "npu")
+    if not had:
+        torch.npu = torch_npu.npu
+    yield
+    if not had:
+        del torch.npu
+
+
+def _capture(fn, auto_dispatch=False):
+    graph = torch_npu.npu.NPUGraph()
+    with torch_npu.npu.graph(graph, auto_dispatch_capture=auto_dispatch):
+        out = fn()
+    return graph, out
+
+
+def test_capture_launches_nothing_and_replay_computes_on_the_current_inputs():
+    x, w, proj = torch.randn(3, 16), torch.rand(16) + 0.5, torch.randn(16, 8)
+
+    def layer():
+        normed = torch_npu.npu_rms_norm(x, w, epsilon=1e-6)[0]
+        return torch.nn.functional.silu(normed @ proj) + 1.0
+
+    graph, out = _capture(layer)
+    assert out.isnan().all(), "capture computed a value; the device computes nothing before replay"
+    assert graph.tasks() and graph.pool_bytes() >= out.numel() * out.element_size()
+    for _ in range(2):  # new contents in the captured input each time, as a runner copies them in
+        x.copy_(torch.randn(3, 16))
+        graph.replay()
+        torch.testing.assert_close(out, layer())
+
+
+def test_capture_writes_nothing_to_memory_from_before_it():
+    cache = torch.zeros(4, 8)
+    index = torch.tensor([[1], [3]])
+    rows = torch.ones(2, 8)
+    graph, _ = _capture(lambda: torch_npu.npu_scatter_nd_update_(cache, index, rows))
+    assert not cache.any(), "the capture wrote the cache"
+    graph.replay()
+    assert cache[1].eq(1).all() and cache[3].eq(1).all() and not cache[0].any()
+
+
+def test_python_values_are_frozen_at_capture():
+    x = torch.arange(6.0)
+    scale = [2.0]
+    graph, out = _capture(lambda: torch.mul(x, scale[0]))
+    scale[0] = 3.0  # a host value changed after capture: the graph keeps its own
+    graph.replay()
+    torch.testing.assert_close(out, x * 2.0)
+
+
+def _decode_attention_case():
+    torch.manual_seed(0)
+    n, kvn, d, bs = 4, 2, 16, 128
+    query = torch.randn(2, n, d, dtype=BF16)
+    key = torch.randn(2, kvn, bs, d, dtype=BF16)
+    value = torch.randn(2, kvn, bs, d, dtype=BF16)
+    fixed = dict(
+        num_heads=n,
+        num_key_value_heads=kvn,
+        input_layout="TND",
+        block_table=torch.tensor([[0], [1]], dtype=torch.int32),
+        block_size=bs,
+        actual_seq_lengths=[1, 2],
+        atten_mask=MASK,
+        sparse_mode=3,
+        scale=0.25,
+    )
+    return query, key, value, fixed
+
+
+def test_captured_attention_replays_old_host_lengths_until_updated():
+    """The anchor's graph-mode accuracy bugs: the kernel's KV lengths are host values, so a
+    replay keeps the capture's lengths unless torch_npu's update rewrites the task."""
+    query, key, value, fixed = _decode_attention_case()
+    lengths = [5, 7]
+
+    def attend():
+        return torch_npu.npu_fused_infer_attention_score(
+            query, key, value, actual_seq_lengths_kv=lengths, **fixed
+        )[0]
+
+    graph, out = _capture(attend, auto_dispatch=True)
+    assert any("npu_fused_infer_attention_score.out" in t for t in graph.tasks())
+
+    def eager(kv_lengths):
+        return torch_npu.npu_fused_infer_attention_score(
+            query, key, value, actual_seq_lengths_kv=kv_lengths, **fixed
+        )[0]
+
+    query.copy_(torch.randn_like(query))  # the next step's query, and one more token each
+    new_lengths = [6, 8]
+    graph.replay()
+    torch.testing.assert_close(out, eager(lengths), rtol=0, atol=0)
+    assert not torch.equal(out, eager(new_lengths))
+
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lengths}])
+    graph.replay()
+    torch.testing.assert_close(out, eager(new_lengths), rtol=0, atol=0)
+
+
+def test_an_update_without_auto_dispatch_capture_is_torch_npus_error():
+    query, key, value, fixed = _decode_attention_case()
+    graph, _ = _capture(
+        lambda: torch_npu.npu_fused_infer_attention_score(
+            query, key, value, actual_seq_lengths_kv=[5, 7], **fixed
+        )[0]
+    )
+    with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
+        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [6, 8]}])
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        pytest.param(lambda x: (x * 2).sum().item(), id="item"),
+        pytest.param(lambda x: bool((x > 0).any()), id="bool"),
+        pytest.param(lambda x: torch.nonzero(x * 2), id="data-sized-output"),
+    ],
+)
+def test_a_host_read_of_a_device_value_during_capture_is_refused(read):
+    x = torch.randn(4)
+    with pytest.raises(GraphCaptureError, match="NPU graph capture"):
+        _capture(lambda: read(x))
+    assert not torch_npu.npu.is_current_stream_capturing()  # the failed capture ended
+    graph, out = _capture(lambda: x + 1)  # and the next one works
+    graph.replay()
+    torch.testing.assert_close(out, x + 1)
+
+
+def test_a_captured_input_freed_after_capture_is_detected_at_replay():
+    kept = torch.randn(8)
+    graph, out = _capture(lambda: kept * 2)
+    graph.replay()
+    torch.testing.assert_close(out, kept * 2)
+
+    buffers = {"input": torch.randn(8)}
+    graph, _ = _capture(lambda: buffers["input"] * 2)
+    buffers["input"] = torch.randn(8)  # re-allocated instead of copied into
+    gc.collect()
+    with pytest.raises(StaleGraphInput, match="freed after capture"):
+        graph.replay()
