@@ -5,6 +5,9 @@
     python examples/make_tiny_model.py --arch deepseek_v3 --out /tmp/tiny-dsv3
     python examples/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-qwen3-moe
     python examples/make_tiny_model.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
+    python examples/make_tiny_model.py --arch qwen3 --out /tmp/tiny-qwen3
+    python examples/make_tiny_model.py --arch mistral --sliding-window 24 --out /tmp/tiny-mistral
+    python examples/make_tiny_model.py --arch gemma3 --out /tmp/tiny-gemma3
 
 Nothing is downloaded: the weights are random (seeded), saved as safetensors, and the
 tokenizer is a byte-level BPE trained here with the `tokenizers` library on a small
@@ -26,6 +29,11 @@ a one-block vision tower; on text-only prompts its three position rows are equal
 generates like a plain rotary model while running vLLM's M-RoPE path. It also gets the
 vision special tokens its config names and an image/video preprocessor config, which
 vLLM's start-up needs (it profiles with dummy images) unless `limit_mm_per_prompt` is 0.
+`qwen3` is a dense Qwen3 (GQA with q/k norms). `mistral` is a Mistral: GQA whose every
+layer attends over a sliding window of `--sliding-window` tokens (default 24: shorter than
+the test prompts and several 8- or 16-token blocks long). `gemma3` is a Gemma 3 text model:
+sliding-window and full-attention layers alternating (so two KV-cache groups), q/k norms,
+GELU-gated MLPs and its own query scaling.
 """
 
 from __future__ import annotations
@@ -135,12 +143,18 @@ def make_model(args, tok: Tokenizer):
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -150,6 +164,30 @@ def make_model(args, tok: Tokenizer):
         return LlamaForCausalLM(LlamaConfig(**cfg, num_key_value_heads=args.kv_heads or args.heads))
     if args.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**cfg, num_key_value_heads=args.kv_heads or args.heads // 2))
+    if args.arch == "qwen3":
+        config = Qwen3Config(
+            **cfg,
+            num_key_value_heads=args.kv_heads or args.heads // 2,
+            head_dim=args.hidden_size // args.heads,
+        )
+        return Qwen3ForCausalLM(config)
+    if args.arch == "mistral":
+        config = MistralConfig(
+            **cfg, num_key_value_heads=args.kv_heads or args.heads // 2, sliding_window=args.sliding_window
+        )
+        return MistralForCausalLM(config)
+    if args.arch == "gemma3":  # sliding, full, sliding, ...
+        kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(args.layers)]
+        head_dim = args.hidden_size // args.heads
+        config = Gemma3TextConfig(
+            **cfg,
+            num_key_value_heads=args.kv_heads or args.heads // 2,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=args.sliding_window,
+            layer_types=kinds,
+        )
+        return Gemma3ForCausalLM(config)
     if args.arch == "qwen3_moe":  # softmax top-k routing, renormalised; every layer MoE, no shared expert
         config = Qwen3MoeConfig(
             **cfg,
@@ -253,7 +291,9 @@ def mtp_layer_weights(
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--arch", required=True, choices=["llama", "qwen2", "deepseek_v3", "qwen3_moe", "qwen2_vl"]
+        "--arch",
+        required=True,
+        choices=["llama", "qwen2", "deepseek_v3", "qwen3_moe", "qwen2_vl", "qwen3", "mistral", "gemma3"],
     )
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
@@ -267,8 +307,9 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (the others)")
     p.add_argument(
-        "--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (qwen2, qwen3_moe, qwen2_vl)"
+        "--sliding-window", type=int, default=24, help="attention window in tokens (mistral, gemma3)"
     )
     p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe)")
     p.add_argument(

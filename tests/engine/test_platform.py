@@ -87,8 +87,12 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
         dict(os.environ, VLLM_ASCEND_EMULATE="1"),
     )
     windowed = _with_config(tiny_models["llama"], tmp_path_factory.mktemp("windowed"), sliding_window=8)
-    jobs["sliding_window_cli"] = _vllm_command(
-        "serve", str(windowed), "--dtype", "float32", "--port", "1", emulate="1"
+    jobs["sliding_window_cli"] = _vllm_command(  # NPU-path mode: the NPU kernels have no window yet
+        "serve",
+        str(windowed),
+        *("--dtype", "bfloat16", "--port", "1"),
+        emulate="1",
+        extra_env={"VLLM_ASCEND_KERNELS": "npu"},
     )
     for i, (args, _) in enumerate(CONTEXT_PARALLEL_REFUSALS):
         jobs[("context_parallel", i)] = _vllm_command(
@@ -254,12 +258,14 @@ def test_upstream_cleanup_helper_works_in_a_test_process():
 
 def test_a_model_feature_the_backends_lack_is_one_line_before_any_process_starts(refusals):
     """A Llama whose config declares an 8-token sliding window (upstream applies it to every
-    layer); the configurations themselves: tests/unit/platform/test_model_features.py."""
+    layer), with the NPU kernels; the configurations themselves:
+    tests/unit/platform/test_model_features.py."""
     result = refusals["sliding_window_cli"]
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "error: not supported on Ascend yet: sliding-window attention (a window of 8 tokens on 2 of 2 layers"
+        "error: not supported on Ascend yet: sliding-window attention with the NPU attention kernels "
+        "(a window of 8 tokens on 2 of 2 layers"
     ), last
     assert "EngineCore" not in result.stdout + result.stderr
 

@@ -22,8 +22,12 @@ QWEN2_VL = "qwen2_vl"
 # EAGLE head made from it (``eagle_head``).
 LLAMA_DRAFT = "llama_draft"
 LLAMA_EAGLE = "llama_eagle"
+# Families served by tests/engine/test_model_families.py: sliding windows on every layer
+# (Mistral), alternating with full attention (Gemma 3), dense q/k-norm attention (Qwen3).
+FAMILIES = ("mistral", "gemma3", "qwen3")
 # name: make_tiny_model.py's options
 VARIANTS = {
+    **{arch: ["--arch", arch] for arch in FAMILIES},
     **{arch: ["--arch", arch] for arch in ARCHS},
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],

@@ -18,9 +18,12 @@ FEATURES = {
 
 
 def _gqa(**feature):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     args = dict(alibi_slopes=None, sliding_window=None, logits_soft_cap=None)
     args.update(feature)
-    return AscendAttentionImpl(num_heads=2, head_size=16, scale=0.25, num_kv_heads=2, **args)
+    with set_current_vllm_config(VllmConfig()):  # the layer reads its parallel layout
+        return AscendAttentionImpl(num_heads=2, head_size=16, scale=0.25, num_kv_heads=2, **args)
 
 
 def _mla(**feature):
@@ -33,6 +36,13 @@ def _mla(**feature):
 
 @pytest.mark.parametrize("build", [_gqa, _mla], ids=["gqa", "mla"])
 @pytest.mark.parametrize("name", sorted(FEATURES))
-def test_each_unimplemented_feature_is_refused_when_the_layer_is_built(build, name):
+def test_each_unimplemented_feature_is_refused_when_the_layer_is_built(build, name, monkeypatch):
+    if build is _gqa and name == "sliding_window":  # implemented by the reference kernels only
+        monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     with pytest.raises(NotImplementedError, match="does not support"):
         build(**{name: FEATURES[name]})
+
+
+def test_the_reference_kernels_take_a_sliding_window(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "reference")
+    assert _gqa(sliding_window=64).sliding_window == 64

@@ -54,8 +54,9 @@ def test_slot_mapping_matches_brute_force(data, block_size):
     assert out[len(positions) :].tolist() == [-1, -1, -1]
 
 
-def _dense_attention(q, k, v, context, scale):
-    """Textbook softmax(q k^T) v with an explicit loop mask, one head at a time."""
+def _dense_attention(q, k, v, context, scale, window=None):
+    """Textbook softmax(q k^T) v with an explicit loop mask, one head at a time; with a
+    window, each query over its last ``window`` positions."""
     q_len, heads, _ = q.shape
     group = heads // k.shape[1]
     out = torch.zeros(q_len, heads, v.shape[-1], dtype=torch.float64)
@@ -63,9 +64,10 @@ def _dense_attention(q, k, v, context, scale):
         kh, vh = k[:, h // group].double(), v[:, h // group].double()
         for i in range(q_len):
             allowed = context + i + 1
-            scores = (kh[:allowed] @ q[i, h].double()) * scale
+            first = 0 if window is None else max(0, allowed - window)
+            scores = (kh[first:allowed] @ q[i, h].double()) * scale
             w = torch.softmax(scores, 0)
-            out[i, h] = w @ vh[:allowed]
+            out[i, h] = w @ vh[first:allowed]
     return out
 
 
@@ -98,6 +100,40 @@ def test_paged_attention_matches_dense_attention():
     for r, (seq_len, q_len) in enumerate(seqs):
         expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim))
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_attention_reads_only_the_blocks_in_some_window():
+    """Chunked prefill over a cached prefix and a decode, a 6-token window over 4-token
+    blocks; the blocks before every window are NaN (returned to the pool and reused)."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block_size, window = 4, 2, 8, 4, 6
+    seqs = [(19, 3), (14, 1)]  # (tokens, of which new)
+    k_plane = torch.zeros(16, kv_heads, block_size, dim)
+    v_plane = torch.zeros(16, kv_heads, block_size, dim)
+    block_table = torch.tensor([[3, 7, 1, 9, 12], [4, 0, 8, 2, 0]], dtype=torch.int32)
+    ks, vs, qs = [], [], []
+    for r, (seq_len, q_len) in enumerate(seqs):
+        k, v = torch.randn(seq_len, kv_heads, dim), torch.randn(seq_len, kv_heads, dim)
+        slots = torch.tensor(
+            [int(block_table[r, p // block_size]) * block_size + p % block_size for p in range(seq_len)]
+        )
+        attention.reference_write_kv_cache(k, v, k_plane, v_plane, slots)
+        first_seen = seq_len - q_len - window + 1  # the first query's first key
+        for b in range(first_seen // block_size):  # whole blocks before it: freed
+            k_plane[block_table[r, b]] = v_plane[block_table[r, b]] = float("nan")
+        ks.append(k), vs.append(v), qs.append(torch.randn(q_len, heads, dim))
+    assert k_plane.isnan().any()  # the case does free blocks
+    query, qsl, scale = torch.cat(qs), [0, 3, 4], 1 / math.sqrt(dim)
+    out = torch.zeros_like(query)
+    attention.reference_paged_attention(
+        query, k_plane, v_plane, block_table, qsl, [s for s, _ in seqs], scale, out, window
+    )
+    for r, (seq_len, q_len) in enumerate(seqs):
+        expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, scale, window)
+        torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+    full = torch.zeros_like(query)
+    attention.reference_paged_attention(query, k_plane, v_plane, block_table, qsl, [19, 14], scale, full)
+    assert full.isnan().any()  # without the window the freed blocks would be read
 
 
 def test_write_skips_padding_slots():

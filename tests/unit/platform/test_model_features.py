@@ -58,12 +58,16 @@ def _engine_config(tmp_path, hf_config, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
 
     hf_config.save_pretrained(tmp_path)
-    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", **engine_args)
+    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, **{"dtype": "float32", **engine_args})
     return args.create_engine_config()
 
 
 def _sliding(layers: int, of: int) -> str:
-    return f"sliding-window attention (a window of {WINDOW} tokens on {layers} of {of} layers"
+    # the reference kernels apply windows; the NPU kernels do not yet
+    return (
+        f"sliding-window attention with the NPU attention kernels (a window of {WINDOW} tokens "
+        f"on {layers} of {of} layers"
+    )
 
 
 # (name, config, engine args, the phrases the error names; None: accepted)
@@ -151,10 +155,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernels", ["npu", "reference"])
 @pytest.mark.parametrize("name, make, engine_args, named", CASES, ids=[c[0] for c in CASES])
 def test_unsupported_model_features_are_named_when_the_config_is_built(
-    tmp_path, name, make, engine_args, named
+    tmp_path, monkeypatch, kernels, name, make, engine_args, named
 ):
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", kernels)
+    if kernels == "npu":
+        engine_args = {"dtype": "bfloat16", **engine_args}  # the NPU kernels' dtypes
+    elif named is not None:
+        named = [phrase for phrase in named if "sliding-window" not in phrase] or None
     if named is None:
         _engine_config(tmp_path, make(), **engine_args)
         return
@@ -190,9 +200,10 @@ def test_moe_options_that_change_routes_are_refused(tmp_path, monkeypatch):
         _engine_config(tmp_path / "simulated", _qwen3_moe())
 
 
-def test_the_suggested_way_out_of_a_sliding_window_runs(tmp_path):
+def test_the_suggested_way_out_of_a_sliding_window_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     config = MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL)
-    built = _engine_config(tmp_path, config, disable_sliding_window=True)
+    built = _engine_config(tmp_path, config, disable_sliding_window=True, dtype="bfloat16")
     assert built.model_config.max_model_len == WINDOW
     assert built.model_config.get_sliding_window() is None and built.cache_config.sliding_window is None
 
@@ -206,12 +217,13 @@ def test_eplb_is_refused_by_name(tmp_path):
     assert unsupported_features(built) == ["expert-parallel load balancing (drop --enable-eplb)"]
 
 
-def test_the_python_api_raises_before_any_process_starts(tmp_path):
+def test_the_python_api_raises_before_any_process_starts(tmp_path, monkeypatch):
     from vllm import LLM
 
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL).save_pretrained(
         tmp_path
     )
-    with pytest.raises(AscendConfigError, match="sliding-window attention"):
-        LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32")
+    with pytest.raises(AscendConfigError, match="sliding-window attention with the NPU attention kernels"):
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16")
     assert multiprocessing.active_children() == []

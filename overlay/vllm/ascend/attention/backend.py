@@ -35,6 +35,7 @@ from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.kv_layout import gqa_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.kernels import attention as kernels
+from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.step_cache import once_per_step
 
 
@@ -141,13 +142,17 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
     ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes,
-            "sliding_window": sliding_window,
             "logits_soft_cap": logits_soft_cap,
             "sinks": extra.get("sinks"),
         }
         for name, value in unsupported.items():
             if value is not None:
                 raise NotImplementedError(f"Ascend attention does not support {name} yet")
+        self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
+        if sliding_window is not None and (npu_kernels() or self.cp_rank is not None):
+            where = "the NPU attention kernels" if npu_kernels() else "context parallelism"
+            raise NotImplementedError(f"Ascend attention does not support sliding_window with {where} yet")
+        self.sliding_window = sliding_window
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(
                 f"Ascend attention supports decoder self-attention only, not {attn_type}"
@@ -159,7 +164,6 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
         self.need_to_return_lse_for_decode = self.cp_rank is not None
 
     def _planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +214,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             attn_metadata.seq_lens,
             self.scale,
             output[:n],
+            self.sliding_window,
         )
         return output
 

@@ -48,12 +48,18 @@ def gather_range(plane, block_row, start: int, end: int) -> torch.Tensor:
     return rows[start - first * block_size : end - first * block_size]
 
 
-def causal_attention(q, k, v, context_len: int, scale: float) -> torch.Tensor:
-    """``q [q_len, H, D]`` are the last ``q_len`` of the ``k/v [seq, H, D]`` positions;
-    query ``i`` sees positions ``0 .. context_len + i``. Computed in float32."""
+def causal_attention(
+    q, k, v, context_len: int, scale: float, window: int | None = None, first_key: int = 0
+) -> torch.Tensor:
+    """``q [q_len, H, D]`` are positions ``context_len ..``, ``k/v [n, H, D]`` positions
+    ``first_key ..``; query at position ``p`` sees keys ``<= p``, and with a sliding
+    ``window`` only the last ``window`` of them (``> p - window``). Computed in float32."""
     q_len, seq_len = q.shape[0], k.shape[0]
     q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + context_len
-    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0) + first_key
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
@@ -75,16 +81,29 @@ def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=N
 
 
 def reference_paged_attention(
-    query, k_plane, v_plane, block_table, query_start_loc: list[int], seq_lens: list[int], scale, out
+    query,
+    k_plane,
+    v_plane,
+    block_table,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale,
+    out,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """With a sliding ``window``, only the blocks that hold keys inside some query's window
+    are read: upstream's sliding-window KV manager hands the blocks before them back to
+    the pool (the block table then names its null block there)."""
     group = query.shape[1] // k_plane.shape[1]
     for r, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[r], query_start_loc[r + 1]
         if end == start:
             continue
-        k = gather_tokens(k_plane, block_table[r], seq_len).repeat_interleave(group, dim=1)
-        v = gather_tokens(v_plane, block_table[r], seq_len).repeat_interleave(group, dim=1)
-        out[start:end] = causal_attention(query[start:end], k, v, seq_len - (end - start), scale)
+        context_len = seq_len - (end - start)
+        first = 0 if window is None else max(0, context_len - window + 1)
+        k = gather_range(k_plane, block_table[r], first, seq_len).repeat_interleave(group, dim=1)
+        v = gather_range(v_plane, block_table[r], first, seq_len).repeat_interleave(group, dim=1)
+        out[start:end] = causal_attention(query[start:end], k, v, context_len, scale, window, first)
     return out
 
 
@@ -157,10 +176,20 @@ def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -
 
 
 def npu_paged_attention(
-    query, k_plane, v_plane, block_table, query_start_loc: list[int], seq_lens: list[int], scale, out
+    query,
+    k_plane,
+    v_plane,
+    block_table,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale,
+    out,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``npu_fused_infer_attention_score``: TND queries, the planes as
     ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask."""
+    if window is not None:  # the platform refuses sliding windows with these kernels at start-up
+        raise NotImplementedError("the NPU attention kernels do not apply a sliding window yet")
     num_tokens = query_start_loc[-1]
     if num_tokens == 0:
         return out

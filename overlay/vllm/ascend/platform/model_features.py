@@ -44,11 +44,12 @@ def unsupported_features(vllm_config) -> list[str]:
     hf = model.hf_text_config
     found = []
     window, sliding, layers = sliding_window_layers(vllm_config)
-    if sliding:
+    sliding_limit = _sliding_window_limit(vllm_config)
+    if sliding and sliding_limit:
         found.append(
-            f"sliding-window attention (a window of {window} tokens on {sliding} of {layers} layers; "
-            f"--disable-sliding-window serves it with full attention and max-model-len capped "
-            f"to {window})"
+            f"sliding-window attention {sliding_limit} (a window of {window} tokens on {sliding} of "
+            f"{layers} layers; --disable-sliding-window serves it with full attention and "
+            f"max-model-len capped to {window})"
         )
     soft_cap = getattr(hf, "attn_logit_softcapping", None)
     if soft_cap:
@@ -77,6 +78,19 @@ def unsupported_features(vllm_config) -> list[str]:
     if vllm_config.parallel_config.enable_eplb:
         found.append("expert-parallel load balancing (drop --enable-eplb)")
     return found
+
+
+def _sliding_window_limit(vllm_config) -> str | None:
+    """Where the Ascend attention has no sliding window yet: the reference kernels apply
+    it; the NPU kernels and the context-parallel paths do not."""
+    from vllm.ascend.kernels import npu_kernels
+
+    pc = vllm_config.parallel_config
+    if pc.decode_context_parallel_size > 1 or pc.prefill_context_parallel_size > 1:
+        return "with context parallelism"
+    if npu_kernels():
+        return "with the NPU attention kernels"
+    return None
 
 
 def _moe_route_changes(model) -> list[str]:
