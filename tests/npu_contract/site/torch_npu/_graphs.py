@@ -105,10 +105,10 @@ class _Memory:
 
 
 class _Task:
-    __slots__ = ("func", "args", "kwargs", "outputs", "group")
+    __slots__ = ("func", "args", "kwargs", "outputs")
 
-    def __init__(self, func, args, kwargs, outputs, group) -> None:
-        self.func, self.args, self.kwargs, self.outputs, self.group = func, args, kwargs, outputs, group
+    def __init__(self, func, args, kwargs, outputs) -> None:
+        self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
 
     def run(self) -> None:
         where = str(self.func)
@@ -157,6 +157,7 @@ class _Graph:
         _remove_below_graph_modes(self._recorder)
         self._recorder = None
         capturing = None
+        _syncs.drained()  # the captured ops were recorded, not launched
         if self._open_group is not None:
             raise GraphCaptureError("capture ended inside a task group (graph_task_group_begin without _end)")
         self._captured = True
@@ -168,8 +169,7 @@ class _Graph:
             raise GraphCaptureError("replay during a capture")
         with dispatch_modes._disable_current_modes(), torch.inference_mode():
             for task in self._tasks:
-                if task is not None:
-                    task.run()
+                task.run()
         _syncs.launched()
 
     def reset(self) -> None:
@@ -181,7 +181,7 @@ class _Graph:
 
     # the double's own read-outs, for tests and the graph benchmark
     def tasks(self) -> list[str]:
-        return [str(t.func) for t in self._tasks if t is not None]
+        return [str(t.func) for t in self._tasks]
 
     def pool_bytes(self) -> int:
         return sum(s.nbytes() for s in self._pool_storages.values())
@@ -205,7 +205,7 @@ class _Graph:
 
     def _task(self, func, args, kwargs, outputs) -> _Task:
         frozen_kwargs = {k: self._freeze(v) for k, v in kwargs.items()}
-        return _Task(func, [self._freeze(a) for a in args], frozen_kwargs, outputs, self._open_group)
+        return _Task(func, [self._freeze(a) for a in args], frozen_kwargs, outputs)
 
     def _record(self, func, args, kwargs, outputs) -> None:
         self._tasks.append(self._task(func, args, kwargs, outputs))
@@ -231,7 +231,6 @@ class _Graph:
                 f"an update issued {len(tasks)} ops where task group {handle} captured {len(slots)}"
             )
         for slot, task in zip(slots, tasks):
-            task.group = handle
             self._tasks[slot] = task
 
 
