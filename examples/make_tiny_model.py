@@ -307,7 +307,12 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=0, help="default: heads (llama), heads/2 (the others)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=0,
+        help="default: heads (llama; deepseek_v3: MLA, none), heads/2 (the others)",
+    )
     p.add_argument(
         "--sliding-window", type=int, default=24, help="attention window in tokens (mistral, gemma3)"
     )
