@@ -82,15 +82,11 @@ def unsupported_features(vllm_config) -> list[str]:
 
 def _sliding_window_limit(vllm_config) -> str | None:
     """Where the Ascend attention has no sliding window yet: the reference kernels apply
-    it; the NPU kernels and the context-parallel paths do not."""
+    it, the NPU kernels do not. (Context parallelism refuses windows itself:
+    ``context_parallel/config.py``.)"""
     from vllm.ascend.kernels import npu_kernels
 
-    pc = vllm_config.parallel_config
-    if pc.decode_context_parallel_size > 1 or pc.prefill_context_parallel_size > 1:
-        return "with context parallelism"
-    if npu_kernels():
-        return "with the NPU attention kernels"
-    return None
+    return "with the NPU attention kernels" if npu_kernels() else None
 
 
 def _moe_route_changes(model) -> list[str]:
