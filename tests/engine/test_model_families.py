@@ -4,8 +4,9 @@ every layer), a Gemma 3 (windowed and full layers alternating: two KV-cache grou
 upstream's hybrid manager) and a dense Qwen3.
 
 Windows of 24 tokens over 8-token blocks, prompts up to ~60 tokens and 32 generated ones, so
-every sequence outgrows its window and upstream's sliding-window manager hands the blocks
-before it back to the pool. One runner process serves every engine, each with chunked
+every sequence outgrows its window (that the kernel never reads the blocks before a window,
+which upstream's sliding-window manager may hand back to the pool, is checked in
+tests/unit/kernels/test_kernels.py). One runner process serves every engine, each with chunked
 prefill and prefix caching (the second prefix batch starts on cached blocks), plus the
 Gemma 3 at TP=2; engine cores in the runner process (no second Python start).
 """

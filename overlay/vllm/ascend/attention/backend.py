@@ -149,9 +149,14 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             if value is not None:
                 raise NotImplementedError(f"Ascend attention does not support {name} yet")
         self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
-        if sliding_window is not None and (npu_kernels() or self.cp_rank is not None):
-            where = "the NPU attention kernels" if npu_kernels() else "context parallelism"
-            raise NotImplementedError(f"Ascend attention does not support sliding_window with {where} yet")
+        if sliding_window is not None and npu_kernels():
+            raise NotImplementedError(
+                "Ascend attention does not support sliding_window with the NPU kernels yet"
+            )
+        if sliding_window is not None and self.cp_rank is not None:
+            raise NotImplementedError(
+                "Ascend attention does not support sliding_window with context parallelism yet"
+            )
         self.sliding_window = sliding_window
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(

@@ -10,6 +10,7 @@ so a model missed here still stops, as a worker error."""
 from __future__ import annotations
 
 from vllm.ascend.errors import AscendConfigError
+from vllm.ascend.kernels import npu_kernels
 
 # Architectures whose upstream implementation gives every attention layer ALiBi slopes,
 # and those that do when their config says so.
@@ -44,10 +45,11 @@ def unsupported_features(vllm_config) -> list[str]:
     hf = model.hf_text_config
     found = []
     window, sliding, layers = sliding_window_layers(vllm_config)
-    sliding_limit = _sliding_window_limit(vllm_config)
-    if sliding and sliding_limit:
+    # the reference kernels apply windows, the NPU kernels do not yet (context parallelism
+    # refuses windowed models in its own check: context_parallel/config.py)
+    if sliding and npu_kernels():
         found.append(
-            f"sliding-window attention {sliding_limit} (a window of {window} tokens on {sliding} of "
+            f"sliding-window attention with the NPU attention kernels (a window of {window} tokens on {sliding} of "
             f"{layers} layers; --disable-sliding-window serves it with full attention and "
             f"max-model-len capped to {window})"
         )
@@ -78,15 +80,6 @@ def unsupported_features(vllm_config) -> list[str]:
     if vllm_config.parallel_config.enable_eplb:
         found.append("expert-parallel load balancing (drop --enable-eplb)")
     return found
-
-
-def _sliding_window_limit(vllm_config) -> str | None:
-    """Where the Ascend attention has no sliding window yet: the reference kernels apply
-    it, the NPU kernels do not. (Context parallelism refuses windows itself:
-    ``context_parallel/config.py``.)"""
-    from vllm.ascend.kernels import npu_kernels
-
-    return "with the NPU attention kernels" if npu_kernels() else None
 
 
 def _moe_route_changes(model) -> list[str]:

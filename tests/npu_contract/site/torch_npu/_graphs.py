@@ -43,13 +43,14 @@ import itertools
 import linecache
 import sys
 import types
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _python_dispatch as dispatch_modes
 from torch.utils._pytree import tree_map
 
-from . import _syncs
+from . import _contract, _syncs
 
 
 class GraphCaptureError(RuntimeError):
@@ -66,15 +67,13 @@ _HOST_SIDE = frozenset(
     {
         "_npu_fused_infer_attention_score_get_max_workspace",
         "_npu_fused_infer_attention_score_infer_output",
-        "_npu_fused_infer_attention_score_v2_get_max_workspace",
-        "_npu_fused_infer_attention_score_v2_infer_output",
     }
 )
 _ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 _HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
 
 capturing: _Graph | None = None
-_updating: tuple[_Graph, int, _Recorder] | None = None
+_updating: tuple[_Graph, int, _Recorder] | None = None  # graph, task group, recorder
 _handles = itertools.count(1)
 
 
@@ -218,17 +217,18 @@ class _Graph:
         self._open_group = next(_handles)
         self._groups[self._open_group] = []
 
-    def _group_end(self) -> int:
+    def _group_end(self) -> tuple:
+        """The task group's handle (opaque to torch_npu): this graph and the group."""
         if self._open_group is None:
             raise GraphCaptureError("graph_task_group_end without graph_task_group_begin")
-        handle, self._open_group = self._open_group, None
-        return handle
+        group, self._open_group = self._open_group, None
+        return weakref.ref(self), group
 
-    def _replace_group(self, handle: int, tasks: list[_Task]) -> None:
-        slots = self._groups[handle]
+    def _replace_group(self, group: int, tasks: list[_Task]) -> None:
+        slots = self._groups[group]
         if len(tasks) != len(slots):
             raise GraphCaptureError(
-                f"an update issued {len(tasks)} ops where task group {handle} captured {len(slots)}"
+                f"an update issued {len(tasks)} ops where task group {group} captured {len(slots)}"
             )
         for slot, task in zip(slots, tasks):
             self._tasks[slot] = task
@@ -244,23 +244,19 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _written(schema, args, kwargs) -> tuple[list[torch.Tensor], bool]:
-    """The tensors an op writes in place, and whether it writes only those."""
+def _written(schema, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its mutable and ``out`` arguments)."""
     written = []
     positional = list(args)
     for arg in schema.arguments:
         value = kwargs.get(arg.name) if arg.kwarg_only or not positional else positional.pop(0)
         if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
             written.extend(_tensors(value))
-    return written, bool(written)
+    return written
 
 
 def _to_meta(value):
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, torch.device):
-        return torch.device("meta")
-    return value
+    return torch.device("meta") if isinstance(value, torch.device) else _contract._to_meta(value)
 
 
 class _Recorder(dispatch_modes.TorchDispatchMode):
@@ -288,13 +284,13 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
             result = func(*args, **kwargs)
             self.graph._adopt(result)
             return result
-        written, mutates = _written(func._schema, args, kwargs)
-        if mutates:
-            outputs, result = None, _mutated_result(func, args, kwargs, written)
+        written = _written(func._schema, args, kwargs)
+        if written:
+            outputs, result = None, _mutated_result(func, written)
         else:
             result = _allocate_like_meta(func, args, kwargs)
             self.graph._adopt(result)
-            outputs = list(_tensors(result)) if not isinstance(result, torch.Tensor) else [result]
+            outputs = _tensors(result)
         _syncs.launched()
         if self.update:
             self.tasks.append(self.graph._task(func, args, kwargs, outputs))
@@ -303,7 +299,7 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
         return result
 
 
-def _mutated_result(func, args, kwargs, written):
+def _mutated_result(func, written):
     returns = func._schema.returns
     if not returns:
         return None
@@ -370,7 +366,7 @@ def _graph_task_group_begin(stream) -> None:
     capturing._group_begin()
 
 
-def _graph_task_group_end(stream) -> int:
+def _graph_task_group_end(stream) -> tuple:
     if capturing is None:
         raise GraphCaptureError("graph_task_group_end outside a capture")
     return capturing._group_end()
@@ -378,31 +374,27 @@ def _graph_task_group_end(stream) -> int:
 
 def _graph_task_update_begin(stream, handle) -> None:
     global _updating
-    graph = next((g for g in _live_graphs() if handle in g._groups), None)
-    if graph is None:
-        raise GraphCaptureError(f"graph_task_update_begin: no captured task group {handle!r}")
+    graph_ref, group = handle
+    graph = graph_ref()
+    if graph is None or group not in graph._groups:
+        raise GraphCaptureError(
+            f"graph_task_update_begin: no captured task group {group} (graph reset or freed)"
+        )
     if _updating is not None:
         raise GraphCaptureError("graph_task_update_begin inside another update")
     recorder = _Recorder(graph, update=True)
     dispatch_modes._push_mode(recorder)
-    _updating = (graph, handle, recorder)
+    _updating = (graph, group, recorder)
 
 
 def _graph_task_update_end(stream) -> None:
     global _updating
     if _updating is None:
         raise GraphCaptureError("graph_task_update_end without graph_task_update_begin")
-    graph, handle, recorder = _updating
+    graph, group, recorder = _updating
     _updating = None
     _remove_below_graph_modes(recorder)
-    graph._replace_group(handle, recorder.tasks)
-
-
-_graphs: list = []
-
-
-def _live_graphs():
-    return [g for g in (ref() for ref in _graphs) if g is not None]
+    graph._replace_group(group, recorder.tasks)
 
 
 def _weak_ref_tensor(tensor):
@@ -441,17 +433,10 @@ def _identity_deepcopy_for_graph_code() -> None:
 
 # -- loading torch_npu's graph code from the wheel ------------------------------------------
 def install(torch_npu_module, wheel) -> None:
-    import weakref
-
-    class _NPUGraph(_Graph):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__()
-            _graphs.append(weakref.ref(self))
-
     import torch_npu._C as c
 
     c._NPUStreamBase = type("_NPUStreamBase", (), {})  # the wheel's "compiled" marker
-    c._NPUGraph = _NPUGraph
+    c._NPUGraph = _Graph
     for name in (
         "_graph_pool_handle",
         "_npu_isCurrentStreamCapturing",
