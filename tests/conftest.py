@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from tests.npu_contract import wheel as npu_wheel  # noqa: E402
 from tests.support.models import TinyModels  # noqa: E402
+from tests.support.processes import kill_leftovers, mark_test_run  # noqa: E402
 
 
 def _real_torch_npu_works() -> bool:
@@ -51,9 +52,42 @@ _install_contract_double()
 # tests start inherits a longer grace; a worker that really hangs is still killed, and
 # reported, after it.
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
+mark_test_run()  # (in the controller first: the xdist workers and all they start inherit it)
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> TinyModels:
     """The tiny models (tests/support/models.py) by name, each made on first use."""
     return TinyModels(tmp_path_factory.mktemp("models"))
+
+
+def _controller(config) -> bool:
+    return not hasattr(config, "workerinput")  # not a pytest-xdist worker
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A process a test left running (an engine, a server, a Ray node) would take CPU from
+    everything after it; name it, then kill it."""
+    if not _controller(session.config):
+        return
+    found = kill_leftovers()
+    if found:
+        lines = "\n".join(f"  {pid}: {command[:200]}" for pid, command in sorted(found.items()))
+        print(f"\nkilled {len(found)} process(es) the tests left running:\n{lines}", file=sys.stderr)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Seconds per test file (set-up, calls and teardown): what the CI time budget is spent on."""
+    if not _controller(config):
+        return
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if hasattr(report, "duration") and hasattr(report, "nodeid") and report.nodeid:
+                path = report.nodeid.split("::")[0]
+                per_file[path] = per_file.get(path, 0.0) + report.duration
+    if len(per_file) < 2:
+        return
+    terminalreporter.section("seconds per test file (slowest 30)")
+    for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")

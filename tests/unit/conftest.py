@@ -19,4 +19,14 @@ except ImportError:  # pragma: no cover - the builder-only environment
 # emulation, set before anything (a test module's imports included) resolves it. Set after
 # the bootstrap above: with it set there, the bootstrap would leave torch_npu (the contract
 # double) unloaded, and the NPU kernel tests need it.
+_EMULATE_SET_HERE = "VLLM_ASCEND_EMULATE" not in os.environ
 os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
+
+
+def pytest_configure(config):
+    # A pytest-xdist controller that loaded this file for its arguments (`pytest tests/unit
+    # -n 2`) runs no test; its workers must not inherit the variable, or their first vLLM
+    # import would leave the contract double unloaded and skip every NPU-kernel test.
+    distributed = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+    if distributed and _EMULATE_SET_HERE:
+        os.environ.pop("VLLM_ASCEND_EMULATE", None)
