@@ -33,7 +33,10 @@ vLLM's start-up needs (it profiles with dummy images) unless `limit_mm_per_promp
 layer attends over a sliding window of `--sliding-window` tokens (default 24: shorter than
 the test prompts and several 8- or 16-token blocks long). `gemma3` is a Gemma 3 text model:
 sliding-window and full-attention layers alternating (so two KV-cache groups), q/k norms,
-GELU-gated MLPs and its own query scaling.
+GELU-gated MLPs and its own query scaling. `gemma2` is a Gemma 2: the same alternation
+without q/k norms, its attention scores soft-capped at `--soft-cap` (default 1.0, where
+tanh bends this model's scores: Gemma 2's own 50 would leave a tiny random model's scores
+untouched and the cap untested).
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ def make_model(args, tok: Tokenizer):
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         LlamaConfig,
@@ -176,18 +181,20 @@ def make_model(args, tok: Tokenizer):
             **cfg, num_key_value_heads=args.kv_heads or args.heads // 2, sliding_window=args.sliding_window
         )
         return MistralForCausalLM(config)
-    if args.arch == "gemma3":  # sliding, full, sliding, ...
-        kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(args.layers)]
+    if args.arch in ("gemma2", "gemma3"):  # sliding, full, sliding, ...
         head_dim = args.hidden_size // args.heads
-        config = Gemma3TextConfig(
-            **cfg,
+        alternating = dict(
             num_key_value_heads=args.kv_heads or args.heads // 2,
             head_dim=head_dim,
             query_pre_attn_scalar=head_dim,
             sliding_window=args.sliding_window,
-            layer_types=kinds,
+            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(args.layers)],
         )
-        return Gemma3ForCausalLM(config)
+        if args.arch == "gemma3":
+            return Gemma3ForCausalLM(Gemma3TextConfig(**cfg, **alternating))
+        # attention logits soft-capped; vLLM's Gemma 2 has no lm_head of its own (tied)
+        cfg["tie_word_embeddings"] = True
+        return Gemma2ForCausalLM(Gemma2Config(**cfg, **alternating, attn_logit_softcapping=args.soft_cap))
     if args.arch == "qwen3_moe":  # softmax top-k routing, renormalised; every layer MoE, no shared expert
         config = Qwen3MoeConfig(
             **cfg,
@@ -261,6 +268,14 @@ def randomize_routing_bias(model, generator: torch.Generator) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=generator) * 0.5)
 
 
+def shrink_tied_embeddings(model, factor: float = 0.03) -> None:
+    """Gemma 2 scales its embeddings by sqrt(hidden_size) and ties its output head to them:
+    at the layers' init scale every step's logits favour the step's own input token, so
+    the tiny model repeats one token. Smaller embeddings let the layers pick the tokens."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(factor)
+
+
 def mtp_layer_weights(
     saved: dict[str, torch.Tensor], config, generator: torch.Generator, init_range: float
 ) -> dict[str, torch.Tensor]:
@@ -293,7 +308,17 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument(
         "--arch",
         required=True,
-        choices=["llama", "qwen2", "deepseek_v3", "qwen3_moe", "qwen2_vl", "qwen3", "mistral", "gemma3"],
+        choices=[
+            "llama",
+            "qwen2",
+            "deepseek_v3",
+            "qwen3_moe",
+            "qwen2_vl",
+            "qwen3",
+            "mistral",
+            "gemma2",
+            "gemma3",
+        ],
     )
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
@@ -314,7 +339,13 @@ def main(argv: list[str] | None = None) -> Path:
         help="default: heads (llama; deepseek_v3: MLA, none), heads/2 (the others)",
     )
     p.add_argument(
-        "--sliding-window", type=int, default=24, help="attention window in tokens (mistral, gemma3)"
+        "--sliding-window", type=int, default=24, help="attention window in tokens (mistral, gemma2, gemma3)"
+    )
+    p.add_argument(
+        "--soft-cap",
+        type=float,
+        default=1.0,
+        help="attention logit soft-cap (gemma2's attn_logit_softcapping)",
     )
     p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe)")
     p.add_argument(
@@ -350,6 +381,8 @@ def main(argv: list[str] | None = None) -> Path:
     generator = torch.Generator().manual_seed(args.seed + 1)
     if args.arch == "deepseek_v3":
         randomize_routing_bias(model, generator)
+    if args.arch == "gemma2":
+        shrink_tied_embeddings(model)
     model.save_pretrained(args.out, safe_serialization=True)
     save_tokenizer(tok, args.out, args.max_len)
 

@@ -1,7 +1,9 @@
-"""Model families with sliding-window attention and q/k norms vs. Hugging Face transformers,
-token for token (float32, host emulation, the reference kernels): a Mistral (a window on
-every layer), a Gemma 3 (windowed and full layers alternating: two KV-cache groups in
-upstream's hybrid manager) and a dense Qwen3.
+"""Model families with sliding-window attention, soft-capped attention logits and q/k norms
+vs. Hugging Face transformers, token for token (float32, host emulation, the reference
+kernels): a Mistral (a window on every layer), a Gemma 3 (windowed and full layers
+alternating: two KV-cache groups in upstream's hybrid manager), a Gemma 2 (the same
+alternation, its attention scores soft-capped where the cap changes its tokens:
+examples/make_tiny_model.py) and a dense Qwen3.
 
 Windows of 24 tokens over 8-token blocks, prompts up to ~60 tokens and 32 generated ones, so
 every sequence outgrows its window (that the kernel never reads the blocks before a window,

@@ -86,10 +86,12 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
         [sys.executable, "-c", f"from vllm import LLM; LLM({moe!r}, dtype='float32', enable_lora=True)"],
         dict(os.environ, VLLM_ASCEND_EMULATE="1"),
     )
-    windowed = _with_config(tiny_models["llama"], tmp_path_factory.mktemp("windowed"), sliding_window=8)
-    jobs["sliding_window_cli"] = _vllm_command(  # NPU-path mode: the NPU kernels have no window yet
+    capped = _with_config(
+        tiny_models["llama"], tmp_path_factory.mktemp("capped"), attn_logit_softcapping=30.0
+    )
+    jobs["soft_cap_cli"] = _vllm_command(  # NPU-path mode: the NPU kernels cannot cap logits
         "serve",
-        str(windowed),
+        str(capped),
         *("--dtype", "bfloat16", "--port", "1"),
         emulate="1",
         extra_env={"VLLM_ASCEND_KERNELS": "npu"},
@@ -257,15 +259,15 @@ def test_upstream_cleanup_helper_works_in_a_test_process():
 
 
 def test_a_model_feature_the_backends_lack_is_one_line_before_any_process_starts(refusals):
-    """A Llama whose config declares an 8-token sliding window (upstream applies it to every
-    layer), with the NPU kernels; the configurations themselves:
+    """A Llama whose config declares attention logit soft-capping, in NPU-path mode (the
+    reference kernels cap, torch_npu's fused attention cannot); the configurations themselves:
     tests/unit/platform/test_model_features.py."""
-    result = refusals["sliding_window_cli"]
+    result = refusals["soft_cap_cli"]
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "error: not supported on Ascend yet: sliding-window attention with the NPU attention kernels "
-        "(a window of 8 tokens on 2 of 2 layers"
+        "error: not supported on Ascend yet: attention logit soft-capping with the NPU attention "
+        "kernels (attn_logit_softcapping=30.0"
     ), last
     assert "EngineCore" not in result.stdout + result.stderr
 
@@ -377,6 +379,7 @@ def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(case, ref
             None,
         ),
         ({"sliding_window": 128}, "full attention only"),
+        ({"soft_cap": 50.0}, "soft-capping"),
         ({"enable_expert_parallel": True}, "expert parallelism with prefill context parallelism"),
         ({"enable_expert_parallel": True, "pcp": 1}, None),  # DCP with EP: tested equal to TP=1
         ({"pcp": 1, "dcp": 1, "speculative_config": object()}, None),  # no context parallelism: no CP rule
@@ -404,6 +407,7 @@ def test_context_parallel_config_checks(change, refused, monkeypatch):
             is_hybrid=False,
             is_moe=True,
             get_sliding_window=lambda: change.get("sliding_window"),
+            hf_text_config=SimpleNamespace(attn_logit_softcapping=change.get("soft_cap")),
         ),
         speculative_config=change.get("speculative_config"),
         kv_transfer_config=change.get("kv_transfer_config"),

@@ -223,6 +223,30 @@ VIOLATIONS = {
     "causal mode without the mask": ("FIA.mask_2048", lambda: _fia(**_gqa_args(atten_mask=None))),
     "a 1024 mask": ("FIA.mask_2048", lambda: _fia(**_gqa_args(atten_mask=MASK[:1024, :1024].contiguous()))),
     "a lower-triangle mask": ("FIA.sparse_3", lambda: _fia(**_gqa_args(atten_mask=MASK.T.contiguous()))),
+    "band with a lower-triangle mask": (
+        "FIA.sparse_4",
+        lambda: _fia(**_gqa_args(sparse_mode=4, pre_tokens=7, next_tokens=0, atten_mask=MASK.T.contiguous())),
+    ),
+    "band with negative pre_tokens": (
+        "FIA.band_rows",
+        lambda: _fia(**_gqa_args(sparse_mode=4, pre_tokens=-1, next_tokens=0)),
+    ),
+    "band leaving a query row without keys": (  # batch 1: 1 query over 130 keys, next_tokens -130
+        "FIA.band_rows",
+        lambda: _fia(**_gqa_args(sparse_mode=4, pre_tokens=200, next_tokens=-130)),
+    ),
+    "a defaultMask of two batches in 3-D": (
+        "FIA.mask_shape",
+        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.zeros(2, 4, 256, dtype=torch.bool))),
+    ),
+    "a defaultMask narrower than the block table": (
+        "FIA.pa_mask_width",
+        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.zeros(2, 1, 4, 200, dtype=torch.bool))),
+    ),
+    "a defaultMask hiding every key of a row": (
+        "PROJECT.mask_rows",
+        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.ones(2, 1, 4, 256, dtype=torch.bool))),
+    ),
     "block size 16 in prefill": (
         "FIA.pa_block_size",
         lambda: _fia(
@@ -570,6 +594,87 @@ def test_mla_form_semantics():
         scores = (rows @ q[0, h, 0].double() + rope_rows @ q_rope[0, h, 0].double()) * 0.05
         expected = torch.softmax(scores, 0) @ rows
         torch.testing.assert_close(out[0, h, 0].double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def _paged_batch(seqs, kvn=2, n=4, d=16, bs=128, seed=3):
+    """(query, key cache, value cache, block table, per-request keys and values) for
+    ``seqs`` of (kv_len, q_len), each request's blocks laid out from block 1 on."""
+    torch.manual_seed(seed)
+    per = max(-(-kv // bs) for kv, _ in seqs)
+    table = torch.arange(1, 1 + per * len(seqs), dtype=torch.int32).view(len(seqs), per)
+    kc = torch.zeros(1 + per * len(seqs), kvn, bs, d, dtype=BF16)
+    vc = torch.zeros_like(kc)
+    keys = [torch.randn(kv, kvn, d, dtype=BF16) for kv, _ in seqs]
+    vals = [torch.randn(kv, kvn, d, dtype=BF16) for kv, _ in seqs]
+    for r, (kv, _) in enumerate(seqs):
+        for p in range(kv):
+            kc[table[r, p // bs], :, p % bs], vc[table[r, p // bs], :, p % bs] = keys[r][p], vals[r][p]
+    query = torch.randn(sum(q for _, q in seqs), n, d, dtype=BF16)
+    return query, kc, vc, table, keys, vals
+
+
+def _windowed_brute(q, k, v, scale, kv_len, window):
+    """Each query row (the last rows of a kv_len sequence) over its last ``window`` keys."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for i in range(q.shape[0]):
+        p = kv_len - q.shape[0] + i
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(q.shape[1]):
+            scores = k[lo : p + 1, h // group].double() @ q[i, h].double() * scale
+            out[i, h] = torch.softmax(scores, 0) @ v[lo : p + 1, h // group].double()
+    return out
+
+
+def _check_rows(out, seqs, query, keys, vals, window):
+    start = 0
+    for r, (kv, q_len) in enumerate(seqs):
+        expected = _windowed_brute(query[start : start + q_len], keys[r], vals[r], 0.3, kv, window)
+        torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
+        start += q_len
+
+
+def test_sliding_window_forms_semantics():
+    """Band (sparse_mode 4) aligns query row i with key KV_S - Q_S + i and keeps
+    [that - pre_tokens, that + next_tokens]; with one query row per request the op takes
+    its incremental branch, where sparse_mode and the band do nothing (FIA.incremental_sparse),
+    so a decode step's window has to come as a defaultMask [B, 1, 1, >= blocks x block size]."""
+    window = 7
+    common = dict(num_heads=4, num_key_value_heads=2, input_layout="TND", block_size=128, scale=0.3)
+
+    mixed = [(130, 3), (5, 1), (257, 2)]
+    query, kc, vc, table, keys, vals = _paged_batch(mixed)
+    cum = torch.tensor([q for _, q in mixed]).cumsum(0).tolist()
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        query,
+        kc,
+        vc,
+        block_table=table,
+        actual_seq_lengths=cum,
+        actual_seq_lengths_kv=[kv for kv, _ in mixed],
+        atten_mask=MASK,
+        sparse_mode=4,
+        pre_tokens=window - 1,
+        next_tokens=0,
+        **common,
+    )
+    _check_rows(out, mixed, query, keys, vals, window)
+
+    decode = [(130, 1), (5, 1), (257, 1)]
+    query, kc, vc, table, keys, vals = _paged_batch(decode)
+    lens = dict(
+        block_table=table, actual_seq_lengths=[1, 2, 3], actual_seq_lengths_kv=[kv for kv, _ in decode]
+    )
+    banded, _ = torch_npu.npu_fused_infer_attention_score(
+        query, kc, vc, atten_mask=MASK, sparse_mode=4, pre_tokens=window - 1, next_tokens=0, **lens, **common
+    )
+    _check_rows(banded, decode, query, keys, vals, None)  # the band did nothing
+    width = table.shape[1] * 128
+    before = torch.arange(width).unsqueeze(0) < torch.tensor([kv - window for kv, _ in decode]).unsqueeze(1)
+    masked, _ = torch_npu.npu_fused_infer_attention_score(
+        query, kc, vc, atten_mask=before.view(3, 1, 1, width), sparse_mode=0, **lens, **common
+    )
+    _check_rows(masked, decode, query, keys, vals, window)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -18,9 +18,12 @@ def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[lis
         tok = AutoTokenizer.from_pretrained(model)
         # vision-language configs (Qwen2-VL) have no causal-LM class; their image-text one
         # generates from text alone
-        vl = getattr(AutoConfig.from_pretrained(model), "vision_config", None) is not None
+        config = AutoConfig.from_pretrained(model)
+        vl = getattr(config, "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
-        hf = auto.from_pretrained(model, dtype=torch.float32).eval()
+        # transformers' SDPA attention drops Gemma 2's logit soft-cap; its eager one applies it
+        eager = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+        hf = auto.from_pretrained(model, dtype=torch.float32, **eager).eval()
         hf.generation_config.eos_token_id = None
         _HF_CACHE[key] = (tok, hf)
     tok, hf = _HF_CACHE[key]

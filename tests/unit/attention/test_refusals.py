@@ -34,15 +34,28 @@ def _mla(**feature):
     )
 
 
-@pytest.mark.parametrize("build", [_gqa, _mla], ids=["gqa", "mla"])
-@pytest.mark.parametrize("name", sorted(FEATURES))
-def test_each_unimplemented_feature_is_refused_when_the_layer_is_built(build, name, monkeypatch):
-    if build is _gqa and name == "sliding_window":  # implemented by the reference kernels only
-        monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
+# GQA layers take sliding windows (test_both_kernel_sets_take_a_sliding_window) and, with the
+# reference kernels, soft-capping (test_soft_capping_needs_the_reference_kernels)
+TAKEN = {(_gqa, "sliding_window"), (_gqa, "logits_soft_cap")}
+REFUSED = [(b, n) for b in (_gqa, _mla) for n in sorted(FEATURES) if (b, n) not in TAKEN]
+
+
+@pytest.mark.parametrize("build, name", REFUSED, ids=[f"{b.__name__[1:]}-{n}" for b, n in REFUSED])
+def test_each_unimplemented_feature_is_refused_when_the_layer_is_built(build, name):
     with pytest.raises(NotImplementedError, match="does not support"):
         build(**{name: FEATURES[name]})
 
 
-def test_the_reference_kernels_take_a_sliding_window(monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "reference")
+@pytest.mark.parametrize("kernels", ["reference", "npu"])
+def test_both_kernel_sets_take_a_sliding_window(kernels, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", kernels)
     assert _gqa(sliding_window=64).sliding_window == 64
+
+
+def test_soft_capping_needs_the_reference_kernels(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "reference")
+    assert _gqa(logits_soft_cap=30.0).soft_cap == 30.0
+    assert _gqa(logits_soft_cap=0).soft_cap is None  # upstream's "no cap"
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
+    with pytest.raises(NotImplementedError, match="logits_soft_cap with the NPU kernels"):
+        _gqa(logits_soft_cap=30.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -54,9 +55,10 @@ def test_slot_mapping_matches_brute_force(data, block_size):
     assert out[len(positions) :].tolist() == [-1, -1, -1]
 
 
-def _dense_attention(q, k, v, context, scale, window=None):
+def _dense_attention(q, k, v, context, scale, window=None, soft_cap=None):
     """Textbook softmax(q k^T) v with an explicit loop mask, one head at a time; with a
-    window, each query over its last ``window`` positions."""
+    window, each query over its last ``window`` positions; with a soft cap, each scaled
+    score s replaced by cap * tanh(s / cap)."""
     q_len, heads, _ = q.shape
     group = heads // k.shape[1]
     out = torch.zeros(q_len, heads, v.shape[-1], dtype=torch.float64)
@@ -66,12 +68,15 @@ def _dense_attention(q, k, v, context, scale, window=None):
             allowed = context + i + 1
             first = 0 if window is None else max(0, allowed - window)
             scores = (kh[first:allowed] @ q[i, h].double()) * scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             w = torch.softmax(scores, 0)
             out[i, h] = w @ vh[first:allowed]
     return out
 
 
-def test_paged_attention_matches_dense_attention():
+@pytest.mark.parametrize("soft_cap", [None, 0.5])
+def test_paged_attention_matches_dense_attention(soft_cap):
     torch.manual_seed(0)
     heads, kv_heads, dim, block_size, num_blocks = 4, 2, 8, 4, 32
     k_plane = torch.zeros(num_blocks, kv_heads, block_size, dim)
@@ -94,12 +99,15 @@ def test_paged_attention_matches_dense_attention():
     query = torch.cat(qs)
     out = torch.zeros_like(query)
     attention.reference_paged_attention(
-        query, k_plane, v_plane, block_table, [0, 3, 4], [9, 5], 1 / math.sqrt(dim), out
+        query, k_plane, v_plane, block_table, [0, 3, 4], [9, 5], 1 / math.sqrt(dim), out, soft_cap=soft_cap
     )
     qsl = [0, 3, 4]
     for r, (seq_len, q_len) in enumerate(seqs):
-        expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim))
+        expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim), None, soft_cap)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+    if soft_cap is not None:  # the cap bends these scores: uncapped attention differs
+        uncapped = _dense_attention(qs[0], ks[0], vs[0], 6, 1 / math.sqrt(dim))
+        assert not torch.allclose(out[0:3].double(), uncapped, rtol=1e-3, atol=1e-3)
 
 
 def test_sliding_window_attention_reads_only_the_blocks_in_some_window():

@@ -62,14 +62,6 @@ def _engine_config(tmp_path, hf_config, **engine_args):
     return args.create_engine_config()
 
 
-def _sliding(layers: int, of: int) -> str:
-    # the reference kernels apply windows; the NPU kernels do not yet
-    return (
-        f"sliding-window attention with the NPU attention kernels (a window of {WINDOW} tokens "
-        f"on {layers} of {of} layers"
-    )
-
-
 # (name, config, engine args, the phrases the error names; None: accepted)
 CASES = [
     ("llama", lambda: LlamaConfig(architectures=["LlamaForCausalLM"], **SMALL), {}, None),
@@ -77,16 +69,13 @@ CASES = [
         "mistral",  # a model-level window: upstream gives it to every layer
         lambda: MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL),
         {},
-        [
-            _sliding(2, 2),
-            f"--disable-sliding-window serves it with full attention and max-model-len capped to {WINDOW}",
-        ],
+        None,
     ),
     (
         "llama-with-window",  # Phi-3 style: a window in a Llama config, again on every layer
         lambda: LlamaConfig(architectures=["LlamaForCausalLM"], sliding_window=WINDOW, **SMALL),
         {},
-        [_sliding(2, 2)],
+        None,
     ),
     (
         "qwen2-windowless-layers",  # use_sliding_window, but max_window_layers covers every layer
@@ -101,12 +90,12 @@ CASES = [
         None,
     ),
     (
-        "gemma2",  # alternating sliding and full layers, soft-capped attention logits
+        "gemma2",  # soft-capped attention logits, alternating windows
         lambda: Gemma2Config(
             architectures=["Gemma2ForCausalLM"], sliding_window=WINDOW, head_dim=16, **SMALL
         ),
         {},
-        [_sliding(1, 2), "attention logit soft-capping (attn_logit_softcapping=50.0)"],
+        ["attention logit soft-capping with the NPU attention kernels (attn_logit_softcapping=50.0"],
     ),
     (
         "gpt-oss",
@@ -118,7 +107,7 @@ CASES = [
             **SMALL,
         ),
         {},
-        [_sliding(1, 2), "attention sinks", "MoE experts with a clamped SwiGLU (swigluoai) activation"],
+        ["attention sinks", "MoE experts with a clamped SwiGLU (swigluoai) activation"],
     ),
     (
         "bloom",
@@ -155,6 +144,7 @@ CASES = [
 ]
 
 
+# sliding windows are accepted with both kernel sets; soft-capping with the reference kernels only
 @pytest.mark.parametrize("kernels", ["npu", "reference"])
 @pytest.mark.parametrize("name, make, engine_args, named", CASES, ids=[c[0] for c in CASES])
 def test_unsupported_model_features_are_named_when_the_config_is_built(
@@ -164,7 +154,7 @@ def test_unsupported_model_features_are_named_when_the_config_is_built(
     if kernels == "npu":
         engine_args = {"dtype": "bfloat16", **engine_args}  # the NPU kernels' dtypes
     elif named is not None:
-        named = [phrase for phrase in named if "sliding-window" not in phrase] or None
+        named = [phrase for phrase in named if "NPU attention kernels" not in phrase] or None
     if named is None:
         _engine_config(tmp_path, make(), **engine_args)
         return
@@ -200,14 +190,6 @@ def test_moe_options_that_change_routes_are_refused(tmp_path, monkeypatch):
         _engine_config(tmp_path / "simulated", _qwen3_moe())
 
 
-def test_the_suggested_way_out_of_a_sliding_window_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
-    config = MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL)
-    built = _engine_config(tmp_path, config, disable_sliding_window=True, dtype="bfloat16")
-    assert built.model_config.max_model_len == WINDOW
-    assert built.model_config.get_sliding_window() is None and built.cache_config.sliding_window is None
-
-
 def test_eplb_is_refused_by_name(tmp_path):
     config = LlamaConfig(architectures=["LlamaForCausalLM"], **SMALL)
     from vllm.ascend.platform.model_features import unsupported_features
@@ -221,9 +203,7 @@ def test_the_python_api_raises_before_any_process_starts(tmp_path, monkeypatch):
     from vllm import LLM
 
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
-    MistralConfig(architectures=["MistralForCausalLM"], sliding_window=WINDOW, **SMALL).save_pretrained(
-        tmp_path
-    )
-    with pytest.raises(AscendConfigError, match="sliding-window attention with the NPU attention kernels"):
+    Gemma2Config(architectures=["Gemma2ForCausalLM"], head_dim=16, **SMALL).save_pretrained(tmp_path)
+    with pytest.raises(AscendConfigError, match="attention logit soft-capping"):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16")
     assert multiprocessing.active_children() == []

@@ -140,22 +140,20 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **extra,
     ) -> None:
-        unsupported = {
-            "alibi_slopes": alibi_slopes,
-            "logits_soft_cap": logits_soft_cap,
-            "sinks": extra.get("sinks"),
-        }
+        unsupported = {"alibi_slopes": alibi_slopes, "sinks": extra.get("sinks")}
         for name, value in unsupported.items():
             if value is not None:
                 raise NotImplementedError(f"Ascend attention does not support {name} yet")
         self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
-        if sliding_window is not None and npu_kernels():
-            raise NotImplementedError(
-                "Ascend attention does not support sliding_window with the NPU kernels yet"
-            )
         if sliding_window is not None and self.cp_rank is not None:
             raise NotImplementedError(
                 "Ascend attention does not support sliding_window with context parallelism yet"
+            )
+        self.soft_cap = logits_soft_cap or None  # (upstream's layers pass 0 or None for none)
+        if self.soft_cap is not None and (npu_kernels() or self.cp_rank is not None):
+            raise NotImplementedError(
+                "Ascend attention does not support logits_soft_cap with the NPU kernels or "
+                "context parallelism yet"
             )
         self.sliding_window = sliding_window
         if attn_type != AttentionType.DECODER:
@@ -210,6 +208,14 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if attn_metadata.cp_step is not None:
             return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
+        window_mask = None
+        if self.sliding_window is not None and n == len(attn_metadata.seq_lens):  # decode only
+            # one mask per step and window for every layer of the group (npu_window_mask)
+            width = attn_metadata.block_table.shape[1] * k_plane.shape[2]
+            window_mask = once_per_step(
+                ("window-mask", id(attn_metadata), self.sliding_window),
+                lambda: kernels.window_mask(attn_metadata.seq_lens, self.sliding_window, width, query.device),
+            )
         kernels.paged_attention(
             query[:n],
             k_plane,
@@ -220,6 +226,8 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             self.scale,
             output[:n],
             self.sliding_window,
+            window_mask,
+            self.soft_cap,
         )
         return output
 

@@ -91,3 +91,5 @@ def validate_context_parallel(vllm_config) -> None:
         raise ValueError(
             "context parallelism needs a model with full attention only (no sliding window, no hybrid layers)"
         )
+    if getattr(model.hf_text_config, "attn_logit_softcapping", None):
+        raise ValueError("context parallelism with attention logit soft-capping is not supported yet")

@@ -49,25 +49,33 @@ def gather_range(plane, block_row, start: int, end: int) -> torch.Tensor:
 
 
 def causal_attention(
-    q, k, v, context_len: int, scale: float, window: int | None = None, first_key: int = 0
+    q,
+    k,
+    v,
+    context_len: int,
+    scale: float,
+    window: int | None = None,
+    first_key: int = 0,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """``q [q_len, H, D]`` are positions ``context_len ..``, ``k/v [n, H, D]`` positions
     ``first_key ..``; query at position ``p`` sees keys ``<= p``, and with a sliding
-    ``window`` only the last ``window`` of them (``> p - window``). Computed in float32."""
-    q_len, seq_len = q.shape[0], k.shape[0]
+    ``window`` only the last ``window`` of them (``> p - window``). ``soft_cap``: scaled
+    scores become ``soft_cap * tanh(score / soft_cap)`` before the softmax (Gemma 2).
+    Computed in float32."""
+    q_len, seq_len, dtype = q.shape[0], k.shape[0], q.dtype
     q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + context_len
     k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0) + first_key
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).float(),
-        k.transpose(0, 1).float(),
-        v.transpose(0, 1).float(),
-        attn_mask=mask,
-        scale=scale,
-    )
-    return out.transpose(0, 1).to(q.dtype)
+    q, k, v = (t.transpose(0, 1).float() for t in (q, k, v))
+    if soft_cap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = soft_cap * torch.tanh(q @ k.transpose(1, 2) * (scale / soft_cap))
+        out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    return out.transpose(0, 1).to(dtype)
 
 
 def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -> None:
@@ -90,10 +98,14 @@ def reference_paged_attention(
     scale,
     out,
     window: int | None = None,
+    window_mask: None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """With a sliding ``window``, only the blocks that hold keys inside some query's window
     are read: upstream's sliding-window KV manager hands the blocks before them back to
-    the pool (the block table then names its null block there)."""
+    the pool (the block table then names its null block there). ``window_mask`` is the
+    NPU kernels' (``npu_window_mask``); the window alone decides here. ``soft_cap``:
+    ``causal_attention``'s."""
     group = query.shape[1] // k_plane.shape[1]
     for r, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[r], query_start_loc[r + 1]
@@ -103,7 +115,7 @@ def reference_paged_attention(
         first = 0 if window is None else max(0, context_len - window + 1)
         k = gather_range(k_plane, block_table[r], first, seq_len).repeat_interleave(group, dim=1)
         v = gather_range(v_plane, block_table[r], first, seq_len).repeat_interleave(group, dim=1)
-        out[start:end] = causal_attention(query[start:end], k, v, context_len, scale, window, first)
+        out[start:end] = causal_attention(query[start:end], k, v, context_len, scale, window, first, soft_cap)
     return out
 
 
@@ -175,6 +187,20 @@ def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -
     npu.npu_scatter_nd_update_(v_plane, index, value.to(v_plane.dtype))
 
 
+def npu_window_mask(seq_lens: list[int], window: int, width: int, device: torch.device) -> torch.Tensor:
+    """The window of a decode-only step as a defaultMask ``[B, 1, 1, width]`` (1: a key
+    before the request's window). One query row per request takes the fused op's
+    incremental branch, where sparse_mode and the band's pre_tokens do nothing, so the
+    window has to travel in the mask; it is the same for every layer with that window."""
+    starts = torch.tensor([max(0, n - window) for n in seq_lens], dtype=torch.int64)
+    starts = starts.to(device, non_blocking=True)
+    return (torch.arange(width, device=device) < starts.unsqueeze(1)).view(len(seq_lens), 1, 1, width)
+
+
+def reference_window_mask(seq_lens: list[int], window: int, width: int, device: torch.device) -> None:
+    return None  # the reference attention applies the window itself
+
+
 def npu_paged_attention(
     query,
     k_plane,
@@ -185,14 +211,29 @@ def npu_paged_attention(
     scale,
     out,
     window: int | None = None,
+    window_mask: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """``npu_fused_infer_attention_score``: TND queries, the planes as
-    ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask."""
-    if window is not None:  # the platform refuses sliding windows with these kernels at start-up
-        raise NotImplementedError("the NPU attention kernels do not apply a sliding window yet")
+    ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask. A
+    sliding ``window`` is the band (sparse_mode 4: each query sees itself and the
+    ``window - 1`` keys before it) when some request has several query rows, and
+    ``window_mask`` (``npu_window_mask``) when every request has one. The op takes no
+    logit soft-cap (the platform refuses such models with these kernels at start-up)."""
+    if soft_cap is not None:
+        raise NotImplementedError("torch_npu's fused attention applies no logit soft-cap")
     num_tokens = query_start_loc[-1]
     if num_tokens == 0:
         return out
+    mask_args = {"atten_mask": causal_mask(query.device), "sparse_mode": 3}
+    if window is not None:
+        if max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])) > 1:
+            mask_args.update(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+        else:
+            if window_mask is None:
+                width = block_table.shape[1] * k_plane.shape[2]
+                window_mask = npu_window_mask(seq_lens, window, width, query.device)
+            mask_args = {"atten_mask": window_mask, "sparse_mode": 0}
     result, _ = torch_npu().npu_fused_infer_attention_score(
         query[:num_tokens].contiguous(),
         k_plane,
@@ -205,8 +246,7 @@ def npu_paged_attention(
         block_size=k_plane.shape[2],
         actual_seq_lengths=query_start_loc[1:],
         actual_seq_lengths_kv=seq_lens,
-        atten_mask=causal_mask(query.device),
-        sparse_mode=3,
+        **mask_args,
     )
     out[:num_tokens] = result
     return out
@@ -247,6 +287,7 @@ write_index = pick(reference_write_index, npu_write_index)
 write_kv_cache = pick(reference_write_kv_cache, npu_write_kv_cache)
 paged_decode = pick(reference_paged_decode, npu_paged_decode)
 paged_attention = pick(reference_paged_attention, npu_paged_attention)
+window_mask = pick(reference_window_mask, npu_window_mask)
 
 
 def supported_block_sizes() -> list:

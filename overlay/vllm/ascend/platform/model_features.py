@@ -22,40 +22,18 @@ SINK_MODEL_TYPES = {"gpt_oss"}
 MOE_ACTIVATIONS = {"gpt_oss": "a clamped SwiGLU (swigluoai)"}
 
 
-def sliding_window_layers(vllm_config) -> tuple[int | None, int, int]:
-    """(window, layers that use it, layers) as upstream applies it: the model-level window
-    (``cache_config.sliding_window``, set when every layer slides or the config lists no
-    layer types) reaches every attention layer; otherwise the layers ``layer_types`` marks
-    ``sliding_attention`` get the config's window."""
-    hf = vllm_config.model_config.hf_text_config
-    layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
-    window = vllm_config.model_config.get_sliding_window()
-    if not window:
-        return None, 0, layers
-    if vllm_config.cache_config.sliding_window is not None:
-        return vllm_config.cache_config.sliding_window, layers, layers
-    kinds = getattr(hf, "layer_types", None) or []
-    return window, sum(kind == "sliding_attention" for kind in kinds), layers
-
-
 def unsupported_features(vllm_config) -> list[str]:
     """Each unsupported feature of this model and configuration, as a phrase that says
     what to do where something can be done."""
     model = vllm_config.model_config
     hf = model.hf_text_config
     found = []
-    window, sliding, layers = sliding_window_layers(vllm_config)
-    # the reference kernels apply windows, the NPU kernels do not yet (context parallelism
-    # refuses windowed models in its own check: context_parallel/config.py)
-    if sliding and npu_kernels():
-        found.append(
-            f"sliding-window attention with the NPU attention kernels (a window of {window} tokens on {sliding} of "
-            f"{layers} layers; --disable-sliding-window serves it with full attention and "
-            f"max-model-len capped to {window})"
-        )
     soft_cap = getattr(hf, "attn_logit_softcapping", None)
-    if soft_cap:
-        found.append(f"attention logit soft-capping (attn_logit_softcapping={soft_cap})")
+    if soft_cap and npu_kernels():  # the reference kernels cap; torch_npu's fused attention cannot
+        found.append(
+            f"attention logit soft-capping with the NPU attention kernels (attn_logit_softcapping={soft_cap}; "
+            "torch_npu's fused attention applies no cap)"
+        )
     architectures = set(model.architectures or ())
     if architectures & ALIBI_ARCHITECTURES or any(
         getattr(model.hf_config, key, False)

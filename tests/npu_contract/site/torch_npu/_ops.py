@@ -17,6 +17,7 @@ from ._rules import require, unmodelled
 FIA = "npu_fused_infer_attention_score"
 HALF_TYPES = (torch.float16, torch.bfloat16)
 MASK_SIZE = 2048
+INT_MAX = 2147483647  # pre_tokens/next_tokens when unset
 
 
 def _refuse_unmodelled(op: str, a: dict, names: tuple[str, ...]) -> None:
@@ -71,7 +72,7 @@ def _check_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
         "FIA.mask_dtype",
         f"atten_mask must be a contiguous bool/int8/uint8 tensor, got {mask.dtype}",
     )
-    if sparse_mode == 3:
+    if sparse_mode in (3, 4):  # rightDownCausal and band take the same optimised mask
         square = mask.reshape(MASK_SIZE, MASK_SIZE)
         # Fully once per mask tensor (callers build it once), then a sample of rows on
         # every call (inference tensors carry no version counter to tell a rewrite).
@@ -87,22 +88,57 @@ def _check_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
         require(
             verdict and sample_ok,
             FIA,
-            "FIA.sparse_3",
-            "the rightDownCausal mask must be 1 exactly above the diagonal (triu(ones(2048, 2048), 1))",
+            f"FIA.sparse_{sparse_mode}",
+            "the optimised mask must be 1 exactly above the diagonal (triu(ones(2048, 2048), 1))",
         )
 
 
-def _causal_limit(sparse_mode: int, q_len: int, kv_len: int) -> int | None:
-    """Offset of the last key position query 0 may see (None: no mask)."""
-    if sparse_mode == 3:
-        return kv_len - q_len
+def _visible_keys(sparse_mode, q_len, kv_len, pre_tokens, next_tokens, mask_rows=None):
+    """[q_len, kv_len] bool, the keys each query row attends to (None: all of them).
+
+    The optimised masks align query row i with key ``kv_len - q_len + i`` (rightDown): the
+    doc's rows that are "not computed" under band are those with pre_tokens < 0 or
+    next_tokens + KV_S - Q_S < 0 (FIA.band_rows). ``mask_rows``: a defaultMask's
+    [Q_S, >= kv_len] rows for this batch (1 = not computed)."""
     if sparse_mode == 0:
-        return None
+        return None if mask_rows is None else ~mask_rows[:q_len, :kv_len].to(torch.bool)
+    diagonal = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
+    keys = torch.arange(kv_len).unsqueeze(0)
+    if sparse_mode == 3:
+        return keys <= diagonal
+    if sparse_mode == 4:
+        return (keys >= diagonal - pre_tokens) & (keys <= diagonal + next_tokens)
     raise unmodelled(FIA, f"sparse_mode={sparse_mode}")
 
 
-def _attend(q, k, v, scale, limit, q_rope=None, k_rope=None):
-    """q [S, N, D], k/v [L, KVN, D] -> out [S, N, Dv] float32, lse [S, N] (query i sees keys <= limit + i)."""
+def _default_mask_rows(mask, batch, q_s, kv_lens, block_table, block_size):
+    """A defaultMask's rows per batch: b -> [Q_S, width] (FIA.mask_shape, FIA.pa_mask_width)."""
+    shaped = (mask.dim() == 3 and mask.shape[0] == 1) or (
+        mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1
+    )
+    require(
+        shaped and mask.shape[-2] >= q_s,
+        FIA,
+        "FIA.mask_shape",
+        f"atten_mask {tuple(mask.shape)} for batch {batch} and Q_S {q_s}",
+    )
+    if block_table is not None:
+        width = block_table.shape[1] * block_size
+        require(
+            mask.shape[-1] >= width,
+            FIA,
+            "FIA.pa_mask_width",
+            f"atten_mask's last dim {mask.shape[-1]} < block_table's {block_table.shape[1]} x {block_size}",
+        )
+    else:
+        require(mask.shape[-1] >= max(kv_lens, default=0), FIA, "FIA.mask_shape", f"{tuple(mask.shape)}")
+    rows = mask.reshape(-1, mask.shape[-2], mask.shape[-1])
+    return lambda b: rows[b if rows.shape[0] > 1 else 0]
+
+
+def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None):
+    """q [S, N, D], k/v [L, KVN, D] -> out [S, N, Dv] float32, lse [S, N]; ``visible``:
+    [S, L] bool of the keys each query attends to (None: all)."""
     n, kvn = q.shape[1], k.shape[1]
     k = k.float().repeat_interleave(n // kvn, dim=1)
     v = v.float().repeat_interleave(n // kvn, dim=1)
@@ -111,10 +147,8 @@ def _attend(q, k, v, scale, limit, q_rope=None, k_rope=None):
         k_rope = k_rope.float().repeat_interleave(n // kvn, dim=1)
         scores = scores + torch.einsum("snd,lnd->nsl", q_rope.float(), k_rope)
     scores = scores * scale
-    if limit is not None:
-        pos = torch.arange(k.shape[0]).unsqueeze(0)
-        allowed = pos <= (torch.arange(q.shape[0]).unsqueeze(1) + limit)
-        scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [N, S]
     out = torch.einsum("nsl,lnd->snd", torch.softmax(scores, dim=-1), v)
     return out, lse.transpose(0, 1)
@@ -345,6 +379,17 @@ def npu_fused_infer_attention_score(**a):
         def kv_rows(b):
             return key[kv_starts[b] : kv_cum[b]], value[kv_starts[b] : kv_cum[b]]
 
+    mode, mask = sparse_mode, a["atten_mask"]
+    pre_tokens, next_tokens = a["pre_tokens"], a["next_tokens"]
+    if max(q_lens, default=0) <= 1 and mode in (2, 3, 4):  # FIA.incremental_sparse
+        mode, mask = 0, None  # the optimised mask only encoded the mode
+    mask_rows = None
+    if mode == 0 and mask is not None:
+        mask_rows = _default_mask_rows(
+            mask, batch, max(q_lens, default=0), kv_lens, block_table, a["block_size"]
+        )
+        if max(q_lens, default=0) > 1 and (pre_tokens, next_tokens) != (INT_MAX, INT_MAX):
+            raise unmodelled(FIA, "pre_tokens/next_tokens with a defaultMask atten_mask")
     for b in range(batch):
         if q_lens[b] == 0:
             continue
@@ -356,10 +401,26 @@ def npu_fused_infer_attention_score(**a):
                 "FIA.sparse_3",
                 f"batch {b}: {q_lens[b]} queries but only {kv_lens[b]} keys",
             )
-        k, v = kv_rows(b)
-        o, row_lse = _attend(
-            query[q_starts[b] : q_cum[b]], k, v, scale, _causal_limit(sparse_mode, q_lens[b], kv_lens[b])
+        if mode == 4:
+            require(
+                pre_tokens >= 0 and next_tokens + kv_lens[b] - q_lens[b] >= 0,
+                FIA,
+                "FIA.band_rows",
+                f"batch {b}: pre_tokens={pre_tokens}, next_tokens={next_tokens}, "
+                f"{q_lens[b]} queries over {kv_lens[b]} keys",
+            )
+        visible = _visible_keys(
+            mode, q_lens[b], kv_lens[b], pre_tokens, next_tokens, None if mask_rows is None else mask_rows(b)
         )
+        if visible is not None:
+            require(
+                bool(visible.any(dim=1).all()),
+                FIA,
+                "PROJECT.mask_rows",
+                f"batch {b}: a query row sees no key",
+            )
+        k, v = kv_rows(b)
+        o, row_lse = _attend(query[q_starts[b] : q_cum[b]], k, v, scale, visible)
         out[q_starts[b] : q_cum[b]] = o
         lse[q_starts[b] : q_cum[b], :, 0] = row_lse
     result = out.to(query.dtype)
@@ -440,8 +501,8 @@ def _fia_mla_paged(a, query, key, value, q_rope, k_rope, num_heads, layout, spar
     for b in range(batch):
         latent = _paged_rows(key, block_table[b], kv_lens[b], block_size, 1)
         rope = _paged_rows(k_rope, block_table[b], kv_lens[b], block_size, 1)
-        limit = None if s_len == 1 else kv_lens[b] - s_len
-        out[b], row_lse = _attend(q[b], latent, latent, scale, limit, q_rope=qr[b], k_rope=rope)
+        visible = None if s_len == 1 else _visible_keys(3, s_len, kv_lens[b], INT_MAX, INT_MAX)
+        out[b], row_lse = _attend(q[b], latent, latent, scale, visible, q_rope=qr[b], k_rope=rope)
         lse[b, :, :, 0] = row_lse.transpose(0, 1)
     out = out.to(query.dtype)
     out = out.transpose(1, 2).contiguous() if bnsd else out

@@ -107,6 +107,27 @@ RULES: dict[str, Rule] = {
             "需要传入优化后的atten_mask矩阵(2048*2048).",
         ),
         Rule(
+            "FIA.sparse_4",
+            DOCS,
+            "sparse_mode为4时, 代表band模式的mask, 需要传入优化后的atten_mask矩阵(2048*2048).",
+        ),
+        # band's alignment: the rows it leaves without keys (rightDown: row i is key KV_S - Q_S + i)
+        Rule(
+            "FIA.band_rows",
+            DOCS,
+            "sparse_mode=4, pre_tokens<0或每个batch next_tokens+actual_seq_lengths_kv-actual_seq_lengths<0时, "
+            "满足拦截条件.",
+        ),
+        # one query row per batch: the incremental branch, where sparse_mode (and the band) does nothing
+        Rule("FIA.incremental_sparse", DOCS, "Q_S为1且不带rope输入时该参数无效."),
+        Rule("FIA.mask_shape", DOCS, "支持shape传入(1,Q_S,KV_S)、(B,1,Q_S,KV_S)、(1,1,Q_S,KV_S)。"),
+        Rule(
+            "FIA.pa_mask_width",
+            DOCS,
+            "使能`atten_mask`，当`sparse_mode`不为2、3、4时，传入的`atten_mask`的最后一维需要大于等于"
+            "`block_table`的第二维 * `block_size`.",
+        ),
+        Rule(
             "FIA.sparse_values", DOCS, "参数sparse_mode当前仅支持值为0、1、2、3、4的场景, 取其它值时会报错."
         ),
         Rule(
@@ -704,6 +725,10 @@ PROJECT_RULES = {
         "KV caches are passed to in-place cache-write ops as contiguous tensors: a non-contiguous "
         "cache is copied to a contiguous temporary by the framework (and, for ATB, rejected on output), "
         "so either the write is lost or every step copies the whole cache."
+    ),
+    "PROJECT.mask_rows": (
+        "A user atten_mask leaves every query row at least one key: a fully masked row's output is "
+        "not defined unless inner_precise's row-invalid correction is on, which the project does not use."
     ),
     "PROJECT.valid_slots": (
         "Cache-write ops receive only real token slots (no -1 padding): negative slots are not "
