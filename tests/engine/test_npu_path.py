@@ -5,8 +5,9 @@ For each tiny model (GQA: Llama with as many KV heads as query heads, Qwen2 with
 many; MLA + MoE: DeepSeek-V3 with 512-wide latents; GQA with q/k norms + softmax-routed
 MoE: Qwen3-MoE) one process runs three engines in bf16 (the dtype the NPU kernels take):
 the reference kernels at TP=1, the NPU kernels at TP=1 and at TP=2 (for the MoE models
-with expert parallelism and the strategy the selector picks); Gemma 3 (sliding-window
-layers alternating with full ones) runs the reference and the NPU kernels at TP=1.
+with expert parallelism and the strategy the selector picks); Mistral (a sliding window on
+every layer), Gemma 3 (sliding-window layers alternating with full ones) and Qwen3 (q/k
+norms) run the reference and the NPU kernels at TP=1.
 The NPU engines run the NPU device class (``NPUPathDevice``), which asks the double for
 the SoC: the TP=2 engines report an Atlas A3 (``TORCH_NPU_DOUBLE_SOC=A3``), the others an
 A2. On A3 the selector would pick MC2, but the tiny model's hidden size (64) is outside
@@ -76,21 +77,23 @@ ENGINE = {
 }
 # the GQA models: Llama (as many KV heads as query heads, no QKV bias) and Qwen2
 GQA = ("llama", "qwen2")
-# Sliding windows: Gemma 3 (windowed and full layers alternating, two KV-cache groups), its
-# windowed layers the fused op's band in steps with a prefill and the decode mask in
-# decode-only steps. One NPU engine at TP=1: a window is per request, the same on every rank.
-WINDOWED = ("gemma3",)
+# More families at TP=1 (a window is per request, the same on every rank): sliding windows
+# on every layer (Mistral) and alternating with full layers (Gemma 3: two KV-cache groups),
+# the fused op's band in steps with a prefill and the decode mask in decode-only steps;
+# q/k norms (Qwen3). Gemma 3's GELU MLP and (1 + w) norms have no torch_npu form here.
+FAMILIES = ("mistral", "gemma3", "qwen3")
+GQA_LIKE = (*GQA, "mistral", "qwen3")
 # op -> architectures whose NPU path must have called it
 EXPECTED_OPS = {
-    "npu::npu_fused_infer_attention_score": (*GQA, MLA512, QWEN3_MOE, *WINDOWED),
-    "npu::npu_scatter_nd_update_": (*GQA, QWEN3_MOE, *WINDOWED),
+    "npu::npu_fused_infer_attention_score": (*GQA_LIKE, MLA512, QWEN3_MOE, "gemma3"),
+    "npu::npu_scatter_nd_update_": (*GQA_LIKE, QWEN3_MOE, "gemma3"),
     "npu::npu_kv_rmsnorm_rope_cache": (MLA512,),  # the MLA layer's fused latent prolog
     "npu::npu_interleave_rope": (MLA512,),  # its query's rope part
     "npu::npu_grouped_matmul": (MLA512, QWEN3_MOE),
-    "npu::npu_swiglu": (*GQA, MLA512, QWEN3_MOE),
-    "npu::npu_rms_norm": (*GQA, MLA512, QWEN3_MOE),
-    "npu::npu_add_rms_norm": (*GQA, MLA512, QWEN3_MOE),
-    "npu::npu_rotary_mul": (*GQA, QWEN3_MOE),
+    "npu::npu_swiglu": (*GQA_LIKE, MLA512, QWEN3_MOE),
+    "npu::npu_rms_norm": (*GQA_LIKE, MLA512, QWEN3_MOE),
+    "npu::npu_add_rms_norm": (*GQA_LIKE, MLA512, QWEN3_MOE),
+    "npu::npu_rotary_mul": (*GQA_LIKE, QWEN3_MOE),
     # DeepSeek's grouped sigmoid top-k; Qwen3-MoE's renormalised softmax top-k
     "npu::npu_moe_gating_top_k": (MLA512, QWEN3_MOE),
     "npu::npu_moe_init_routing_v2": (MLA512, QWEN3_MOE),
@@ -210,7 +213,7 @@ def _compare(
     return divergences
 
 
-@pytest.mark.parametrize("arch", [*GQA, MLA512, QWEN3_MOE, *WINDOWED])
+@pytest.mark.parametrize("arch", [*GQA, MLA512, QWEN3_MOE, *FAMILIES])
 def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     batches = [LONG_PROMPTS, LONG_PREFIX_PROMPTS[:1], LONG_PREFIX_PROMPTS[1:]]
     runs = {
@@ -218,7 +221,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         "npu_tp1": {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_tp1"]},
         "npu_tp2": {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_tp2"]},
     }
-    if arch in WINDOWED:
+    if arch in FAMILIES:
         del runs["npu_tp2"]
     if arch in CONTEXT_PARALLEL:
         runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_cp"]}
