@@ -93,9 +93,26 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
             table[r, : first_key // block_size] = 0
     out_npu, out_ref = torch.zeros_like(query), torch.zeros_like(query)
     scale = head_size**-0.5
-    attention.npu_paged_attention(query, *planes["npu"], table, qsl, seq_lens, scale, out_npu, window)
+    mask = None
+    if window is not None and attention.one_row_per_request(qsl):  # as the backend builds it
+        mask = attention.npu_window_mask(seq_lens, window, max_blocks * block_size, query.device)
+        # key j is hidden exactly when it lies before the window ending at position kv - 1
+        assert mask.shape == (len(reqs), 1, 1, max_blocks * block_size)
+        for r, kv in enumerate(seq_lens):
+            assert mask[r, 0, 0].tolist() == [j <= kv - 1 - window for j in range(max_blocks * block_size)]
+    attention.npu_paged_attention(query, *planes["npu"], table, qsl, seq_lens, scale, out_npu, window, mask)
     attention.reference_paged_attention(query, *planes["ref"], table, qsl, seq_lens, scale, out_ref, window)
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+
+
+def test_a_decode_step_with_a_window_needs_the_window_mask():
+    """One query row per request: the fused op ignores the band there, so without
+    npu_window_mask's mask the window would be lost."""
+    planes = [torch.zeros(2, 1, 128, 16, dtype=BF16) for _ in range(2)]
+    table = torch.ones(1, 1, dtype=torch.int32)
+    query, out = torch.randn(1, 2, 16, dtype=BF16), torch.zeros(1, 2, 16, dtype=BF16)
+    with pytest.raises(ValueError, match="npu_window_mask"):
+        attention.npu_paged_attention(query, *planes, table, [0, 1], [40], 0.25, out, 8)
 
 
 @settings(max_examples=8, deadline=None)

@@ -209,7 +209,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
         window_mask = None
-        if self.sliding_window is not None and n == len(attn_metadata.seq_lens):  # decode only
+        if self.sliding_window is not None and kernels.one_row_per_request(attn_metadata.query_start_loc):
             # one mask per step and window for every layer of the group (npu_window_mask)
             width = attn_metadata.block_table.shape[1] * k_plane.shape[2]
             window_mask = once_per_step(

@@ -187,6 +187,11 @@ def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -
     npu.npu_scatter_nd_update_(v_plane, index, value.to(v_plane.dtype))
 
 
+def one_row_per_request(query_start_loc: list[int]) -> bool:
+    """A step whose every request has at most one query row (a decode-only step)."""
+    return all(b - a <= 1 for a, b in zip(query_start_loc, query_start_loc[1:]))
+
+
 def npu_window_mask(seq_lens: list[int], window: int, width: int, device: torch.device) -> torch.Tensor:
     """The window of a decode-only step as a defaultMask ``[B, 1, 1, width]`` (1: a key
     before the request's window). One query row per request takes the fused op's
@@ -218,7 +223,8 @@ def npu_paged_attention(
     ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask. A
     sliding ``window`` is the band (sparse_mode 4: each query sees itself and the
     ``window - 1`` keys before it) when some request has several query rows, and
-    ``window_mask`` (``npu_window_mask``) when every request has one. The op takes no
+    ``window_mask`` (``npu_window_mask``, required then) when every request has one
+    (``one_row_per_request``). The op takes no
     logit soft-cap (the platform refuses such models with these kernels at start-up)."""
     if soft_cap is not None:
         raise NotImplementedError("torch_npu's fused attention applies no logit soft-cap")
@@ -226,14 +232,12 @@ def npu_paged_attention(
     if num_tokens == 0:
         return out
     mask_args = {"atten_mask": causal_mask(query.device), "sparse_mode": 3}
-    if window is not None:
-        if max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])) > 1:
-            mask_args.update(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
-        else:
-            if window_mask is None:
-                width = block_table.shape[1] * k_plane.shape[2]
-                window_mask = npu_window_mask(seq_lens, window, width, query.device)
-            mask_args = {"atten_mask": window_mask, "sparse_mode": 0}
+    if window is not None and not one_row_per_request(query_start_loc):
+        mask_args.update(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+    elif window is not None:
+        if window_mask is None:
+            raise ValueError("a decode-only step with a sliding window needs npu_window_mask's mask")
+        mask_args = {"atten_mask": window_mask, "sparse_mode": 0}
     result, _ = torch_npu().npu_fused_infer_attention_score(
         query[:num_tokens].contiguous(),
         k_plane,

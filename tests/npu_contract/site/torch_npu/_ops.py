@@ -112,7 +112,7 @@ def _visible_keys(sparse_mode, q_len, kv_len, pre_tokens, next_tokens, mask_rows
 
 
 def _default_mask_rows(mask, batch, q_s, kv_lens, block_table, block_size):
-    """A defaultMask's rows per batch: b -> [Q_S, width] (FIA.mask_shape, FIA.pa_mask_width)."""
+    """A defaultMask as [batch, Q_S, width] (FIA.mask_shape, FIA.pa_mask_width)."""
     shaped = (mask.dim() == 3 and mask.shape[0] == 1) or (
         mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1
     )
@@ -132,8 +132,7 @@ def _default_mask_rows(mask, batch, q_s, kv_lens, block_table, block_size):
         )
     else:
         require(mask.shape[-1] >= max(kv_lens, default=0), FIA, "FIA.mask_shape", f"{tuple(mask.shape)}")
-    rows = mask.reshape(-1, mask.shape[-2], mask.shape[-1])
-    return lambda b: rows[b if rows.shape[0] > 1 else 0]
+    return mask.reshape(-1, mask.shape[-2], mask.shape[-1]).expand(batch, -1, -1)
 
 
 def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None):
@@ -379,16 +378,14 @@ def npu_fused_infer_attention_score(**a):
         def kv_rows(b):
             return key[kv_starts[b] : kv_cum[b]], value[kv_starts[b] : kv_cum[b]]
 
-    mode, mask = sparse_mode, a["atten_mask"]
+    mode, mask, q_s = sparse_mode, a["atten_mask"], max(q_lens, default=0)
     pre_tokens, next_tokens = a["pre_tokens"], a["next_tokens"]
-    if max(q_lens, default=0) <= 1 and mode in (2, 3, 4):  # FIA.incremental_sparse
+    if q_s <= 1 and mode in (2, 3, 4):  # FIA.incremental_sparse
         mode, mask = 0, None  # the optimised mask only encoded the mode
     mask_rows = None
     if mode == 0 and mask is not None:
-        mask_rows = _default_mask_rows(
-            mask, batch, max(q_lens, default=0), kv_lens, block_table, a["block_size"]
-        )
-        if max(q_lens, default=0) > 1 and (pre_tokens, next_tokens) != (INT_MAX, INT_MAX):
+        mask_rows = _default_mask_rows(mask, batch, q_s, kv_lens, block_table, a["block_size"])
+        if q_s > 1 and (pre_tokens, next_tokens) != (INT_MAX, INT_MAX):
             raise unmodelled(FIA, "pre_tokens/next_tokens with a defaultMask atten_mask")
     for b in range(batch):
         if q_lens[b] == 0:
@@ -410,7 +407,7 @@ def npu_fused_infer_attention_score(**a):
                 f"{q_lens[b]} queries over {kv_lens[b]} keys",
             )
         visible = _visible_keys(
-            mode, q_lens[b], kv_lens[b], pre_tokens, next_tokens, None if mask_rows is None else mask_rows(b)
+            mode, q_lens[b], kv_lens[b], pre_tokens, next_tokens, None if mask_rows is None else mask_rows[b]
         )
         if visible is not None:
             require(
