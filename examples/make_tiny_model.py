@@ -8,6 +8,7 @@
     python examples/make_tiny_model.py --arch qwen3 --out /tmp/tiny-qwen3
     python examples/make_tiny_model.py --arch mistral --sliding-window 24 --out /tmp/tiny-mistral
     python examples/make_tiny_model.py --arch gemma3 --out /tmp/tiny-gemma3
+    python examples/make_tiny_model.py --arch gpt_oss --out /tmp/tiny-gpt-oss
 
 Nothing is downloaded: the weights are random (seeded), saved as safetensors, and the
 tokenizer is a byte-level BPE trained here with the `tokenizers` library on a small
@@ -150,6 +151,8 @@ def make_model(args, tok: Tokenizer):
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -195,6 +198,28 @@ def make_model(args, tok: Tokenizer):
         # attention logits soft-capped; vLLM's Gemma 2 has no lm_head of its own (tied)
         cfg["tie_word_embeddings"] = True
         return Gemma2ForCausalLM(Gemma2Config(**cfg, **alternating, attn_logit_softcapping=args.soft_cap))
+    if args.arch == "gpt_oss":  # sinks, windows on even layers, biased experts with a clamped SwiGLU
+        head_dim = args.hidden_size // args.heads
+        config = GptOssConfig(
+            **cfg,
+            num_key_value_heads=args.kv_heads or args.heads // 2,
+            head_dim=head_dim,
+            num_local_experts=args.experts,
+            num_experts_per_tok=2,
+            sliding_window=args.sliding_window,
+            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(args.layers)],
+            # YaRN as gpt-oss has it, stretched 4x from a quarter of --max-len
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": args.max_len // 4,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        )
+        return GptOssForCausalLM(config)
     if args.arch == "qwen3_moe":  # softmax top-k routing, renormalised; every layer MoE, no shared expert
         config = Qwen3MoeConfig(
             **cfg,
@@ -268,6 +293,18 @@ def randomize_routing_bias(model, generator: torch.Generator) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=generator) * 0.5)
 
 
+def randomize_gpt_oss_extras(model, generator: torch.Generator) -> None:
+    """transformers starts expert biases at zero and sinks near zero; a test with those
+    could not tell a missing bias or sink from a present one. (Larger gate/up biases,
+    which would reach the SwiGLU's clamp limit often, make bf16 runs near-tie on many
+    tokens; the clamp is checked against transformers in tests/unit/kernels.)"""
+    for name, param in model.named_parameters():
+        std = {"gate_up_proj_bias": 1.0, "down_proj_bias": 0.25, "sinks": 1.0}.get(name.rsplit(".", 1)[-1])
+        if std is not None:
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
 def shrink_tied_embeddings(model, factor: float = 0.03) -> None:
     """Gemma 2 scales its embeddings by sqrt(hidden_size) and ties its output head to them:
     at the layers' init scale every step's logits favour the step's own input token, so
@@ -318,6 +355,7 @@ def main(argv: list[str] | None = None) -> Path:
             "mistral",
             "gemma2",
             "gemma3",
+            "gpt_oss",
         ],
     )
     p.add_argument("--out", required=True, type=Path)
@@ -339,7 +377,10 @@ def main(argv: list[str] | None = None) -> Path:
         help="default: heads (llama; deepseek_v3: MLA, none), heads/2 (the others)",
     )
     p.add_argument(
-        "--sliding-window", type=int, default=24, help="attention window in tokens (mistral, gemma2, gemma3)"
+        "--sliding-window",
+        type=int,
+        default=24,
+        help="attention window in tokens (mistral, gemma2, gemma3, gpt_oss)",
     )
     p.add_argument(
         "--soft-cap",
@@ -347,7 +388,7 @@ def main(argv: list[str] | None = None) -> Path:
         default=1.0,
         help="attention logit soft-cap (gemma2's attn_logit_softcapping)",
     )
-    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe, gpt_oss)")
     p.add_argument(
         "--kv-lora-rank",
         type=int,
@@ -383,6 +424,8 @@ def main(argv: list[str] | None = None) -> Path:
         randomize_routing_bias(model, generator)
     if args.arch == "gemma2":
         shrink_tied_embeddings(model)
+    if args.arch == "gpt_oss":
+        randomize_gpt_oss_extras(model, generator)
     model.save_pretrained(args.out, safe_serialization=True)
     save_tokenizer(tok, args.out, args.max_len)
 

@@ -3,7 +3,9 @@ vs. Hugging Face transformers, token for token (float32, host emulation, the ref
 kernels): a Mistral (a window on every layer), a Gemma 3 (windowed and full layers
 alternating: two KV-cache groups in upstream's hybrid manager), a Gemma 2 (the same
 alternation, its attention scores soft-capped where the cap changes its tokens:
-examples/make_tiny_model.py) and a dense Qwen3.
+examples/make_tiny_model.py), a dense Qwen3 and a gpt-oss (attention sinks, alternating
+windows, YaRN, biased experts with the clamped SwiGLU; sinks and biases large enough that
+dropping any of them changes the tokens).
 
 Windows of 24 tokens over 8-token blocks, prompts up to ~60 tokens and 32 generated ones, so
 every sequence outgrows its window (that the kernel never reads the blocks before a window,

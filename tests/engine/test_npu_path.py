@@ -7,7 +7,9 @@ MoE: Qwen3-MoE) one process runs three engines in bf16 (the dtype the NPU kernel
 the reference kernels at TP=1, the NPU kernels at TP=1 and at TP=2 (for the MoE models
 with expert parallelism and the strategy the selector picks); Mistral (a sliding window on
 every layer), Gemma 3 (sliding-window layers alternating with full ones) and Qwen3 (q/k
-norms) run the reference and the NPU kernels at TP=1.
+norms) run the reference and the NPU kernels at TP=1; gpt-oss (attention sinks through the
+fused attention's v2, alternating windows, biased experts with a clamped SwiGLU) at TP=1 and
+at TP=2 with expert parallelism.
 The NPU engines run the NPU device class (``NPUPathDevice``), which asks the double for
 the SoC: the TP=2 engines report an Atlas A3 (``TORCH_NPU_DOUBLE_SOC=A3``), the others an
 A2. On A3 the selector would pick MC2, but the tiny model's hidden size (64) is outside
@@ -24,7 +26,7 @@ The NPU runs must produce the reference's greedy tokens for every
 prompt (prefill, chunked prefill with 128-token steps, prefix-cache hits over 128-token
 blocks, decode). Two implementations may legitimately pick different tokens only where the
 NPU's pick is among the reference's top candidates within NEAR_TIE of its best, or, for
-Qwen3-MoE, at or after a step where transformers' router logits put a token within
+Qwen3-MoE and gpt-oss, at or after a step where transformers' router logits put a token within
 bf16 rounding noise of another expert choice; each such case is reported as a warning,
 never hidden. The layers run the Ascend forms of RMSNorm, rotary embedding and
 SiLU-and-mul (torch_npu's fused ops) and, for the MoE models, routing and the weighted
@@ -63,7 +65,7 @@ NEAR_TIE_CANDIDATES = 5
 # near-tie at step s (any layer) or earlier (a layer before the last: only those reach
 # later steps, through the KV cache).
 ROUTER_NEAR_TIE = 1.0
-ROUTER_ORACLE = (QWEN3_MOE,)
+ROUTER_ORACLE = (QWEN3_MOE, "gpt_oss")
 MAX_TOKENS = 10
 ENGINE = {
     "dtype": "bfloat16",
@@ -81,23 +83,30 @@ GQA = ("llama", "qwen2")
 # on every layer (Mistral) and alternating with full layers (Gemma 3: two KV-cache groups),
 # the fused op's band in steps with a prefill and the decode mask in decode-only steps;
 # q/k norms (Qwen3). Gemma 3's GELU MLP and (1 + w) norms have no torch_npu form here.
-FAMILIES = ("mistral", "gemma3", "qwen3")
+FAMILIES = ("mistral", "gemma3", "qwen3", "gpt_oss")
 GQA_LIKE = (*GQA, "mistral", "qwen3")
+GPT_OSS = "gpt_oss"
+# the MoE models: TP=2 with expert parallelism as well
+MOE_ARCHS = (MLA512, QWEN3_MOE, GPT_OSS)
 # op -> architectures whose NPU path must have called it
 EXPECTED_OPS = {
     "npu::npu_fused_infer_attention_score": (*GQA_LIKE, MLA512, QWEN3_MOE, "gemma3"),
-    "npu::npu_scatter_nd_update_": (*GQA_LIKE, QWEN3_MOE, "gemma3"),
+    # gpt-oss's attention sinks: v2's learnable_sink
+    "npu::npu_fused_infer_attention_score_v2": (GPT_OSS,),
+    "npu::npu_scatter_nd_update_": (*GQA_LIKE, QWEN3_MOE, "gemma3", GPT_OSS),
     "npu::npu_kv_rmsnorm_rope_cache": (MLA512,),  # the MLA layer's fused latent prolog
     "npu::npu_interleave_rope": (MLA512,),  # its query's rope part
-    "npu::npu_grouped_matmul": (MLA512, QWEN3_MOE),
+    "npu::npu_grouped_matmul": MOE_ARCHS,
     "npu::npu_swiglu": (*GQA_LIKE, MLA512, QWEN3_MOE),
-    "npu::npu_rms_norm": (*GQA_LIKE, MLA512, QWEN3_MOE),
-    "npu::npu_add_rms_norm": (*GQA_LIKE, MLA512, QWEN3_MOE),
+    "npu::npu_clipped_swiglu": (GPT_OSS,),  # its experts' clamped SwiGLU
+    "npu::npu_rms_norm": (*GQA_LIKE, *MOE_ARCHS),
+    "npu::npu_add_rms_norm": (*GQA_LIKE, *MOE_ARCHS),
+    # (gpt-oss's YaRN tables carry its attention factor, outside the op's range: plain torch)
     "npu::npu_rotary_mul": (*GQA_LIKE, QWEN3_MOE),
-    # DeepSeek's grouped sigmoid top-k; Qwen3-MoE's renormalised softmax top-k
-    "npu::npu_moe_gating_top_k": (MLA512, QWEN3_MOE),
-    "npu::npu_moe_init_routing_v2": (MLA512, QWEN3_MOE),
-    "npu::npu_moe_finalize_routing": (MLA512, QWEN3_MOE),
+    # DeepSeek's grouped sigmoid top-k; Qwen3-MoE's and gpt-oss's renormalised softmax top-k
+    "npu::npu_moe_gating_top_k": MOE_ARCHS,
+    "npu::npu_moe_init_routing_v2": MOE_ARCHS,
+    "npu::npu_moe_finalize_routing": MOE_ARCHS,
 }
 # Where the NPU TP=2 run is compared with reference kernels at TP=2 (same layout) rather
 # than at TP=1: a MoE model's routing turns TP=2's other bf16 summation order (about an
@@ -106,7 +115,7 @@ EXPECTED_OPS = {
 # TP=1). The kernel comparison holds the layout fixed. (The MoE models with a router
 # oracle, ROUTER_ORACLE, need no second reference: each such divergence is checked
 # against the router's own near-ties.)
-REFERENCE_AT_TP2 = (MLA512,)
+REFERENCE_AT_TP2 = (MLA512, GPT_OSS)
 # The experts route on device (npu_moe_init_routing_v2) with and without an expert map;
 # the weighted sum is npu_moe_finalize_routing's only where every expert is local (it
 # takes no rows that init left out).
@@ -221,7 +230,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         "npu_tp1": {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_tp1"]},
         "npu_tp2": {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_tp2"]},
     }
-    if arch in FAMILIES:
+    if arch in FAMILIES and arch not in MOE_ARCHS:
         del runs["npu_tp2"]
     if arch in CONTEXT_PARALLEL:
         runs["npu_cp"] = {"VLLM_ASCEND_KERNELS": "npu", "TORCH_NPU_DOUBLE_SOC": SOC["npu_cp"]}
@@ -233,7 +242,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         engine = dict(ENGINE)
         if name in ("npu_tp2", "reference_tp2"):
             engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
-            if arch in (MLA512, QWEN3_MOE):  # expert parallelism over the two ranks (A3's selector)
+            if arch in MOE_ARCHS:  # expert parallelism over the two ranks (A3's selector)
                 # (MTP on V2 through the NPU kernels: the quantized test below)
                 engine.update(enable_expert_parallel=True)
         if name == "npu_cp":
@@ -306,7 +315,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
                 assert not counts.get(op), f"{name}: {op} ran under context parallelism ({counts})"
             else:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
-    if arch in (MLA512, QWEN3_MOE):  # A3: the selector kept MC2 out (hidden size 64 < 1024)
+    if arch in MOE_ARCHS:  # A3: the selector kept MC2 out (hidden size 64 < 1024)
         assert not any(_call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
     for name in npu_runs:
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")

@@ -380,6 +380,7 @@ def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(case, ref
         ),
         ({"sliding_window": 128}, "full attention only"),
         ({"soft_cap": 50.0}, "soft-capping"),
+        ({"model_type": "gpt_oss"}, "attention sinks"),
         ({"enable_expert_parallel": True}, "expert parallelism with prefill context parallelism"),
         ({"enable_expert_parallel": True, "pcp": 1}, None),  # DCP with EP: tested equal to TP=1
         ({"pcp": 1, "dcp": 1, "speculative_config": object()}, None),  # no context parallelism: no CP rule
@@ -408,6 +409,7 @@ def test_context_parallel_config_checks(change, refused, monkeypatch):
             is_moe=True,
             get_sliding_window=lambda: change.get("sliding_window"),
             hf_text_config=SimpleNamespace(attn_logit_softcapping=change.get("soft_cap")),
+            hf_config=SimpleNamespace(model_type=change.get("model_type", "deepseek_v3")),
         ),
         speculative_config=change.get("speculative_config"),
         kv_transfer_config=change.get("kv_transfer_config"),

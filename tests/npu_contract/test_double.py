@@ -101,6 +101,25 @@ def _fia(**kw):
     return torch_npu.npu_fused_infer_attention_score(q, k, v, **kw)
 
 
+_V2_NAMES = {
+    "num_heads": "num_query_heads",
+    "scale": "softmax_scale",
+    "actual_seq_lengths": "actual_seq_qlen",
+    "actual_seq_lengths_kv": "actual_seq_kvlen",
+}
+
+
+def _fia_v2(**kw):
+    """The same call through v2's names (v1's _gqa_args), plus v2-only arguments."""
+    q, k, v = kw.pop("query"), kw.pop("key"), kw.pop("value")
+    kw = {_V2_NAMES.get(name, name): value for name, value in kw.items()}
+    return torch_npu.npu_fused_infer_attention_score_v2(q, k, v, **kw)
+
+
+def _sink(n=4, dtype=BF16):
+    return torch.randn(n, dtype=dtype)
+
+
 def _mla(heads=32, latent=512, token_major=False, **change):
     """The MLA form of the fused attention op (one decode token, two cache blocks)."""
     cache_shape = (2, 128, 1) if token_major else (2, 1, 128)
@@ -183,6 +202,27 @@ def _irope(x=None, cos=None):
 
 
 VIOLATIONS = {
+    "sink in float32": ("FIA2.sink", lambda: _fia_v2(**_gqa_args(learnable_sink=_sink(dtype=torch.float32)))),
+    "a sink per KV head": ("FIA2.sink", lambda: _fia_v2(**_gqa_args(learnable_sink=_sink(2)))),
+    "sink with head size 256": (
+        "FIA2.sink_d",
+        lambda: _fia_v2(
+            **_gqa_args(
+                query=torch.randn(5, 4, 256, dtype=BF16),
+                key=torch.randn(4, 2, 128, 256, dtype=BF16),
+                value=torch.randn(4, 2, 128, 256, dtype=BF16),
+                learnable_sink=_sink(),
+            )
+        ),
+    ),
+    "clipped swiglu over an odd dim": (
+        "CSWIGLU.x",
+        lambda: torch_npu.npu_clipped_swiglu(torch.randn(3, 7, dtype=BF16)),
+    ),
+    "clipped swiglu over a strided x": (
+        "CSWIGLU.x",
+        lambda: torch_npu.npu_clipped_swiglu(torch.randn(8, 3, dtype=BF16).t()),
+    ),
     "latent prolog: float32 kv": ("KRRC.kv", lambda: _krrc(kv=torch.randn(2, 1, 1, 576))),
     "latent prolog: latent 256": (
         "KRRC.sizes",
@@ -613,8 +653,9 @@ def _paged_batch(seqs, kvn=2, n=4, d=16, bs=128, seed=3):
     return query, kc, vc, table, keys, vals
 
 
-def _windowed_brute(q, k, v, scale, kv_len, window):
-    """Each query row (the last rows of a kv_len sequence) over its last ``window`` keys."""
+def _windowed_brute(q, k, v, scale, kv_len, window, sinks=None):
+    """Each query row (the last rows of a kv_len sequence) over its last ``window`` keys;
+    ``sinks``: one more logit per head in the softmax, with no value."""
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
     group = q.shape[1] // k.shape[1]
     for i in range(q.shape[0]):
@@ -622,14 +663,16 @@ def _windowed_brute(q, k, v, scale, kv_len, window):
         lo = max(0, p - window + 1) if window else 0
         for h in range(q.shape[1]):
             scores = k[lo : p + 1, h // group].double() @ q[i, h].double() * scale
-            out[i, h] = torch.softmax(scores, 0) @ v[lo : p + 1, h // group].double()
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h : h + 1].double()])
+            out[i, h] = torch.softmax(scores, 0)[: p + 1 - lo] @ v[lo : p + 1, h // group].double()
     return out
 
 
-def _check_rows(out, seqs, query, keys, vals, window):
+def _check_rows(out, seqs, query, keys, vals, window, sinks=None):
     start = 0
     for r, (kv, q_len) in enumerate(seqs):
-        expected = _windowed_brute(query[start : start + q_len], keys[r], vals[r], 0.3, kv, window)
+        expected = _windowed_brute(query[start : start + q_len], keys[r], vals[r], 0.3, kv, window, sinks)
         torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=2e-2, atol=2e-2)
         start += q_len
 
@@ -675,6 +718,48 @@ def test_sliding_window_forms_semantics():
         query, kc, vc, atten_mask=before.view(3, 1, 1, width), sparse_mode=0, **lens, **common
     )
     _check_rows(masked, decode, query, keys, vals, window)
+
+
+def test_v2_learnable_sink_semantics():
+    """v2 is v1 under new names; its learnable_sink adds one logit per query head to every
+    row's softmax and attends to nothing (prompt rows with the band, and decode rows)."""
+    window = 7
+    common = dict(
+        num_query_heads=4, num_key_value_heads=2, input_layout="TND", block_size=128, softmax_scale=0.3
+    )
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0], dtype=BF16)
+    for seqs, band in (([(130, 3), (5, 1), (257, 2)], True), ([(130, 1), (5, 1)], False)):
+        query, kc, vc, table, keys, vals = _paged_batch(seqs)
+        masks = dict(atten_mask=MASK, sparse_mode=3)
+        if band:
+            masks = dict(atten_mask=MASK, sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+        out, _ = torch_npu.npu_fused_infer_attention_score_v2(
+            query,
+            kc,
+            vc,
+            block_table=table,
+            actual_seq_qlen=torch.tensor([q for _, q in seqs]).cumsum(0).tolist(),
+            actual_seq_kvlen=[kv for kv, _ in seqs],
+            learnable_sink=sinks,
+            **masks,
+            **common,
+        )
+        _check_rows(out, seqs, query, keys, vals, window if band else None, sinks)
+        with pytest.raises(AssertionError):  # the sinks took weight
+            _check_rows(out, seqs, query, keys, vals, window if band else None)
+
+
+def test_clipped_swiglu_semantics():
+    """Interleaved (gate at even columns) and halved splits; the gate clamped above at
+    ``limit``, the linear part to [-limit, limit], y = A * sigmoid(alpha * A) * (B + bias)."""
+    x = (torch.randn(5, 12) * 6).to(BF16)
+    for interleaved in (True, False):
+        y = torch_npu.npu_clipped_swiglu(x, alpha=1.5, limit=4.0, bias=0.5, interleaved=interleaved)
+        h = x.double()
+        a, b = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, :6], h[:, 6:])
+        a, b = a.clamp(max=4.0), b.clamp(-4.0, 4.0)
+        torch.testing.assert_close(y.double(), a * torch.sigmoid(1.5 * a) * (b + 0.5), rtol=2e-2, atol=2e-2)
+    assert (x.abs() > 4).any()  # the clamps mattered
 
 
 @pytest.mark.parametrize("causal", [True, False])

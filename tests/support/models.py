@@ -25,7 +25,7 @@ LLAMA_EAGLE = "llama_eagle"
 # Families served by tests/engine/test_model_families.py: sliding windows on every layer
 # (Mistral), alternating with full attention (Gemma 3; Gemma 2 with soft-capped attention
 # logits), dense q/k-norm attention (Qwen3).
-FAMILIES = ("mistral", "gemma2", "gemma3", "qwen3")
+FAMILIES = ("mistral", "gemma2", "gemma3", "qwen3", "gpt_oss")
 # name: make_tiny_model.py's options
 VARIANTS = {
     **{arch: ["--arch", arch] for arch in FAMILIES},

@@ -8,6 +8,13 @@ from pathlib import Path
 _HF_CACHE: dict = {}
 
 
+def _attention(config) -> dict:
+    """transformers' SDPA attention drops Gemma 2's logit soft-cap and gpt-oss's sinks; its
+    eager attention applies both."""
+    needs_eager = getattr(config, "attn_logit_softcapping", None) or config.model_type == "gpt_oss"
+    return {"attn_implementation": "eager"} if needs_eager else {}
+
+
 def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
     """Oracle: transformers' greedy generate, one prompt at a time, float32, no EOS stop."""
     import torch
@@ -21,9 +28,7 @@ def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[lis
         config = AutoConfig.from_pretrained(model)
         vl = getattr(config, "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
-        # transformers' SDPA attention drops Gemma 2's logit soft-cap; its eager one applies it
-        eager = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
-        hf = auto.from_pretrained(model, dtype=torch.float32, **eager).eval()
+        hf = auto.from_pretrained(model, dtype=torch.float32, **_attention(config)).eval()
         hf.generation_config.eos_token_id = None
         _HF_CACHE[key] = (tok, hf)
     tok, hf = _HF_CACHE[key]
@@ -94,9 +99,10 @@ def router_margins(model: Path, prompt: str, continuation: list[int]) -> tuple[i
 
     key = ("router", str(model))
     if key not in _HF_CACHE:
-        k = AutoConfig.from_pretrained(model).num_experts_per_tok
+        config = AutoConfig.from_pretrained(model)
+        k = config.num_experts_per_tok
         forwards = [
-            AutoModelForCausalLM.from_pretrained(model, dtype=t).eval()
+            AutoModelForCausalLM.from_pretrained(model, dtype=t, **_attention(config)).eval()
             for t in (torch.float32, torch.bfloat16)
         ]
         _HF_CACHE[key] = (AutoTokenizer.from_pretrained(model), forwards, k)

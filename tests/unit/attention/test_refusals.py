@@ -17,13 +17,13 @@ FEATURES = {
 }
 
 
-def _gqa(**feature):
+def _gqa(head_size=16, **feature):
     from vllm.config import VllmConfig, set_current_vllm_config
 
     args = dict(alibi_slopes=None, sliding_window=None, logits_soft_cap=None)
     args.update(feature)
     with set_current_vllm_config(VllmConfig()):  # the layer reads its parallel layout
-        return AscendAttentionImpl(num_heads=2, head_size=16, scale=0.25, num_kv_heads=2, **args)
+        return AscendAttentionImpl(num_heads=2, head_size=head_size, scale=0.25, num_kv_heads=2, **args)
 
 
 def _mla(**feature):
@@ -34,9 +34,10 @@ def _mla(**feature):
     )
 
 
-# GQA layers take sliding windows (test_both_kernel_sets_take_a_sliding_window) and, with the
-# reference kernels, soft-capping (test_soft_capping_needs_the_reference_kernels)
-TAKEN = {(_gqa, "sliding_window"), (_gqa, "logits_soft_cap")}
+# GQA layers take sliding windows (test_both_kernel_sets_take_a_sliding_window), sinks
+# (test_both_kernel_sets_take_sinks) and, with the reference kernels, soft-capping
+# (test_soft_capping_needs_the_reference_kernels)
+TAKEN = {(_gqa, "sliding_window"), (_gqa, "logits_soft_cap"), (_gqa, "sinks")}
 REFUSED = [(b, n) for b in (_gqa, _mla) for n in sorted(FEATURES) if (b, n) not in TAKEN]
 
 
@@ -59,3 +60,15 @@ def test_soft_capping_needs_the_reference_kernels(monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     with pytest.raises(NotImplementedError, match="logits_soft_cap with the NPU kernels"):
         _gqa(logits_soft_cap=30.0)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "npu"])
+def test_both_kernel_sets_take_sinks(kernels, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", kernels)
+    sinks = torch.zeros(2)
+    assert _gqa(sinks=sinks).sinks is sinks
+    if kernels == "npu":  # the fused attention's learnable_sink: value head size at most 128
+        with pytest.raises(NotImplementedError, match="head size of at most 128, not 256"):
+            _gqa(head_size=256, sinks=sinks)
+    else:
+        assert _gqa(head_size=256, sinks=sinks).sinks is sinks

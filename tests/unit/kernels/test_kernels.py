@@ -55,10 +55,11 @@ def test_slot_mapping_matches_brute_force(data, block_size):
     assert out[len(positions) :].tolist() == [-1, -1, -1]
 
 
-def _dense_attention(q, k, v, context, scale, window=None, soft_cap=None):
+def _dense_attention(q, k, v, context, scale, window=None, soft_cap=None, sinks=None):
     """Textbook softmax(q k^T) v with an explicit loop mask, one head at a time; with a
     window, each query over its last ``window`` positions; with a soft cap, each scaled
-    score s replaced by cap * tanh(s / cap)."""
+    score s replaced by cap * tanh(s / cap); with sinks, the head's sink logit joins the
+    softmax and its weight is thrown away."""
     q_len, heads, _ = q.shape
     group = heads // k.shape[1]
     out = torch.zeros(q_len, heads, v.shape[-1], dtype=torch.float64)
@@ -70,13 +71,15 @@ def _dense_attention(q, k, v, context, scale, window=None, soft_cap=None):
             scores = (kh[first:allowed] @ q[i, h].double()) * scale
             if soft_cap is not None:
                 scores = soft_cap * torch.tanh(scores / soft_cap)
-            w = torch.softmax(scores, 0)
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h : h + 1].double()])
+            w = torch.softmax(scores, 0)[: allowed - first]
             out[i, h] = w @ vh[first:allowed]
     return out
 
 
-@pytest.mark.parametrize("soft_cap", [None, 0.5])
-def test_paged_attention_matches_dense_attention(soft_cap):
+@pytest.mark.parametrize("soft_cap,with_sinks", [(None, False), (0.5, False), (None, True), (0.5, True)])
+def test_paged_attention_matches_dense_attention(soft_cap, with_sinks):
     torch.manual_seed(0)
     heads, kv_heads, dim, block_size, num_blocks = 4, 2, 8, 4, 32
     k_plane = torch.zeros(num_blocks, kv_heads, block_size, dim)
@@ -98,16 +101,52 @@ def test_paged_attention_matches_dense_attention(soft_cap):
     torch.testing.assert_close(k_plane[b0, :, off], ks[0][5])
     query = torch.cat(qs)
     out = torch.zeros_like(query)
+    sinks = torch.randn(heads) if with_sinks else None
     attention.reference_paged_attention(
-        query, k_plane, v_plane, block_table, [0, 3, 4], [9, 5], 1 / math.sqrt(dim), out, soft_cap=soft_cap
+        query,
+        k_plane,
+        v_plane,
+        block_table,
+        [0, 3, 4],
+        [9, 5],
+        1 / math.sqrt(dim),
+        out,
+        soft_cap=soft_cap,
+        sinks=sinks,
     )
     qsl = [0, 3, 4]
     for r, (seq_len, q_len) in enumerate(seqs):
-        expected = _dense_attention(qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim), None, soft_cap)
+        expected = _dense_attention(
+            qs[r], ks[r], vs[r], seq_len - q_len, 1 / math.sqrt(dim), None, soft_cap, sinks
+        )
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, rtol=1e-5, atol=1e-5)
-    if soft_cap is not None:  # the cap bends these scores: uncapped attention differs
-        uncapped = _dense_attention(qs[0], ks[0], vs[0], 6, 1 / math.sqrt(dim))
-        assert not torch.allclose(out[0:3].double(), uncapped, rtol=1e-3, atol=1e-3)
+    if soft_cap is not None or with_sinks:  # the cap bends these scores, sinks take weight: plain differs
+        plain = _dense_attention(qs[0], ks[0], vs[0], 6, 1 / math.sqrt(dim))
+        assert not torch.allclose(out[0:3].double(), plain, rtol=1e-3, atol=1e-3)
+
+
+def test_sink_attention_matches_transformers_gpt_oss():
+    """The reference kernel's sinks against transformers' own gpt-oss eager attention (an
+    independent implementation), with a window and GQA."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, seq, window = 4, 2, 8, 11, 4
+    q, k, v = torch.randn(seq, heads, dim), torch.randn(seq, kv_heads, dim), torch.randn(seq, kv_heads, dim)
+    sinks = torch.randn(heads)
+    ours = attention.causal_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 0, 0.3, window, sinks=sinks
+    )
+    pos = torch.arange(seq)
+    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    mask = torch.zeros(1, 1, seq, seq).masked_fill(~visible, float("-inf"))
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=2, training=False)
+    theirs, _ = eager_attention_forward(
+        module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, 0.3
+    )
+    torch.testing.assert_close(ours, theirs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_window_attention_reads_only_the_blocks_in_some_window():
@@ -209,3 +248,42 @@ def test_moe_experts_match_per_token_loop():
     part = moe.reference_moe_experts(x, w13[2:], w2[2:], weights, ids, expert_map=emap)
     masked = weights * (ids >= 2)
     torch.testing.assert_close(part, moe.reference_moe_experts(x, w13, w2, masked, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_gpt_oss_experts_match_transformers():
+    """Biased experts with the clamped, interleaved SwiGLU (swigluoai) against transformers'
+    gpt-oss experts; vLLM's loader stores gate_up_proj [E, H, 2I] transposed as w13 and
+    down_proj [E, I, H] as w2. Gate/up values past the clamp limit (7) occur."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(4)
+    tokens, hidden, inter, experts, k = 7, 8, 6, 4, 2
+    config = GptOssConfig(
+        intermediate_size=inter,
+        num_local_experts=experts,
+        hidden_size=hidden,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+    )
+    hf = GptOssExperts(config)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.randn(experts, hidden, 2 * inter))
+        hf.gate_up_proj_bias.copy_(torch.randn(experts, 2 * inter) * 3)
+        hf.down_proj.copy_(torch.randn(experts, inter, hidden) * 0.3)
+        hf.down_proj_bias.copy_(torch.randn(experts, hidden))
+    x = torch.randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k), -1)
+    with torch.no_grad():
+        expected = hf(x, ids, weights)
+        gate_up = torch.einsum("th,ehn->ten", x, hf.gate_up_proj) + hf.gate_up_proj_bias
+    assert (gate_up.abs() > 7).any()  # the clamp matters here
+    w13, w2 = hf.gate_up_proj.detach().transpose(1, 2), hf.down_proj.detach().transpose(1, 2)
+    b13, b2 = hf.gate_up_proj_bias.detach(), hf.down_proj_bias.detach()
+    out = moe.reference_moe_experts(
+        x, w13, w2, weights, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="silu and swigluoai"):
+        moe.reference_moe_experts(x, w13, w2, weights, ids, activation="gelu")

@@ -93,6 +93,8 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
             table[r, : first_key // block_size] = 0
     out_npu, out_ref = torch.zeros_like(query), torch.zeros_like(query)
     scale = head_size**-0.5
+    # gpt-oss's sinks: the fused op's v2 (bfloat16 learnable_sink)
+    sinks = (torch.randn(kv_heads * group) * 2).to(BF16) if data.draw(st.booleans()) else None
     mask = None
     if window is not None and attention.one_row_per_request(qsl):  # as the backend builds it
         mask = attention.npu_window_mask(seq_lens, window, max_blocks * block_size, query.device)
@@ -100,8 +102,12 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
         assert mask.shape == (len(reqs), 1, 1, max_blocks * block_size)
         for r, kv in enumerate(seq_lens):
             assert mask[r, 0, 0].tolist() == [j <= kv - 1 - window for j in range(max_blocks * block_size)]
-    attention.npu_paged_attention(query, *planes["npu"], table, qsl, seq_lens, scale, out_npu, window, mask)
-    attention.reference_paged_attention(query, *planes["ref"], table, qsl, seq_lens, scale, out_ref, window)
+    attention.npu_paged_attention(
+        query, *planes["npu"], table, qsl, seq_lens, scale, out_npu, window, mask, sinks=sinks
+    )
+    attention.reference_paged_attention(
+        query, *planes["ref"], table, qsl, seq_lens, scale, out_ref, window, sinks=sinks
+    )
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
 
 
@@ -228,6 +234,8 @@ def test_dense_calls_stay_within_the_documented_t():
     with_map=st.booleans(),
 )
 def test_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
+    """SiLU experts, and gpt-oss's: biases and the clamped SwiGLU (npu_clipped_swiglu),
+    with the router weights on the output or (Llama 4) on the input."""
     torch.manual_seed(data.draw(st.integers(0, 1000)))
     hidden, inter = 16, 8
     x = torch.randn(tokens, hidden, dtype=BF16)
@@ -235,14 +243,27 @@ def test_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
     w2 = (torch.randn(experts, hidden, inter) * 0.2).to(BF16)
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k)
+    gpt_oss = data.draw(st.booleans())
+    extra = {}
+    if gpt_oss:  # gate/up biases of a few units: some values pass the clamp limit
+        extra = dict(
+            activation="swigluoai",
+            w13_bias=(torch.randn(experts, 2 * inter) * 4).to(BF16),
+            w2_bias=torch.randn(experts, hidden).to(BF16),
+        )
+    on_input = data.draw(st.booleans())
     expert_map = None
     if with_map:  # this rank holds the upper half of the experts (some tokens route to none of them)
         local = experts // 2
         expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
         w13, w2 = w13[experts - local :], w2[experts - local :]
-    out_npu = moe.npu_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
-    out_ref = moe.reference_moe_experts(x, w13, w2, weights, ids, expert_map=expert_map)
-    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+        extra = {n: t[experts - local :] if n.endswith("bias") else t for n, t in extra.items()}
+    args = dict(expert_map=expert_map, apply_router_weight_on_input=on_input, **extra)
+    out_npu = moe.npu_moe_experts(x, w13, w2, weights, ids, **args)
+    out_ref = moe.reference_moe_experts(x, w13, w2, weights, ids, **args)
+    # bf16 rounds the forms' intermediate values (a few units with the biases) differently
+    atol = TOL["atol"] * max(1.0, float(out_ref.float().abs().max()) / 2)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), rtol=TOL["rtol"], atol=atol)
 
 
 @settings(max_examples=10, deadline=None)
@@ -650,6 +671,12 @@ def test_norm_rotary_and_swiglu_equal_reference(data, tokens, hidden, dtype):
         torch.testing.assert_close(
             rotary.npu_rotate(q, cos, sin, neox), rotary.reference_rotate(q, cos, sin, neox), **TOL
         )
+    # YaRN's cache carries its attention factor: cos/sin beyond [-1, 1], which the op refuses
+    # (ops/rotary.py rotates such caches in plain torch)
+    for neox in (True, False):
+        cos, sin = rotary.tables_at(rotary.full_tables((cache.float() * 1.35).to(dtype), neox), positions)
+        with pytest.raises(torch_npu.ContractViolation, match="ROPE.range"):
+            rotary.npu_rotate(q, cos, sin, neox)
 
 
 def _yarn_like_cache(positions: int, rope_dim: int) -> torch.Tensor:

@@ -34,7 +34,6 @@ FEATURES = (
     "soft-capping",
     "ALiBi",
     "attention sinks",
-    "MoE experts",
     "sparse attention",
     "encoder-only",
     "encoder-decoder",
@@ -107,7 +106,19 @@ CASES = [
             **SMALL,
         ),
         {},
-        ["attention sinks", "MoE experts with a clamped SwiGLU (swigluoai) activation"],
+        None,  # sinks, biased experts with the clamped SwiGLU: both kernel sets
+    ),
+    (
+        "gpt-oss-256-wide-heads",  # the fused attention's learnable_sink takes heads up to 128
+        lambda: GptOssConfig(
+            architectures=["GptOssForCausalLM"],
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            head_dim=256,
+            **SMALL,
+        ),
+        {},
+        ["attention sinks with a head size of 256 with the NPU attention kernels"],
     ),
     (
         "bloom",

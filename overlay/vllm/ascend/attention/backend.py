@@ -63,6 +63,10 @@ class AscendAttentionBackend(AttentionBackend):
         return kernels.supported_block_sizes()
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # gpt-oss's per-head sinks (kernels.attention: both forms)
+
+    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # Layer-compact and unpadded: each layer's region is contiguous, so it splits
         # into the K and V planes without a copy.
@@ -140,11 +144,17 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **extra,
     ) -> None:
-        unsupported = {"alibi_slopes": alibi_slopes, "sinks": extra.get("sinks")}
-        for name, value in unsupported.items():
-            if value is not None:
-                raise NotImplementedError(f"Ascend attention does not support {name} yet")
+        if alibi_slopes is not None:
+            raise NotImplementedError("Ascend attention does not support alibi_slopes yet")
         self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
+        self.sinks = extra.get("sinks")
+        if self.sinks is not None and self.cp_rank is not None:
+            raise NotImplementedError("Ascend attention does not support sinks with context parallelism yet")
+        if self.sinks is not None and npu_kernels() and head_size > 128:
+            raise NotImplementedError(
+                f"Ascend attention sinks with the NPU kernels need a head size of at most 128, not "
+                f"{head_size} (npu_fused_infer_attention_score_v2's learnable_sink)"
+            )
         if sliding_window is not None and self.cp_rank is not None:
             raise NotImplementedError(
                 "Ascend attention does not support sliding_window with context parallelism yet"
@@ -228,6 +238,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             self.sliding_window,
             window_mask,
             self.soft_cap,
+            self.sinks,
         )
         return output
 

@@ -93,3 +93,7 @@ def validate_context_parallel(vllm_config) -> None:
         )
     if getattr(model.hf_text_config, "attn_logit_softcapping", None):
         raise ValueError("context parallelism with attention logit soft-capping is not supported yet")
+    from vllm.ascend.platform.model_features import has_attention_sinks
+
+    if has_attention_sinks(model):
+        raise ValueError("context parallelism with attention sinks is not supported yet")

@@ -2,6 +2,9 @@
 computed in float32 and rounded once (in float32, exactly upstream's native form).
 
 ``npu_silu_and_mul``: ``torch_npu.npu_swiglu`` on the last dimension (one launch).
+
+``reference_swigluoai_and_mul``: gpt-oss's clamped SwiGLU on interleaved gate/up columns
+(the MoE experts' form; ``npu_clipped_swiglu`` is the NPU op, called in ``moe.py``).
 """
 
 from __future__ import annotations
@@ -23,3 +26,13 @@ def npu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 silu_and_mul = pick(reference_silu_and_mul, npu_silu_and_mul)
+
+
+def reference_swigluoai_and_mul(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """``x [..., 2d]`` with gate and up interleaved (gate at even columns): the gate is
+    clamped above at ``limit``, the up part to ``[-limit, limit]``, and the result is
+    ``gate * sigmoid(alpha * gate) * (up + 1)``, in float32 and rounded once."""
+    h = x.to(torch.float32)
+    gate = h[..., 0::2].clamp(max=limit)
+    up = h[..., 1::2].clamp(min=-limit, max=limit)
+    return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(x.dtype)

@@ -57,12 +57,14 @@ def causal_attention(
     window: int | None = None,
     first_key: int = 0,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [q_len, H, D]`` are positions ``context_len ..``, ``k/v [n, H, D]`` positions
     ``first_key ..``; query at position ``p`` sees keys ``<= p``, and with a sliding
     ``window`` only the last ``window`` of them (``> p - window``). ``soft_cap``: scaled
     scores become ``soft_cap * tanh(score / soft_cap)`` before the softmax (Gemma 2).
-    Computed in float32."""
+    ``sinks [H]``: one more logit per head in every softmax, attached to no value
+    (gpt-oss's attention sinks). Computed in float32."""
     q_len, seq_len, dtype = q.shape[0], k.shape[0], q.dtype
     q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + context_len
     k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0) + first_key
@@ -70,11 +72,18 @@ def causal_attention(
     if window is not None:
         mask &= k_pos > q_pos - window
     q, k, v = (t.transpose(0, 1).float() for t in (q, k, v))
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return out.transpose(0, 1).to(dtype)
+    if soft_cap is None:
+        scores = q @ k.transpose(1, 2) * scale
     else:
         scores = soft_cap * torch.tanh(q @ k.transpose(1, 2) * (scale / soft_cap))
-        out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        column = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+        scores = torch.cat([scores, column], dim=-1)
+    out = torch.softmax(scores, dim=-1)[..., :seq_len] @ v
     return out.transpose(0, 1).to(dtype)
 
 
@@ -100,12 +109,13 @@ def reference_paged_attention(
     window: int | None = None,
     window_mask: None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """With a sliding ``window``, only the blocks that hold keys inside some query's window
     are read: upstream's sliding-window KV manager hands the blocks before them back to
     the pool (the block table then names its null block there). ``window_mask`` is the
-    NPU kernels' (``npu_window_mask``); the window alone decides here. ``soft_cap``:
-    ``causal_attention``'s."""
+    NPU kernels' (``npu_window_mask``); the window alone decides here. ``soft_cap`` and
+    ``sinks``: ``causal_attention``'s."""
     group = query.shape[1] // k_plane.shape[1]
     for r, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[r], query_start_loc[r + 1]
@@ -115,7 +125,9 @@ def reference_paged_attention(
         first = 0 if window is None else max(0, context_len - window + 1)
         k = gather_range(k_plane, block_table[r], first, seq_len).repeat_interleave(group, dim=1)
         v = gather_range(v_plane, block_table[r], first, seq_len).repeat_interleave(group, dim=1)
-        out[start:end] = causal_attention(query[start:end], k, v, context_len, scale, window, first, soft_cap)
+        out[start:end] = causal_attention(
+            query[start:end], k, v, context_len, scale, window, first, soft_cap, sinks
+        )
     return out
 
 
@@ -218,14 +230,16 @@ def npu_paged_attention(
     window: int | None = None,
     window_mask: torch.Tensor | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``npu_fused_infer_attention_score``: TND queries, the planes as
     ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask. A
     sliding ``window`` is the band (sparse_mode 4: each query sees itself and the
     ``window - 1`` keys before it) when some request has several query rows, and
     ``window_mask`` (``npu_window_mask``, required then) when every request has one
-    (``one_row_per_request``). The op takes no
-    logit soft-cap (the platform refuses such models with these kernels at start-up)."""
+    (``one_row_per_request``). ``sinks``: the op's v2 with ``learnable_sink`` (bfloat16,
+    one per query head; the same masks and page attention). The op takes no logit
+    soft-cap (the platform refuses such models with these kernels at start-up)."""
     if soft_cap is not None:
         raise NotImplementedError("torch_npu's fused attention applies no logit soft-cap")
     num_tokens = query_start_loc[-1]
@@ -238,20 +252,37 @@ def npu_paged_attention(
         if window_mask is None:
             raise ValueError("a decode-only step with a sliding window needs npu_window_mask's mask")
         mask_args = {"atten_mask": window_mask, "sparse_mode": 0}
-    result, _ = torch_npu().npu_fused_infer_attention_score(
-        query[:num_tokens].contiguous(),
-        k_plane,
-        v_plane,
-        num_heads=query.shape[1],
+    common = dict(
         num_key_value_heads=k_plane.shape[1],
-        scale=scale,
         input_layout="TND",
         block_table=block_table,
         block_size=k_plane.shape[2],
-        actual_seq_lengths=query_start_loc[1:],
-        actual_seq_lengths_kv=seq_lens,
         **mask_args,
     )
+    npu, q = torch_npu(), query[:num_tokens].contiguous()
+    if sinks is None:
+        result, _ = npu.npu_fused_infer_attention_score(
+            q,
+            k_plane,
+            v_plane,
+            num_heads=query.shape[1],
+            scale=scale,
+            actual_seq_lengths=query_start_loc[1:],
+            actual_seq_lengths_kv=seq_lens,
+            **common,
+        )
+    else:
+        result, _ = npu.npu_fused_infer_attention_score_v2(
+            q,
+            k_plane,
+            v_plane,
+            num_query_heads=query.shape[1],
+            softmax_scale=scale,
+            actual_seq_qlen=query_start_loc[1:],
+            actual_seq_kvlen=seq_lens,
+            learnable_sink=sinks.to(torch.bfloat16),
+            **common,
+        )
     out[:num_tokens] = result
     return out
 

@@ -1,9 +1,12 @@
 """Routed-expert computation of a MoE layer (routing weights/ids already chosen).
 
-Contract: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``,
-``topk_weights/topk_ids [T, k]``; returns ``sum_j w_j * down(silu(gate) * up)`` over each
-token's chosen experts. ``expert_map`` (global -> local id, -1 = not on this rank) lets
-expert parallelism skip experts held elsewhere.
+Contract: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights/topk_ids
+[T, k]``; returns ``sum_j w_j * down(act(gate_up))`` over each token's chosen experts.
+``activation`` is ``silu`` (SwiGLU: gate rows then up rows) or ``swigluoai`` (gpt-oss's
+clamped SwiGLU: gate and up rows interleaved, ``activation.reference_swigluoai_and_mul``);
+``w13_bias [E, 2I]`` / ``w2_bias [E, H]`` are added to each expert's projections (gpt-oss's
+biased experts). ``expert_map`` (global -> local id, -1 = not on this rank) lets expert
+parallelism skip experts held elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from vllm.ascend.kernels import pick, torch_npu
+from vllm.ascend.kernels.activation import reference_swigluoai_and_mul
+
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+def activation_name(activation) -> str:
+    """``silu`` or ``swigluoai`` from upstream's ``MoEActivation`` (or its string), or an
+    error naming what the Ascend experts cannot run."""
+    name = str(getattr(activation, "value", activation)).lower()
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(
+            f"Ascend MoE experts run {' and '.join(ACTIVATIONS)} activations, not {name}"
+        )
+    return name
 
 
 def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -43,14 +60,30 @@ def _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weigh
 
 
 def reference_moe_experts(
-    x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    expert_map=None,
+    apply_router_weight_on_input=False,
+    activation="silu",
+    w13_bias=None,
+    w2_bias=None,
 ) -> torch.Tensor:
     inter = w2.shape[-1]
+    name = activation_name(activation)
 
     def mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
         gate_up = h @ w13[expert].to(torch.float32).t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        return act @ w2[expert].to(torch.float32).t()
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].to(torch.float32)
+        if name == "swigluoai":
+            act = reference_swigluoai_and_mul(gate_up)
+        else:
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[expert].to(torch.float32).t()
+        return y if w2_bias is None else y + w2_bias[expert].to(torch.float32)
 
     return _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, mlp)
 
@@ -111,34 +144,67 @@ def _sorted_by_expert(x, ids, expert_num: int, active: int):
     return rows, position, counts
 
 
-def _expert_mlps(rows, counts, w13, w2):
-    """Both grouped matmuls (count group list) with SwiGLU between; rows past the counts'
-    sum are not computed and must not be read."""
+class ExpertMlp:
+    """What runs between and after the grouped matmuls: the activation and the biases."""
+
+    def __init__(self, activation="silu", w13_bias=None, w2_bias=None):
+        self.activation = activation_name(activation)
+        self.w13_bias, self.w2_bias = w13_bias, w2_bias
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        npu = torch_npu()
+        if self.activation == "swigluoai":
+            # gpt-oss's constants, as upstream's swigluoai_and_mul and the op's defaults
+            return npu.npu_clipped_swiglu(gate_up, alpha=1.702, limit=7.0, bias=1.0, interleaved=True)
+        return npu.npu_swiglu(gate_up)
+
+
+def _row_experts(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each sorted row from the cumulative row counts (rows past the last
+    end get the last expert: they are never read). No read back to the host."""
+    row = torch.arange(rows, device=ends.device)
+    return torch.searchsorted(ends.contiguous(), row, right=True).clamp(max=ends.numel() - 1)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, row_experts: torch.Tensor | None) -> torch.Tensor:
+    # The grouped matmul's own bias is documented as 1-D per weight tensor; its form for
+    # one 3-D weight of many experts is not, so the bias is gathered per row instead.
+    return y if bias is None else y + bias[row_experts].to(y.dtype)
+
+
+def _expert_mlps(rows, group_list, w13, w2, mlp: ExpertMlp, list_type: int = 1):
+    """Both grouped matmuls with the activation between (``list_type`` 1: per-expert
+    counts, 0: cumulative ends); rows past the groups' end are not computed and must not
+    be read."""
     npu = torch_npu()
-    gate_up = npu.npu_grouped_matmul(
-        [rows], [w13.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
-    )[0]
-    act = npu.npu_swiglu(gate_up)
-    return npu.npu_grouped_matmul(
-        [act], [w2.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
-    )[0]
+    row_experts = None
+    if mlp.w13_bias is not None or mlp.w2_bias is not None:
+        ends = group_list.cumsum(0) if list_type == 1 else group_list
+        row_experts = _row_experts(ends, rows.shape[0])
+    common = dict(group_list=group_list, split_item=2, group_type=0, group_list_type=list_type)
+    gate_up = npu.npu_grouped_matmul([rows], [w13.transpose(1, 2)], **common)[0]
+    act = mlp.activate(_add_bias(gate_up, mlp.w13_bias, row_experts))
+    y = npu.npu_grouped_matmul([act], [w2.transpose(1, 2)], **common)[0]
+    return _add_bias(y, mlp.w2_bias, row_experts)
 
 
-def _routed_on_device(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def _routed_on_device(x, w13, w2, topk_weights, topk_ids, mlp: ExpertMlp) -> torch.Tensor:
     """Every row this rank's (no expert map): init sorts and counts, the expert MLPs run,
     ``npu_moe_finalize_routing`` weighs and sums each token's rows back. Init
     gives each source row ``token * k + slot`` its sorted position; finalize reads the
     position of ``token + slot * T``, hence the transpose."""
     num_tokens, top_k = topk_ids.shape
     rows, position, counts = _sorted_by_expert(x, topk_ids, w13.shape[0], w13.shape[0])
-    y = _expert_mlps(rows, counts, w13, w2)
+    y = _expert_mlps(rows, counts, w13, w2, mlp)
     slot_major = position.view(num_tokens, top_k).t().contiguous().view(-1)
     return torch_npu().npu_moe_finalize_routing(
         y, None, None, None, topk_weights.to(y.dtype), slot_major, topk_ids.to(torch.int32), 0, top_k
     )
 
 
-def _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+def _routed_on_device_with_map(
+    x, w13, w2, topk_weights, topk_ids, expert_map, mlp: ExpertMlp
+) -> torch.Tensor:
     """With an expert map (EP): the ids become local ones, and another rank's expert
     becomes ``num_local``, outside init's active range, so init leaves its rows out
     (position ``-1``) and counts only this rank's. Finalize takes no such rows, so the
@@ -149,7 +215,7 @@ def _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map) -
     local = _local_ids(topk_ids, expert_map)
     local = torch.where(local >= 0, local, num_local)
     rows, position, counts = _sorted_by_expert(x, local, num_local + 1, num_local)
-    y = _expert_mlps(rows, counts, w13, w2)
+    y = _expert_mlps(rows, counts, w13, w2, mlp)
     held = (position >= 0).view(num_tokens, top_k, 1)
     picked = y[position.clamp(min=0).to(torch.int64)].view(num_tokens, top_k, -1)
     weighted = torch.where(held, picked.float(), 0.0) * topk_weights.to(torch.float32).unsqueeze(-1)
@@ -157,30 +223,34 @@ def _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map) -
 
 
 def npu_moe_experts(
-    x, w13, w2, topk_weights, topk_ids, expert_map=None, apply_router_weight_on_input=False
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    expert_map=None,
+    apply_router_weight_on_input=False,
+    activation="silu",
+    w13_bias=None,
+    w2_bias=None,
 ) -> torch.Tensor:
     """With the router weights on the output: routing, grouped matmuls and the weighted
     sum on device through ``npu_moe_init_routing_v2`` (``_routed_on_device``, and with an
     expert map ``_routed_on_device_with_map``). With the weights on the input: sort tokens
     by expert, two grouped matmuls (``npu_grouped_matmul``, one x, one 3-D weight used
-    transposed, cumulative int64 group list) with ``npu_swiglu`` between, scatter back;
-    rows of other ranks' experts are dropped with ``where``. Passes the contract double;
-    not verified on an NPU."""
+    transposed, cumulative int64 group list) with the activation between (``npu_swiglu``,
+    or ``npu_clipped_swiglu`` for swigluoai), scatter back; rows of other ranks' experts
+    are dropped with ``where``. Expert biases are gathered per sorted row and added after
+    each grouped matmul. Passes the contract double; not verified on an NPU."""
+    mlp = ExpertMlp(activation, w13_bias, w2_bias)
     if not apply_router_weight_on_input and topk_ids.numel() > 0:
         if expert_map is None:
-            return _routed_on_device(x, w13, w2, topk_weights, topk_ids)
-        return _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map)
-    npu = torch_npu()
+            return _routed_on_device(x, w13, w2, topk_weights, topk_ids, mlp)
+        return _routed_on_device_with_map(x, w13, w2, topk_weights, topk_ids, expert_map, mlp)
     tokens, h, weights, mine, group_list = _rows_by_expert(
         x, topk_weights, topk_ids, expert_map, w13.shape[0], apply_router_weight_on_input
     )
-    gate_up = npu.npu_grouped_matmul(
-        [h], [w13.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
-    )[0]
-    act = npu.npu_swiglu(gate_up)
-    y = npu.npu_grouped_matmul(
-        [act], [w2.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0
-    )[0]
+    y = _expert_mlps(h, group_list, w13, w2, mlp, list_type=0)
     return _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input)
 
 

@@ -14,7 +14,10 @@ Contract:
   half precision); in float32 the two agree exactly.
 
 ``npu_rotate``: ``torch_npu.npu_rotary_mul`` with BSND input ``[1, T, N, rot]`` and
-``1S1D`` tables (the layout its docs allow for both modes), one launch per tensor.
+``1S1D`` tables (the layout its docs allow for both modes), one launch per tensor. Its
+tables must lie in [-1, 1]; a cache that carries a factor (YaRN's attention factor:
+gpt-oss) is rotated by ``rotate_in_torch`` with either kernel set (the factor cannot
+leave the tables without another rounding of every rotated value).
 """
 
 from __future__ import annotations
@@ -71,3 +74,4 @@ def takes(x: torch.Tensor, rotary_dim: int, head_size: int) -> bool:
 
 
 rotate = pick(reference_rotate, npu_rotate)
+rotate_in_torch = reference_rotate

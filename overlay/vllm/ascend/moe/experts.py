@@ -1,7 +1,8 @@
 """The local-expert step of the Ascend MoE kernel: the kernels facade's grouped
 matmul + SwiGLU (torch_npu on an NPU, plain torch in the reference), on whatever rows
 the prepare step delivered. It returns the weighted sum over each row's experts; the
-strategies that weight elsewhere pass weights of one."""
+strategies that weight elsewhere pass weights of one. Expert biases (gpt-oss) come
+from the method's quant config, as upstream's kernels take them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 
-from vllm.ascend.kernels.moe import moe_experts
+from vllm.ascend.kernels.moe import ACTIVATIONS, moe_experts
 
 
 class AscendExperts(mk.FusedMoEExpertsModular):
@@ -31,7 +32,7 @@ class AscendExperts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_activation(activation: MoEActivation) -> bool:
-        return activation == MoEActivation.SILU
+        return activation.value in ACTIVATIONS
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config) -> bool:
@@ -75,5 +76,8 @@ class AscendExperts(mk.FusedMoEExpertsModular):
                 topk_ids,
                 expert_map=expert_map,
                 apply_router_weight_on_input=apply_router_weight_on_input,
+                activation=activation,
+                w13_bias=self.quant_config.w1_bias,
+                w2_bias=self.quant_config.w2_bias,
             )
         )

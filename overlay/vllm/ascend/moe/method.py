@@ -22,6 +22,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
+from vllm.ascend.kernels.moe import activation_name
 from vllm.ascend.kernels.routing import Routing, route
 from vllm.ascend.moe.experts import AscendExperts
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
@@ -115,11 +116,15 @@ class AscendRouting:
 @UnquantizedFusedMoEMethod.register_oot
 class AscendUnquantizedFusedMoEMethod(AscendRouting, UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        # Weights stay as loaded: w13 [E, 2I, H], w2 [E, H, I].
-        activation = getattr(layer, "activation", "silu")
-        name = getattr(activation, "value", activation)
-        if "silu" not in str(name).lower():
-            raise NotImplementedError(f"Ascend MoE supports SiLU experts only, not {activation}")
+        # Weights stay as loaded: w13 [E, 2I, H], w2 [E, H, I] (and w13_bias, w2_bias).
+        activation = activation_name(getattr(layer, "activation", "silu"))  # refused at load
+        limit = getattr(self.moe, "swiglu_limit", None)
+        alpha = getattr(self.moe, "swiglu_alpha", None)
+        if activation == "silu" and (limit is not None or alpha is not None):
+            raise NotImplementedError(
+                f"{getattr(layer, 'layer_name', 'a MoE layer')}: SiLU experts with a clamp limit or alpha "
+                f"(swiglu_limit={limit}, swiglu_alpha={alpha}) are not supported by the Ascend MoE"
+            )
         if layer.custom_routing_function is None:
             layer._ascend_routing = layer_routing(layer)  # refused at load, not at the first step
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)

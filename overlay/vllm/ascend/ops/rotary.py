@@ -7,8 +7,11 @@ position offsets keep its native form).
 The full-width cosine/sine tables are built once per module and dtype; the rows for a
 step's positions are gathered once per forward pass and reused by every layer that
 shares the module (``get_rope`` shares one per configuration) with the same positions
-tensor. Partial rotary (``rotary_dim < head_size``) and shapes outside torch_npu's
-documented limits keep upstream's native form; the reason is logged once per class.
+tensor. YaRN's caches carry its attention factor (``mscale``: cos and sin scaled by it,
+outside the [-1, 1] torch_npu's rotary op documents): those rotate in plain torch
+(``kernels.rotary.rotate_in_torch``) with either kernel set. Partial rotary
+(``rotary_dim < head_size``) and shapes outside torch_npu's documented limits keep
+upstream's native form; the reason is logged once per class.
 """
 
 from __future__ import annotations
@@ -30,13 +33,22 @@ class AscendRotaryForm:
 
     _ascend_tables: dict | None = None
 
+    @property
+    def table_scale(self) -> float:
+        """The factor this module's cache rows carry (YaRN's mscale; 1 for the others)."""
+        return float(getattr(self, "mscale", 1.0))
+
     def _tables(self, query: torch.Tensor, neox: bool):
         key = (query.dtype, query.device, neox)
         if self._ascend_tables is None:
             self._ascend_tables = {}
         if key not in self._ascend_tables:
-            cache = self._match_cos_sin_cache_dtype(query)
-            self._ascend_tables[key] = rotary.full_tables(cache, neox)
+            # the module's own buffer (on the device since load; gpt-oss keeps it in float32),
+            # cast here: upstream's dtype match copies it with a device argument
+            cache = self.cos_sin_cache
+            if cache.device != query.device:
+                cache = cache.to(query.device)
+            self._ascend_tables[key] = rotary.full_tables(cache.to(dtype=query.dtype), neox)
         return self._ascend_tables[key]
 
     def step_tables(self, positions: torch.Tensor, query: torch.Tensor, neox: bool | None = None):
@@ -65,11 +77,19 @@ class AscendRotaryForm:
             )
             return self.forward_native(positions, query, key)
         cos, sin = self.step_tables(positions, query)
-        tokens = positions.numel()
+        tokens, rotate = positions.numel(), rotary.rotate
+        if self.table_scale != 1.0:
+            logger.info_once(
+                "Ascend rotary: %s's tables carry a factor %.4f (outside torch_npu's rotary range "
+                "[-1, 1]): rotated in plain torch",
+                type(self).__name__,
+                self.table_scale,
+            )
+            rotate = rotary.rotate_in_torch
 
         def turn(x: torch.Tensor) -> torch.Tensor:
             heads = x.view(tokens, -1, self.head_size)
-            return rotary.rotate(heads, cos, sin, self.is_neox_style).view(x.shape)
+            return rotate(heads, cos, sin, self.is_neox_style).view(x.shape)
 
         return turn(query), None if key is None else turn(key)
 

@@ -18,8 +18,14 @@ ALIBI_ARCHITECTURES = {"BloomForCausalLM", "Step1ForCausalLM"}
 ALIBI_WHEN_CONFIGURED = {"FalconForCausalLM": "alibi", "RWForCausalLM": "alibi"}
 # Attention with one learned sink logit per head.
 SINK_MODEL_TYPES = {"gpt_oss"}
-# MoE experts whose activation is not SiLU-gated (the Ascend expert kernels' only form).
-MOE_ACTIVATIONS = {"gpt_oss": "a clamped SwiGLU (swigluoai)"}
+# npu_fused_infer_attention_score_v2's learnable_sink: value head size at most 128.
+NPU_SINK_MAX_HEAD_SIZE = 128
+
+
+def has_attention_sinks(model_config) -> bool:
+    model_type = getattr(getattr(model_config, "hf_config", None), "model_type", None)
+    hf_text = getattr(model_config, "hf_text_config", None)
+    return model_type in SINK_MODEL_TYPES or bool(getattr(hf_text, "attention_sinks", False))
 
 
 def unsupported_features(vllm_config) -> list[str]:
@@ -41,11 +47,12 @@ def unsupported_features(vllm_config) -> list[str]:
         if arch in architectures
     ):
         found.append("ALiBi position biases")
-    model_type = getattr(model.hf_config, "model_type", None)
-    if model_type in SINK_MODEL_TYPES or getattr(hf, "attention_sinks", False):
-        found.append("attention sinks")
-    if model_type in MOE_ACTIVATIONS:
-        found.append(f"MoE experts with {MOE_ACTIVATIONS[model_type]} activation")
+    head_size = model.get_head_size()
+    if has_attention_sinks(model) and npu_kernels() and head_size > NPU_SINK_MAX_HEAD_SIZE:
+        found.append(
+            f"attention sinks with a head size of {head_size} with the NPU attention kernels "
+            f"(npu_fused_infer_attention_score_v2's learnable_sink takes at most {NPU_SINK_MAX_HEAD_SIZE})"
+        )
     if hasattr(hf, "index_topk"):
         found.append("sparse attention (DeepSeek V3.2's indexer)")
     kind = model.attn_type

@@ -135,9 +135,10 @@ def _default_mask_rows(mask, batch, q_s, kv_lens, block_table, block_size):
     return mask.reshape(-1, mask.shape[-2], mask.shape[-1]).expand(batch, -1, -1)
 
 
-def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None):
+def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None, sink=None):
     """q [S, N, D], k/v [L, KVN, D] -> out [S, N, Dv] float32, lse [S, N]; ``visible``:
-    [S, L] bool of the keys each query attends to (None: all)."""
+    [S, L] bool of the keys each query attends to (None: all). ``sink`` [N]: v2's
+    learnable sink, one more logit per head in every row's softmax, with no value."""
     n, kvn = q.shape[1], k.shape[1]
     k = k.float().repeat_interleave(n // kvn, dim=1)
     v = v.float().repeat_interleave(n // kvn, dim=1)
@@ -148,6 +149,12 @@ def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None):
     scores = scores * scale
     if visible is not None:
         scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    if sink is not None:
+        sinks = sink.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        with_sink = torch.cat([scores, sinks], dim=-1)
+        lse = torch.logsumexp(with_sink, dim=-1)
+        probs = torch.softmax(with_sink, dim=-1)[..., :-1]
+        return torch.einsum("nsl,lnd->snd", probs, v), lse.transpose(0, 1)
     lse = torch.logsumexp(scores, dim=-1)  # [N, S]
     out = torch.einsum("nsl,lnd->snd", torch.softmax(scores, dim=-1), v)
     return out, lse.transpose(0, 1)
@@ -417,7 +424,7 @@ def npu_fused_infer_attention_score(**a):
                 f"batch {b}: a query row sees no key",
             )
         k, v = kv_rows(b)
-        o, row_lse = _attend(query[q_starts[b] : q_cum[b]], k, v, scale, visible)
+        o, row_lse = _attend(query[q_starts[b] : q_cum[b]], k, v, scale, visible, sink=a.get("_sink"))
         out[q_starts[b] : q_cum[b]] = o
         lse[q_starts[b] : q_cum[b], :, 0] = row_lse
     result = out.to(query.dtype)
@@ -775,6 +782,32 @@ def npu_swiglu(input, dim):
     )
     a, b = input.float().chunk(2, dim=dim)
     return (F.silu(a) * b).to(input.dtype)
+
+
+# -- npu_clipped_swiglu ----------------------------------------------------------------------------
+def npu_clipped_swiglu(x, group_index, dim, alpha, limit, bias, interleaved):
+    op = "npu_clipped_swiglu"
+    if group_index is not None:
+        raise unmodelled(op, "group_index")
+    require(
+        x.dtype in (*HALF_TYPES, torch.float32)
+        and x.is_contiguous()
+        and x.dim() > 1
+        and -x.dim() <= dim < x.dim()
+        and x.shape[dim] % 2 == 0,
+        op,
+        "CSWIGLU.x",
+        f"x {tuple(x.shape)} {x.dtype}, contiguous={x.is_contiguous()}, dim={dim}",
+    )
+    h = x.float().movedim(dim, -1)
+    if interleaved:
+        a_half, b_half = h[..., 0::2], h[..., 1::2]
+    else:
+        a_half, b_half = h.chunk(2, dim=-1)
+    a_half = a_half.clamp(max=limit)
+    b_half = b_half.clamp(min=-limit, max=limit)
+    y = a_half * torch.sigmoid(alpha * a_half) * (b_half + bias)
+    return y.movedim(-1, dim).contiguous().to(x.dtype)
 
 
 # -- npu_rms_norm / npu_add_rms_norm ----------------------------------------------------------------
@@ -1559,6 +1592,78 @@ def npu_moe_gating_top_k(**a):
 
 
 # -- the graph forms torch_npu's capture handler swaps in (npugraph_handlers/ifa_handler.py) --
+# -- npu_fused_infer_attention_score_v2 -----------------------------------------------------------
+FIA_V2 = "npu_fused_infer_attention_score_v2"
+# v2's names for v1's arguments; v2 documents the same layouts, masks and page attention.
+_FIA_V2_RENAMED = {
+    "num_query_heads": "num_heads",
+    "softmax_scale": "scale",
+    "actual_seq_qlen": "actual_seq_lengths",
+    "actual_seq_kvlen": "actual_seq_lengths_kv",
+    "return_softmax_lse": "softmax_lse_flag",
+}
+_FIA_V2_SAME = (
+    "query",
+    "key",
+    "value",
+    "query_rope",
+    "key_rope",
+    "pse_shift",
+    "atten_mask",
+    "block_table",
+    "num_key_value_heads",
+    "pre_tokens",
+    "next_tokens",
+    "input_layout",
+    "sparse_mode",
+    "block_size",
+    "inner_precise",
+)
+_FIA_V2_DEFAULTS = {  # quantization and dtype arguments the project leaves at their defaults
+    "query_quant_mode": 0,
+    "key_quant_mode": 0,
+    "value_quant_mode": 0,
+}
+
+
+def npu_fused_infer_attention_score_v2(**a):
+    """v2 is v1 under new argument names, plus ``learnable_sink``; the double checks v2's
+    sink rules here and runs v1's rules and semantics on the renamed arguments."""
+    _refuse_unmodelled(
+        FIA_V2,
+        a,
+        tuple(
+            n
+            for n in a
+            if n.startswith(("dequant_", "quant_")) or (n.endswith("_dtype") and n != "out_dtype")
+        )
+        + ("out_dtype",),
+    )
+    for name, default in _FIA_V2_DEFAULTS.items():
+        if a[name] != default:
+            raise unmodelled(FIA_V2, f"{name}={a[name]}")
+    sink = a["learnable_sink"]
+    if sink is not None:
+        require(
+            sink.dtype == torch.bfloat16 and tuple(sink.shape) == (a["num_query_heads"],),
+            FIA_V2,
+            "FIA2.sink",
+            f"learnable_sink {tuple(sink.shape)} {sink.dtype} for {a['num_query_heads']} query heads",
+        )
+        require(
+            a["input_layout"] in ("TND", "NTD_TND"),
+            FIA_V2,
+            "FIA2.sink_layout",
+            f"input_layout={a['input_layout']}",
+        )
+        require(a["value"].shape[-1] <= 128, FIA_V2, "FIA2.sink_d", f"value D={a['value'].shape[-1]}")
+    v1 = {name: a[name] for name in _FIA_V2_SAME}
+    v1.update({old: a[new] for new, old in _FIA_V2_RENAMED.items()})
+    v1.update({name: None for name in _FIA_UNMODELLED})
+    v1["_sink"] = sink
+    return npu_fused_infer_attention_score(**v1)
+
+
 def npu_fused_infer_attention_score_out(**a):
     """``.out``: the same attention, written into the caller's ``out`` pair."""
     out, _ = a.pop("out"), a.pop("workspace")
@@ -1614,11 +1719,13 @@ KERNELS = {
         GTK: npu_moe_gating_top_k,
         FIA: npu_fused_infer_attention_score,
         FIA + ".out": npu_fused_infer_attention_score_out,
+        FIA_V2: npu_fused_infer_attention_score_v2,
         "_" + FIA + "_infer_output": fia_infer_output,
         "_" + FIA + "_get_max_workspace": fia_max_workspace,
         "npu_scatter_nd_update_": npu_scatter_nd_update_,
         "npu_grouped_matmul": npu_grouped_matmul,
         "npu_swiglu": npu_swiglu,
+        "npu_clipped_swiglu": npu_clipped_swiglu,
         "npu_rms_norm": npu_rms_norm,
         "npu_add_rms_norm": npu_add_rms_norm,
         "npu_rotary_mul": npu_rotary_mul,

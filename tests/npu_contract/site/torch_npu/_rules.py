@@ -120,6 +120,14 @@ RULES: dict[str, Rule] = {
         ),
         # one query row per batch: the incremental branch, where sparse_mode (and the band) does nothing
         Rule("FIA.incremental_sparse", DOCS, "Q_S为1且不带rope输入时该参数无效."),
+        # -- npu_fused_infer_attention_score_v2 (the rest: v1's rules, renamed arguments) --------
+        Rule(
+            "FIA2.sink",
+            DOCS,
+            "learnable_sink: Tensor类型, 数据类型支持bfloat16, 数据格式支持ND, shape输入为(Q_N,),",
+        ),
+        Rule("FIA2.sink_layout", DOCS, "仅支持TND、NTD\\_TND；"),
+        Rule("FIA2.sink_d", DOCS, "仅支持value的d小于等于128；"),
         Rule("FIA.mask_shape", DOCS, "支持shape传入(1,Q_S,KV_S)、(B,1,Q_S,KV_S)、(1,1,Q_S,KV_S)。"),
         Rule(
             "FIA.pa_mask_width",
@@ -506,6 +514,12 @@ RULES: dict[str, Rule] = {
         # -- npu_swiglu ---------------------------------------------------------------------------------
         Rule("SWIGLU.formula", DOCS, "outputs = swiglu\\(x, dim = -1) = swish(A) * B = A * sigmoid(A) * B"),
         Rule("SWIGLU.dtype", DOCS, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。"),
+        Rule(
+            "CSWIGLU.x",
+            DOCS,
+            "x：Tensor类型，必选参数，表示目标张量。数据类型支持float16、bfloat16、float32，不支持非连续的Tensor，"
+            "数据格式为ND，x的维数必须大于1维，第dim轴为偶数。",
+        ),
         # -- npu_rms_norm / npu_add_rms_norm ------------------------------------------------------------
         Rule("RMS.self", DOCS, "self：Tensor类型，支持float16、bfloat16、float32，输入shape支持2-8维。"),
         Rule(
