@@ -12,10 +12,13 @@ every sequence outgrows its window (that the kernel never reads the blocks befor
 which upstream's sliding-window manager may hand back to the pool, is checked in
 tests/unit/kernels/test_kernels.py). One runner process serves every engine, each with chunked
 prefill and prefix caching (the second prefix batch starts on cached blocks), plus the
-Gemma 3 at TP=2; engine cores in the runner process (no second Python start).
+Gemma 3 and the gpt-oss at TP=2 (gpt-oss also with expert parallelism under AllToAll and
+MC2); engine cores in the runner process (no second Python start).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -37,7 +40,18 @@ ENGINE = {
     "enable_prefix_caching": True,
 }
 BATCHES = [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]]
-TP2 = "gemma3"
+TP2_ENGINE = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+EP = {"enable_expert_parallel": True}
+# name: (family, engine changes) of the TP=2 runs. gpt-oss without EP splits every
+# expert's intermediate size (AllGather; only rank 0 adds the down-projection bias), with
+# EP each rank holds half the experts, under each strategy that needs EP.
+TP2_RUNS = {
+    "gemma3_tp2": ("gemma3", {}),
+    "gpt_oss_tp2": ("gpt_oss", {}),
+    "gpt_oss_tp2_ep_alltoall": ("gpt_oss", {**EP, "additional_config": {"moe_comm_method": "alltoall"}}),
+    "gpt_oss_tp2_ep_mc2": ("gpt_oss", {**EP, "additional_config": {"moe_comm_method": "mc2"}}),
+}
+USED = re.compile(r"Ascend MoE: first step with the (\w+) strategy")
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +66,20 @@ def served(tiny_models) -> dict:
         }
         for family in FAMILIES
     ]
-    runs.append(
+    runs += [
         {
-            "model": str(tiny_models[TP2]),
-            "engine": {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+            "model": str(tiny_models[family]),
+            "engine": {**TP2_ENGINE, **change},
             "batches": [PROMPTS],
             "max_tokens": MAX_TOKENS,
             "env": IN_PROCESS,
         }
-    )
-    result, output = run_spec({"runs": runs}, timeout=900)
+        for family, change in TP2_RUNS.values()
+    ]
+    result, output = run_spec({"runs": runs}, timeout=1200)
     clean_shutdown(output)
-    served = {family: run["batches"] for family, run in zip(FAMILIES, result["runs"])}
-    served["tp2"] = result["runs"][-1]["batches"]
+    served = dict(zip([*FAMILIES, *TP2_RUNS], (run["batches"] for run in result["runs"])))
+    served["strategies"] = set(USED.findall(output))
     return served
 
 
@@ -84,5 +99,11 @@ def test_family_matches_transformers(family, tiny_models, served):
         assert max(r["prompt_len"] for r in batches[0]) > 2 * WINDOW
 
 
-def test_hybrid_window_model_at_tensor_parallel_2(tiny_models, served):
-    assert _tokens(served["tp2"][0]) == hf_greedy(tiny_models[TP2], PROMPTS, MAX_TOKENS)
+@pytest.mark.parametrize("name", TP2_RUNS)
+def test_hybrid_window_models_at_tensor_parallel_2(name, tiny_models, served):
+    family = TP2_RUNS[name][0]
+    assert _tokens(served[name][0]) == hf_greedy(tiny_models[family], PROMPTS, MAX_TOKENS)
+
+
+def test_the_forced_moe_strategies_ran(served):
+    assert {"allgather", "alltoall", "mc2"} <= served["strategies"], served["strategies"]

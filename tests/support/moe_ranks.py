@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.ports import free_ports
 
 
 def problem(case: dict, num_tokens: int, dp_rank: int, seed_offset: int = 0):
@@ -321,7 +316,9 @@ def run(case: dict, timeout: float = 600) -> list[dict]:
     world = case["tp"] * case["dp"]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    # below the ephemeral range: a kernel-chosen port may be taken by an outgoing connection
+    # of a concurrent test before rank 0 binds it (seen: the other ranks then retry for 30 min)
+    port = free_ports(1)
     procs = [ctx.Process(target=_rank, args=(r, world, port, case, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -330,6 +327,8 @@ def run(case: dict, timeout: float = 600) -> list[dict]:
     try:
         for _ in procs:
             out.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+            if "error" in out[-1]:  # the other ranks may wait for it forever: fail now
+                break
     finally:
         for p in procs:
             p.join(timeout=30)

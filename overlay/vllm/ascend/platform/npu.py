@@ -397,8 +397,8 @@ class NPUPlatform(Platform):
         # attention (e.g. full + sliding window) on the same per-layer regions. Every
         # group reads its region as planes in the same proportion (K|V halves, equal
         # page sizes), so a block's bytes mean the same in every group's view
-        # (attention/kv_layout.py). Checked by upstream's KV-cache tests only: the
-        # backends still refuse sliding window, so no mixed model has been served.
+        # (attention/kv_layout.py). Served here: Gemma 3 and gpt-oss (windowed and full
+        # layers) equal transformers (tests/engine/test_model_families.py).
         return True
 
     @classmethod
