@@ -11,9 +11,9 @@ Windows of 24 tokens over 8-token blocks, prompts up to ~60 tokens and 32 genera
 every sequence outgrows its window (that the kernel never reads the blocks before a window,
 which upstream's sliding-window manager may hand back to the pool, is checked in
 tests/unit/kernels/test_kernels.py). One runner process serves every engine, each with chunked
-prefill and prefix caching (the second prefix batch starts on cached blocks), plus the
-Gemma 3 and the gpt-oss at TP=2 (gpt-oss also with expert parallelism under AllToAll and
-MC2); engine cores in the runner process (no second Python start).
+prefill and prefix caching (the second prefix batch starts on cached blocks), plus each
+family at TP=2 (gpt-oss also with expert parallelism under AllToAll and MC2); engine cores
+in the runner process (no second Python start).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ ENGINE = {
 BATCHES = [PROMPTS, PREFIX_PROMPTS[:1], PREFIX_PROMPTS[1:]]
 TP2_ENGINE = {**ENGINE, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 EP = {"enable_expert_parallel": True}
-# name: (family, engine changes) of the TP=2 runs. gpt-oss without EP splits every
+# name: (family, engine changes) of the TP=2 runs: every family (heads, with their windows,
+# caps and q/k norms, split over the ranks). gpt-oss without EP splits every
 # expert's intermediate size (AllGather; only rank 0 adds the down-projection bias), with
 # EP each rank holds half the experts, under each strategy that needs EP.
 TP2_RUNS = {
-    "gemma3_tp2": ("gemma3", {}),
+    **{f"{family}_tp2": (family, {}) for family in ("mistral", "gemma2", "gemma3", "qwen3")},
     "gpt_oss_tp2": ("gpt_oss", {}),
     "gpt_oss_tp2_ep_alltoall": ("gpt_oss", {**EP, "additional_config": {"moe_comm_method": "alltoall"}}),
     "gpt_oss_tp2_ep_mc2": ("gpt_oss", {**EP, "additional_config": {"moe_comm_method": "mc2"}}),
@@ -100,7 +101,7 @@ def test_family_matches_transformers(family, tiny_models, served):
 
 
 @pytest.mark.parametrize("name", TP2_RUNS)
-def test_hybrid_window_models_at_tensor_parallel_2(name, tiny_models, served):
+def test_families_at_tensor_parallel_2(name, tiny_models, served):
     family = TP2_RUNS[name][0]
     assert _tokens(served[name][0]) == hf_greedy(tiny_models[family], PROMPTS, MAX_TOKENS)
 
