@@ -150,10 +150,11 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         self.sinks = extra.get("sinks")
         if self.sinks is not None and self.cp_rank is not None:
             raise NotImplementedError("Ascend attention does not support sinks with context parallelism yet")
-        if self.sinks is not None and npu_kernels() and head_size > 128:
+        if self.sinks is not None and npu_kernels() and head_size > kernels.NPU_SINK_MAX_HEAD_SIZE:
             raise NotImplementedError(
-                f"Ascend attention sinks with the NPU kernels need a head size of at most 128, not "
-                f"{head_size} (npu_fused_infer_attention_score_v2's learnable_sink)"
+                f"Ascend attention sinks with the NPU kernels need a head size of at most "
+                f"{kernels.NPU_SINK_MAX_HEAD_SIZE}, not {head_size} (npu_fused_infer_attention_score_v2's "
+                "learnable_sink)"
             )
         if sliding_window is not None and self.cp_rank is not None:
             raise NotImplementedError(

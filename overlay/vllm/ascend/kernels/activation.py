@@ -28,7 +28,13 @@ def npu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 silu_and_mul = pick(reference_silu_and_mul, npu_silu_and_mul)
 
 
-def reference_swigluoai_and_mul(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+# gpt-oss's clamped SwiGLU (upstream's swigluoai_and_mul; npu_clipped_swiglu's defaults)
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0
+
+
+def reference_swigluoai_and_mul(
+    x: torch.Tensor, alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT
+) -> torch.Tensor:
     """``x [..., 2d]`` with gate and up interleaved (gate at even columns): the gate is
     clamped above at ``limit``, the up part to ``[-limit, limit]``, and the result is
     ``gate * sigmoid(alpha * gate) * (up + 1)``, in float32 and rounded once."""

@@ -18,6 +18,8 @@ import torch
 from vllm.ascend.kernels import pick, torch_npu
 
 MASK_SIZE = 2048  # the optimised causal mask torch_npu's sparse modes 2-4 take
+# npu_fused_infer_attention_score_v2's learnable_sink: value head size at most 128
+NPU_SINK_MAX_HEAD_SIZE = 128
 _masks: dict[torch.device, torch.Tensor] = {}
 
 
@@ -218,6 +220,11 @@ def reference_window_mask(seq_lens: list[int], window: int, width: int, device: 
     return None  # the reference attention applies the window itself
 
 
+# the fused attention's query heads, scale and cumulative query / KV lengths, by op version
+_FIA_NAMES = ("num_heads", "scale", "actual_seq_lengths", "actual_seq_lengths_kv")
+_FIA_V2_NAMES = ("num_query_heads", "softmax_scale", "actual_seq_qlen", "actual_seq_kvlen")
+
+
 def npu_paged_attention(
     query,
     k_plane,
@@ -259,30 +266,14 @@ def npu_paged_attention(
         block_size=k_plane.shape[2],
         **mask_args,
     )
-    npu, q = torch_npu(), query[:num_tokens].contiguous()
+    npu = torch_npu()
+    values = (query.shape[1], scale, query_start_loc[1:], seq_lens)
     if sinks is None:
-        result, _ = npu.npu_fused_infer_attention_score(
-            q,
-            k_plane,
-            v_plane,
-            num_heads=query.shape[1],
-            scale=scale,
-            actual_seq_lengths=query_start_loc[1:],
-            actual_seq_lengths_kv=seq_lens,
-            **common,
-        )
-    else:
-        result, _ = npu.npu_fused_infer_attention_score_v2(
-            q,
-            k_plane,
-            v_plane,
-            num_query_heads=query.shape[1],
-            softmax_scale=scale,
-            actual_seq_qlen=query_start_loc[1:],
-            actual_seq_kvlen=seq_lens,
-            learnable_sink=sinks.to(torch.bfloat16),
-            **common,
-        )
+        op, names = npu.npu_fused_infer_attention_score, _FIA_NAMES
+    else:  # v2: the same call under its own argument names, plus the sink
+        op, names = npu.npu_fused_infer_attention_score_v2, _FIA_V2_NAMES
+        common["learnable_sink"] = sinks.to(torch.bfloat16)
+    result, _ = op(query[:num_tokens].contiguous(), k_plane, v_plane, **dict(zip(names, values)), **common)
     out[:num_tokens] = result
     return out
 

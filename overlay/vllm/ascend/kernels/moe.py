@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from vllm.ascend.kernels import pick, torch_npu
-from vllm.ascend.kernels.activation import reference_swigluoai_and_mul
+from vllm.ascend.kernels.activation import (
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+    reference_silu_and_mul,
+    reference_swigluoai_and_mul,
+)
 
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -71,18 +76,15 @@ def reference_moe_experts(
     w13_bias=None,
     w2_bias=None,
 ) -> torch.Tensor:
-    inter = w2.shape[-1]
-    name = activation_name(activation)
+    activate = {"silu": reference_silu_and_mul, "swigluoai": reference_swigluoai_and_mul}[
+        activation_name(activation)
+    ]
 
     def mlp(expert: int, h: torch.Tensor) -> torch.Tensor:
         gate_up = h @ w13[expert].to(torch.float32).t()
         if w13_bias is not None:
             gate_up = gate_up + w13_bias[expert].to(torch.float32)
-        if name == "swigluoai":
-            act = reference_swigluoai_and_mul(gate_up)
-        else:
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[expert].to(torch.float32).t()
+        y = activate(gate_up) @ w2[expert].to(torch.float32).t()
         return y if w2_bias is None else y + w2_bias[expert].to(torch.float32)
 
     return _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, mlp)
@@ -154,8 +156,9 @@ class ExpertMlp:
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         npu = torch_npu()
         if self.activation == "swigluoai":
-            # gpt-oss's constants, as upstream's swigluoai_and_mul and the op's defaults
-            return npu.npu_clipped_swiglu(gate_up, alpha=1.702, limit=7.0, bias=1.0, interleaved=True)
+            return npu.npu_clipped_swiglu(
+                gate_up, alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT, bias=1.0, interleaved=True
+            )
         return npu.npu_swiglu(gate_up)
 
 

@@ -33,10 +33,24 @@ class AscendRotaryForm:
 
     _ascend_tables: dict | None = None
 
-    @property
-    def table_scale(self) -> float:
-        """The factor this module's cache rows carry (YaRN's mscale; 1 for the others)."""
-        return float(getattr(self, "mscale", 1.0))
+    _ascend_rotate = None
+
+    def _rotation(self):
+        """``rotary.rotate``, or ``rotary.rotate_in_torch`` when the cache rows carry a factor
+        (YaRN's mscale) that puts them outside torch_npu's rotary range; chosen once."""
+        if self._ascend_rotate is None:
+            scale = float(getattr(self, "mscale", 1.0))
+            if scale == 1.0:
+                self._ascend_rotate = rotary.rotate
+            else:
+                logger.info(
+                    "Ascend rotary: %s's tables carry a factor %.4f (outside torch_npu's rotary "
+                    "range [-1, 1]): rotated in plain torch",
+                    type(self).__name__,
+                    scale,
+                )
+                self._ascend_rotate = rotary.rotate_in_torch
+        return self._ascend_rotate
 
     def _tables(self, query: torch.Tensor, neox: bool):
         key = (query.dtype, query.device, neox)
@@ -77,15 +91,7 @@ class AscendRotaryForm:
             )
             return self.forward_native(positions, query, key)
         cos, sin = self.step_tables(positions, query)
-        tokens, rotate = positions.numel(), rotary.rotate
-        if self.table_scale != 1.0:
-            logger.info_once(
-                "Ascend rotary: %s's tables carry a factor %.4f (outside torch_npu's rotary range "
-                "[-1, 1]): rotated in plain torch",
-                type(self).__name__,
-                self.table_scale,
-            )
-            rotate = rotary.rotate_in_torch
+        tokens, rotate = positions.numel(), self._rotation()
 
         def turn(x: torch.Tensor) -> torch.Tensor:
             heads = x.view(tokens, -1, self.head_size)

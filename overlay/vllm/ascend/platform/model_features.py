@@ -18,8 +18,6 @@ ALIBI_ARCHITECTURES = {"BloomForCausalLM", "Step1ForCausalLM"}
 ALIBI_WHEN_CONFIGURED = {"FalconForCausalLM": "alibi", "RWForCausalLM": "alibi"}
 # Attention with one learned sink logit per head.
 SINK_MODEL_TYPES = {"gpt_oss"}
-# npu_fused_infer_attention_score_v2's learnable_sink: value head size at most 128.
-NPU_SINK_MAX_HEAD_SIZE = 128
 
 
 def has_attention_sinks(model_config) -> bool:
@@ -47,12 +45,15 @@ def unsupported_features(vllm_config) -> list[str]:
         if arch in architectures
     ):
         found.append("ALiBi position biases")
-    head_size = model.get_head_size()
-    if has_attention_sinks(model) and npu_kernels() and head_size > NPU_SINK_MAX_HEAD_SIZE:
-        found.append(
-            f"attention sinks with a head size of {head_size} with the NPU attention kernels "
-            f"(npu_fused_infer_attention_score_v2's learnable_sink takes at most {NPU_SINK_MAX_HEAD_SIZE})"
-        )
+    if has_attention_sinks(model) and npu_kernels():
+        from vllm.ascend.kernels.attention import NPU_SINK_MAX_HEAD_SIZE
+
+        head_size = model.get_head_size()
+        if head_size > NPU_SINK_MAX_HEAD_SIZE:
+            found.append(
+                f"attention sinks with a head size of {head_size} with the NPU attention kernels "
+                f"(npu_fused_infer_attention_score_v2's learnable_sink takes at most {NPU_SINK_MAX_HEAD_SIZE})"
+            )
     if hasattr(hf, "index_topk"):
         found.append("sparse attention (DeepSeek V3.2's indexer)")
     kind = model.attn_type

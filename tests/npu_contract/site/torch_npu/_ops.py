@@ -149,14 +149,11 @@ def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None, sink=None):
     scores = scores * scale
     if visible is not None:
         scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
-    if sink is not None:
-        sinks = sink.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-        with_sink = torch.cat([scores, sinks], dim=-1)
-        lse = torch.logsumexp(with_sink, dim=-1)
-        probs = torch.softmax(with_sink, dim=-1)[..., :-1]
-        return torch.einsum("nsl,lnd->snd", probs, v), lse.transpose(0, 1)
+    keys = scores.shape[-1]
+    if sink is not None:  # one more column per head, whose weight is dropped
+        scores = torch.cat([scores, sink.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)  # [N, S]
-    out = torch.einsum("nsl,lnd->snd", torch.softmax(scores, dim=-1), v)
+    out = torch.einsum("nsl,lnd->snd", torch.softmax(scores, dim=-1)[..., :keys], v)
     return out, lse.transpose(0, 1)
 
 
@@ -1591,7 +1588,6 @@ def npu_moe_gating_top_k(**a):
     return y.to(x.dtype), idx.to(torch.int32), norm_out
 
 
-# -- the graph forms torch_npu's capture handler swaps in (npugraph_handlers/ifa_handler.py) --
 # -- npu_fused_infer_attention_score_v2 -----------------------------------------------------------
 FIA_V2 = "npu_fused_infer_attention_score_v2"
 # v2's names for v1's arguments; v2 documents the same layouts, masks and page attention.
@@ -1630,14 +1626,7 @@ def npu_fused_infer_attention_score_v2(**a):
     """v2 is v1 under new argument names, plus ``learnable_sink``; the double checks v2's
     sink rules here and runs v1's rules and semantics on the renamed arguments."""
     _refuse_unmodelled(
-        FIA_V2,
-        a,
-        tuple(
-            n
-            for n in a
-            if n.startswith(("dequant_", "quant_")) or (n.endswith("_dtype") and n != "out_dtype")
-        )
-        + ("out_dtype",),
+        FIA_V2, a, tuple(n for n in a if n.startswith(("dequant_", "quant_")) or n.endswith("_dtype"))
     )
     for name, default in _FIA_V2_DEFAULTS.items():
         if a[name] != default:
@@ -1664,6 +1653,7 @@ def npu_fused_infer_attention_score_v2(**a):
     return npu_fused_infer_attention_score(**v1)
 
 
+# -- the graph forms torch_npu's capture handler swaps in (npugraph_handlers/ifa_handler.py) --
 def npu_fused_infer_attention_score_out(**a):
     """``.out``: the same attention, written into the caller's ``out`` pair."""
     out, _ = a.pop("out"), a.pop("workspace")
