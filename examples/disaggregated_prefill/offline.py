@@ -8,14 +8,16 @@ The prefill process computes each prompt (one token, ``do_remote_decode``) and h
 the decode side pulls the prompt's KV instead of computing it. The decode process then
 resets its prefix cache and generates the same prompts on its own (colocated), and the
 script prints both and exits with status 1 if any greedy output differs or nothing was
-pulled.
+pulled. ``--prompt-lengths 31,39`` replaces the text prompts with prompts of random token
+ids of those lengths (seeded), e.g. to put a sliding window's edge on a block boundary.
 
 On an NPU host each process sees its own NPUs (``--prefill-devices``, ``--decode-devices``:
 ``ASCEND_RT_VISIBLE_DEVICES``; NPU-unverified). In host emulation (``VLLM_ASCEND_EMULATE=1``)
 both run on the CPU; with no ``--model`` a tiny random Qwen2 is made first
 (examples/make_tiny_model.py). The transport is Mooncake (install the wheel's
 ``mooncake-host`` extra here, ``mooncake`` on an NPU host). ``--json FILE`` writes the
-prompts, the token ids of both runs and the pulled byte count.
+prompts, the token ids of both runs and the pulled byte count. ``--block-size`` and
+``--disable-hybrid-kv-cache-manager`` are passed to both engines as vLLM takes them.
 """
 
 from __future__ import annotations
@@ -39,20 +41,24 @@ PROMPTS = [
 HANDOFF_TIMEOUT = 600
 
 
-def _engine(model: str, role: str, kv_port: int, host: str, dtype: str):
+def _engine(args, role: str, kv_port: int):
     from vllm import LLM
 
+    options = {"block_size": args.block_size} if args.block_size else {}
+    if args.disable_hybrid_kv_cache_manager:
+        options["disable_hybrid_kv_cache_manager"] = True
     return LLM(
-        model=model,
-        dtype=dtype,
+        model=args.model,
+        dtype=args.dtype,
         max_model_len=1024,
         seed=0,
+        **options,
         disable_log_stats=False,  # the connector's pulled-bytes counter is a logged stat
         kv_transfer_config={
             "kv_connector": "AscendP2PConnector",
             "kv_role": role,
             "kv_port": kv_port,
-            "kv_connector_extra_config": {"host": host},
+            "kv_connector_extra_config": {"host": args.host},
         },
     )
 
@@ -72,9 +78,9 @@ def _greedy(max_tokens: int, kv_transfer_params: dict | None = None):
 
 def prefill(args, devices: str, handoff, done) -> None:
     os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
-    llm = _engine(args.model, "kv_producer", args.prefill_kv_port, args.host, args.dtype)
+    llm = _engine(args, "kv_producer", args.prefill_kv_port)
     try:
-        outputs = llm.generate(PROMPTS, _greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        outputs = llm.generate(_prompts(args), _greedy(1, {"do_remote_decode": True}), use_tqdm=False)
         params = [out.kv_transfer_params for out in outputs]
         if not all(params):
             handoff.put({"error": "the prefill outputs carry no kv_transfer_params (is the connector on?)"})
@@ -89,7 +95,8 @@ def prefill(args, devices: str, handoff, done) -> None:
 
 def decode(args, devices: str, handoff, results) -> None:
     os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
-    llm = _engine(args.model, "kv_consumer", args.decode_kv_port, args.host, args.dtype)
+    llm = _engine(args, "kv_consumer", args.decode_kv_port)
+    prompts = _prompts(args)
     try:
         message = handoff.get(timeout=HANDOFF_TIMEOUT)
         if "error" in message:
@@ -97,7 +104,7 @@ def decode(args, devices: str, handoff, results) -> None:
             return
         # one batch, each request with the transfer parameters of its own prompt
         sampling = [_greedy(args.max_tokens, params) for params in message["params"]]
-        disaggregated = llm.generate(PROMPTS, sampling, use_tqdm=False)
+        disaggregated = llm.generate(prompts, sampling, use_tqdm=False)
         pulled = sum(
             metric.value
             for metric in llm.get_metrics()
@@ -105,7 +112,7 @@ def decode(args, devices: str, handoff, results) -> None:
             if metric.name in ("vllm:ascend_p2p_pulled_bytes", "vllm:ascend_p2p_pulled_bytes_total")
         )
         llm.reset_prefix_cache()  # the colocated run computes every prompt itself
-        colocated = llm.generate(PROMPTS, _greedy(args.max_tokens), use_tqdm=False)
+        colocated = llm.generate(prompts, _greedy(args.max_tokens), use_tqdm=False)
     finally:
         _close(llm)
     results.put(
@@ -117,6 +124,20 @@ def decode(args, devices: str, handoff, results) -> None:
             "pulled_bytes": pulled,
         }
     )
+
+
+def _prompts(args) -> list:
+    """The text prompts, or (``--prompt-lengths``) prompts of seeded random token ids."""
+    if not args.prompt_lengths:
+        return PROMPTS
+    import random
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
+    rng = random.Random(0)
+    # ids from 10 up: clear of the special tokens a tokenizer puts first
+    return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(n)]} for n in args.prompt_lengths]
 
 
 def main() -> int:
@@ -134,6 +155,17 @@ def main() -> int:
     )
     parser.add_argument(
         "--decode-devices", default="1", help="ASCEND_RT_VISIBLE_DEVICES of the decode process"
+    )
+    parser.add_argument(
+        "--prompt-lengths",
+        type=lambda text: [int(n) for n in text.split(",")],
+        help="comma-separated prompt lengths: prompts of random token ids instead of the text ones",
+    )
+    parser.add_argument("--block-size", type=int, help="vLLM's --block-size for both engines")
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="one KV-cache group for every layer (vLLM's option), on both engines",
     )
     parser.add_argument("--json", type=Path, help="write the token ids and the pulled byte count here")
     args = parser.parse_args()
@@ -166,11 +198,14 @@ def main() -> int:
     if "error" in result:
         print(f"error: {result['error']}", file=sys.stderr)
         return 1
-    for prompt, pd_text, local_text in zip(PROMPTS, result["text"], result["colocated_text"]):
+    prompts = _prompts(args)
+    for prompt, pd_text, local_text in zip(prompts, result["text"], result["colocated_text"]):
+        if not isinstance(prompt, str):
+            prompt = f"<{len(prompt['prompt_token_ids'])} random token ids>"
         print(f"{prompt!r}\n  disaggregated: {pd_text!r}\n  colocated:     {local_text!r}")
     print(f"KV pulled by the decode process: {result['pulled_bytes']:.0f} bytes")
     if args.json:
-        args.json.write_text(json.dumps({"prompts": PROMPTS, **result}))
+        args.json.write_text(json.dumps({"prompts": prompts, **result}))
     if result["disaggregated"] != result["colocated"]:
         print("error: the disaggregated and colocated outputs differ", file=sys.stderr)
         return 1

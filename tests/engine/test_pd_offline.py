@@ -1,10 +1,15 @@
 """The offline disaggregated-prefill example (examples/disaggregated_prefill/offline.py) as a
 user runs it, in host emulation: a prefill LLM and a decode LLM in two processes, the KV
 pulled over Mooncake (TCP). Its greedy tokens must equal transformers' and the decode
-process's own colocated run, and the decode side must have pulled KV. Also with Gemma 3
-(sliding-window and full layers alternating: upstream turns its hybrid KV-cache manager off
-for a connector without hybrid support, so one KV group moves; prompts of up to 32 tokens
-and 12 generated outgrow its 24-token window)."""
+process's own colocated run, and the decode side must have pulled KV.
+
+Also with Gemma 3 (sliding-window and full layers alternating: two KV-cache groups in
+upstream's hybrid manager, each moved by its own block table). A 24-token window over
+8-token blocks and prompts of 31, 39 and 47 tokens put the first key the decode side's
+last prompt token needs on the last slot of a block, the block a sliding-window group
+frees first (kv_transfer/groups.py); 12 generated tokens outgrow the window. The same
+prompts with the hybrid manager off (one group: every layer keeps every block) move more
+bytes for the same tokens."""
 
 from __future__ import annotations
 
@@ -20,26 +25,53 @@ from tests.support.oracle import hf_greedy
 from tests.support.ports import free_ports
 
 MAX_TOKENS = 12
+WINDOWED = ["--block-size", "8", "--prompt-lengths", "31,39,47"]
+RUNS = {
+    "qwen2": ("qwen2", []),
+    "gemma3-hybrid": ("gemma3", WINDOWED),
+    "gemma3-one-group": ("gemma3", [*WINDOWED, "--disable-hybrid-kv-cache-manager"]),
+}
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_offline_example_decodes_pulled_kv_like_transformers(arch, tiny_models, tmp_path):
-    model, out = tiny_models[arch], tmp_path / "result.json"
+def _run_example(model, options: list[str], out) -> dict:
     command = [
         sys.executable,
         str(ROOT / "examples" / "disaggregated_prefill" / "offline.py"),
         *("--model", str(model), "--dtype", "float32", "--max-tokens", str(MAX_TOKENS)),
         *("--prefill-kv-port", str(free_ports(1)), "--decode-kv-port", str(free_ports(1))),
         *("--json", str(out)),
+        *options,
     ]
     done = subprocess.run(
         command, env=dict(os.environ, VLLM_ASCEND_EMULATE="1"), capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "equal greedy outputs" in done.stdout
-    result = json.loads(out.read_text())
-    expected = hf_greedy(model, result["prompts"], MAX_TOKENS)
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]  # in neither process
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tiny_models, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("pd-offline")
+    return {
+        name: _run_example(tiny_models[arch], options, out / f"{name}.json")
+        for name, (arch, options) in RUNS.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_offline_example_decodes_pulled_kv_like_transformers(name, results, tiny_models):
+    result = results[name]
+    expected = hf_greedy(tiny_models[RUNS[name][0]], result["prompts"], MAX_TOKENS)
     assert result["disaggregated"] == expected
     assert result["colocated"] == expected
     assert result["pulled_bytes"] > 0
-    assert "Traceback" not in done.stderr, done.stderr[-4000:]  # in neither process
+
+
+def test_the_hybrid_manager_moves_only_the_blocks_inside_each_window(results):
+    """Same prompts, same tokens: with one KV-cache group the windowed layers keep and move
+    the whole prompt; with the hybrid manager they move the blocks of their window only."""
+    hybrid, one_group = results["gemma3-hybrid"], results["gemma3-one-group"]
+    assert hybrid["disaggregated"] == one_group["disaggregated"]
+    assert 0 < hybrid["pulled_bytes"] < one_group["pulled_bytes"]

@@ -15,8 +15,9 @@ def _attention(config) -> dict:
     return {"attn_implementation": "eager"} if needs_eager else {}
 
 
-def hf_greedy(model: Path, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
-    """Oracle: transformers' greedy generate, one prompt at a time, float32, no EOS stop."""
+def hf_greedy(model: Path, prompts: list, max_tokens: int = 16) -> list[list[int]]:
+    """Oracle: transformers' greedy generate, one prompt at a time, float32, no EOS stop.
+    A prompt is text, or token ids as vLLM takes them (``{"prompt_token_ids": [...]}``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -41,7 +42,10 @@ def _generate(tok, hf, prompts: list[str], max_tokens: int) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt").input_ids
+            if isinstance(prompt, dict):
+                ids = torch.tensor([prompt["prompt_token_ids"]])
+            else:
+                ids = tok(prompt, return_tensors="pt").input_ids
             gen = hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),

@@ -55,9 +55,11 @@ def test_bad_messages_get_a_reason_and_the_server_keeps_serving(server):
             msgspec.msgpack.encode({"type": "renew", "v": 9, "engine_id": "e", "request_ids": []}),
             "wire version 9",
         ),
-        (msgspec.msgpack.encode({"type": "drop_tables", "v": 1}), "unknown message type"),
+        (msgspec.msgpack.encode({"type": "drop_tables", "v": wire.WIRE_VERSION}), "unknown message type"),
         (
-            msgspec.msgpack.encode({"type": "renew", "v": 1, "engine_id": "", "request_ids": []}),
+            msgspec.msgpack.encode(
+                {"type": "renew", "v": wire.WIRE_VERSION, "engine_id": "", "request_ids": []}
+            ),
             "malformed renew",
         ),
     ]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, place
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.inspector import main as inspect_main
-from vllm.ascend.kv_transfer.plan import build_plan
+from vllm.ascend.kv_transfer.plan import NULL_BLOCK, build_group_plan, build_plan
 
 UNSET = -7  # prefill slots that hold no token of the request
 
@@ -341,20 +341,20 @@ def test_wire_messages_carry_the_plan():
             wire.msgspec.msgpack.encode(
                 {
                     "type": "done_reading",
-                    "v": 2,
+                    "v": wire.WIRE_VERSION + 1,
                     "request_id": "r",
                     "decode_rank": 0,
                     "prefill_rank": 0,
                     "read_ids": [],
                 }
             ),
-            "wire version 2, this build speaks 1",
+            f"wire version {wire.WIRE_VERSION + 1}, this build speaks {wire.WIRE_VERSION}",
         ),
         (
             wire.msgspec.msgpack.encode(
                 {
                     "type": "done_reading",
-                    "v": 1,
+                    "v": wire.WIRE_VERSION,
                     "request_id": "r",
                     "decode_rank": -1,
                     "prefill_rank": 0,
@@ -367,7 +367,7 @@ def test_wire_messages_carry_the_plan():
             wire.msgspec.msgpack.encode(
                 {
                     "type": "done_reading",
-                    "v": 1,
+                    "v": wire.WIRE_VERSION,
                     "request_id": "x" * 300,
                     "decode_rank": 0,
                     "prefill_rank": 0,
@@ -380,7 +380,7 @@ def test_wire_messages_carry_the_plan():
             wire.msgspec.msgpack.encode(
                 {
                     "type": "done_reading",
-                    "v": 1,
+                    "v": wire.WIRE_VERSION,
                     "request_id": "r",
                     "decode_rank": 0,
                     "prefill_rank": 0,
@@ -394,7 +394,7 @@ def test_wire_messages_carry_the_plan():
             wire.msgspec.msgpack.encode(
                 {
                     "type": "done_reading",
-                    "v": 1,
+                    "v": wire.WIRE_VERSION,
                     "request_id": "r",
                     "decode_rank": 0,
                     "prefill_rank": 0,
@@ -497,3 +497,53 @@ def test_the_inspector_prints_a_table_and_one_line_errors():
         [sys.executable, "-m", "vllm.ascend.kv_transfer.plan"], capture_output=True, text=True, timeout=120
     )
     assert old.returncode == 1 and "python -m vllm.ascend.kv_transfer.inspector" in old.stderr
+
+
+# -- KV-cache groups (hybrid manager) ---------------------------------------------------
+def _windowed_table(ids: list[int], tokens: int, window: int, block_size: int, next_token: int) -> list[int]:
+    """A sliding-window group's block table as upstream's manager keeps it: the null block for
+    every block whose tokens all lie before the window of ``next_token``."""
+    first_kept = max(0, next_token - window + 1)
+    return [NULL_BLOCK if (b + 1) * block_size <= first_kept else i for b, i in enumerate(ids)]
+
+
+@pytest.mark.parametrize("tokens", [31, 39, 40, 9])
+def test_group_plan_moves_each_group_by_its_own_table(tokens):
+    """A full-attention group and a windowed one (W=24, 8-token blocks): every token the
+    decode side keeps arrives in its own group's block; nothing lands in a null block; read
+    ids run over both groups. The prefill side computed ``tokens`` tokens (its next token is
+    ``tokens``), the decode side computes token ``tokens`` itself: both keep one window."""
+    prefill, decode = _gqa4(tp=2, block_size=8), _gqa4(tp=4, block_size=8)
+    blocks = -(-tokens // 8)
+    p_ids = [list(range(10, 10 + blocks)), list(range(30 + blocks, 30, -1))]
+    d_ids = [list(range(50, 50 + blocks)), list(range(70, 70 + blocks))]
+    p_tables = [p_ids[0], _windowed_table(p_ids[1], tokens, 24, 8, tokens)]
+    d_tables = [d_ids[0], _windowed_table(d_ids[1], tokens, 24, 8, tokens)]
+    plan = build_group_plan(prefill, decode, tokens, p_tables, d_tables)
+
+    assert np.array_equal(np.unique(plan.group), [0, 1] if any(d_tables[1]) else [0])
+    assert not np.isin(plan.dst_block, [NULL_BLOCK]).any() and not np.isin(plan.src_block, [NULL_BLOCK]).any()
+    moved: dict[tuple[int, int], set] = {}  # (group, decode block) -> positions
+    for read in plan.reads():
+        g = int(plan.group[read.read_id])
+        # a read stays inside its group's tables
+        assert read.src_block in p_tables[g] and read.dst_block in d_tables[g]
+        for pos, s, d in zip(read.positions, read.src_offsets, read.dst_offsets):
+            assert p_tables[g][pos // 8] == read.src_block and s == pos % 8
+            assert d_tables[g][pos // 8] == read.dst_block and d == pos % 8
+            moved.setdefault((g, read.dst_block), set()).add(int(pos))
+    for g in (0, 1):
+        kept = [t for t in range(tokens) if d_tables[g][t // 8] != NULL_BLOCK]
+        got = sorted(t for (group, _), ts in moved.items() if group == g for t in ts)
+        assert got == kept  # each token once (per decode rank it is a set over ranks)
+    ids = sorted(i for m in plan.done_messages() for i in m.read_ids)
+    assert ids == list(range(len(plan)))
+
+
+def test_a_token_the_decode_side_keeps_but_prefill_freed_is_refused():
+    layout = _gqa4(tp=1, block_size=8)
+    full = list(range(1, 5))
+    with pytest.raises(LayoutError, match="group 1: the prefill instance kept no block for token 0"):
+        build_group_plan(layout, layout, 32, [full, [NULL_BLOCK, 2, 3, 4]], [full, [5, 6, 7, 8]])
+    with pytest.raises(LayoutError, match="block tables for 1 KV-cache groups, this instance has 2"):
+        build_group_plan(layout, layout, 32, [full], [full, full])

@@ -15,10 +15,10 @@ from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.transport import Region, TransferError
 
 
-def plane_table(mine: dict, theirs: list) -> tuple[list, list]:
+def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[list, list]:
     """Per layer and plane, ``(plane start, block bytes, head bytes)`` on the prefill side
-    (``theirs``: RankInfo layers) and here (``mine``: name -> (base, LayerLayout)),
-    matched by layer name."""
+    (``theirs``: RankInfo layers) and here (``mine``: name -> (base, LayerLayout), the
+    layers of KV-cache group ``group``), matched by layer name."""
     by_name = {layer.name: layer for layer in theirs}
     src, dst = [], []
     for name, (base, layer) in mine.items():
@@ -26,6 +26,11 @@ def plane_table(mine: dict, theirs: list) -> tuple[list, list]:
         if their is None or len(their.planes) != len(layer.planes):
             raise RuntimeError(
                 f"the prefill instance has no KV layer {name!r} like this one: not the same model"
+            )
+        if their.group != group:
+            raise RuntimeError(
+                f"KV layer {name!r} is in KV-cache group {their.group} on the prefill instance and "
+                f"{group} here: run both with the same hybrid KV-cache manager setting"
             )
         offset_s = 0
         for index, (plane, their_plane) in enumerate(zip(layer.planes, their.planes)):
@@ -145,11 +150,16 @@ def whole_block_ranges(
     return d[:, 0] + dst_block * d[:, 1], s[:, 0] + src_block * s[:, 1], s[:, 1].copy()
 
 
-def layer_regions(layers: dict) -> list:
-    """This rank's layers (name -> (base, LayerLayout)) as the handshake describes them."""
+def layer_regions(layers: dict, layer_group: dict | None = None) -> list:
+    """This rank's layers (name -> (base, LayerLayout)) as the handshake describes them,
+    each with its KV-cache group (``layer_group``; None: all in group 0)."""
     return [
         wire.LayerRegion(
-            name, base, layer.num_blocks, [wire.PlaneSpec(p.heads, p.head_bytes) for p in layer.planes]
+            name,
+            base,
+            layer.num_blocks,
+            [wire.PlaneSpec(p.heads, p.head_bytes) for p in layer.planes],
+            (layer_group or {}).get(name, 0),
         )
         for name, (base, layer) in layers.items()
     ]

@@ -4,19 +4,28 @@ vLLM builds one connector per process and role; this class only hands each call 
 scheduler side (``scheduler_side.py``, in the engine core) or the worker side
 (``worker_side.py``, in every worker), which share nothing but the metadata vLLM
 passes between them each step.
+
+It declares upstream's ``SupportsHMA``: with the hybrid KV-cache manager on, every KV-cache
+group moves by its own block table (``groups.py``).
 """
 
 from __future__ import annotations
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
 from vllm.ascend.attention.kv_layout import VLLM_LAYOUT
+from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, P2PScheduler
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats, P2PPromMetrics
 
 
-class AscendP2PConnector(KVConnectorBase_V1):
+class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
     # It reads and writes the Ascend K/V (MLA: latent/rope) planes (attention/kv_layout.py).
     addresses_ascend_kv_planes = True
 
@@ -27,11 +36,12 @@ class AscendP2PConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = P2PSettings.from_config(vllm_config)
-        self._scheduler = P2PScheduler(settings) if role == KVConnectorRole.SCHEDULER else None
+        self._groups = TransferGroups.of(kv_cache_config)
+        self._scheduler = P2PScheduler(settings, self._groups) if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.WORKER:
             from vllm.ascend.kv_transfer.worker_side import P2PWorker
 
-            self._worker = P2PWorker(settings, vllm_config)
+            self._worker = P2PWorker(settings, vllm_config, self._groups)
         else:
             self._worker = None
 
@@ -45,8 +55,17 @@ class AscendP2PConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> P2PConnectorMetadata:
         return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
+
     def request_finished(self, request, block_ids: list[int]):
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        return self._groups.ids  # a pull restores the request's blocks of every group
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output)
@@ -69,6 +88,14 @@ class AscendP2PConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]):
         return self._worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self._worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker.take_failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks()

@@ -17,6 +17,12 @@ choice, e.g. per request). Every prefill rank of the request's DP replica holds 
 of it: ranks no read touches are ``unread``, and the first decode rank sends them the
 done message so they free their blocks.
 
+KV-cache groups (upstream's hybrid manager: e.g. sliding-window and full-attention layers
+in separate groups, each with its own block table): ``build_group_plan`` plans every group
+from its own tables and joins the plans, so read ids stay unique per request; a read's
+``group`` says which layers it is for. A sliding-window group's table names vLLM's null
+block where the group keeps no block (before the window); such tokens are not read.
+
 Run ``python -m vllm.ascend.kv_transfer.inspector --help`` to inspect a plan (docs/pd_plan.md).
 """
 
@@ -28,6 +34,10 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, block_and_offset, owner
+
+# vLLM's block pool reserves block 0 as its null block: a block table names it where a
+# KV-cache group keeps no block for the request (tokens before a sliding window)
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -76,9 +86,45 @@ class Plan:
     positions: np.ndarray
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
+    group: np.ndarray | None = None  # per read: its KV-cache group (None: all group 0)
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = np.zeros(len(self), dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.decode_rank.shape[0])
+
+    def subset(self, rows: np.ndarray) -> Plan:
+        """The plan of the reads ``rows`` (a boolean mask or ascending indices), renumbered
+        from 0; token columns are shared, not copied."""
+        rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, dtype=np.int64)
+        columns = {
+            name: getattr(self, name)[rows]
+            for name in (
+                "decode_rank",
+                "prefill_rank",
+                "src_block",
+                "dst_block",
+                "head0",
+                "head1",
+                "token_start",
+                "token_count",
+                "group",
+            )
+        }
+        return Plan(
+            self.prefill,
+            self.decode,
+            self.num_tokens,
+            self.prefill_dp_rank,
+            self.decode_dp_rank,
+            self.replica_offset,
+            positions=self.positions,
+            src_offsets=self.src_offsets,
+            dst_offsets=self.dst_offsets,
+            **columns,
+        )
 
     @property
     def prefill_ranks(self) -> range:
@@ -319,6 +365,76 @@ def build_plan(
         positions=t[order],
         src_offsets=src_off[order],
         dst_offsets=dst_off[order],
+    )
+
+
+def build_group_plan(
+    prefill: CPLayout,
+    decode: CPLayout,
+    num_tokens: int,
+    prefill_tables,
+    decode_tables,
+    prefill_dp_rank: int = 0,
+    decode_dp_rank: int = 0,
+    replica_offset: int = 0,
+) -> Plan:
+    """One request's pull over every KV-cache group: ``*_tables[g]`` is group ``g``'s block
+    table on each side. Tokens whose decode block is the null block are not read (the group
+    keeps nothing there); a token the decode side keeps but the prefill side does not is a
+    ``LayoutError``. Read ids run over all groups; ``Plan.group`` tells them apart."""
+    if len(prefill_tables) != len(decode_tables):
+        raise LayoutError(
+            f"the prefill instance sent block tables for {len(prefill_tables)} KV-cache groups, "
+            f"this instance has {len(decode_tables)}: run both with the same hybrid KV-cache "
+            "manager setting (--disable-hybrid-kv-cache-manager on both or neither)"
+        )
+    parts = []
+    for g, (src, dst) in enumerate(zip(prefill_tables, decode_tables)):
+        plan = build_plan(
+            prefill, decode, num_tokens, src, dst, prefill_dp_rank, decode_dp_rank, replica_offset
+        )
+        needed = plan.dst_block != NULL_BLOCK
+        lost = needed & (plan.src_block == NULL_BLOCK)
+        if lost.any():
+            first = int(plan.positions[plan.token_start[np.flatnonzero(lost)]].min())
+            raise LayoutError(
+                f"KV-cache group {g}: the prefill instance kept no block for token {first}, which "
+                "this instance needs (the two sides disagree on the group's window)"
+            )
+        plan = plan.subset(needed)
+        plan.group[:] = g
+        parts.append(plan)
+    return _join(parts) if len(parts) != 1 else parts[0]
+
+
+def _join(plans: list[Plan]) -> Plan:
+    """The reads of several plans of one request (one per KV-cache group) as one plan."""
+    if not plans:
+        raise LayoutError("a request with no KV-cache group has nothing to transfer")
+    first, token_base = plans[0], np.cumsum([0] + [p.positions.size for p in plans[:-1]])
+
+    def cat(name):
+        return np.concatenate([getattr(p, name) for p in plans])
+
+    return Plan(
+        first.prefill,
+        first.decode,
+        first.num_tokens,
+        first.prefill_dp_rank,
+        first.decode_dp_rank,
+        first.replica_offset,
+        decode_rank=cat("decode_rank"),
+        prefill_rank=cat("prefill_rank"),
+        src_block=cat("src_block"),
+        dst_block=cat("dst_block"),
+        head0=cat("head0"),
+        head1=cat("head1"),
+        token_start=np.concatenate([p.token_start + base for p, base in zip(plans, token_base)]),
+        token_count=cat("token_count"),
+        positions=cat("positions"),
+        src_offsets=cat("src_offsets"),
+        dst_offsets=cat("dst_offsets"),
+        group=cat("group"),
     )
 
 

@@ -9,6 +9,9 @@ Decode (kv_consumer): a request with ``do_remote_prefill`` waits for its KV: the
 pull it (``worker_side.py``) after the scheduler has allocated the blocks. While it waits,
 a background thread renews its lease on the prefill ranks. A request that never gets
 its blocks (aborted, or fully cached here) releases the prefill blocks at once.
+
+Block tables travel per KV-cache group (``groups.py``); with a sliding-window group the
+prefill side computes the prompt but its last token, which the decode side computes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient
+from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.settings import P2PSettings
 
 logger = logging.getLogger(__name__)
@@ -39,8 +43,9 @@ class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
     remote_port: int
     remote_ranks: int
     remote_dp_rank: int
-    remote_block_ids: list[int]
-    remote_num_tokens: int
+    remote_block_ids: list[list[int]]  # per transferred KV-cache group
+    remote_num_tokens: int  # tokens computed there: the prompt minus ``remote_backoff``
+    remote_backoff: int = 0
     do_remote_prefill: bool = False
 
 
@@ -49,7 +54,7 @@ class RecvSpec:
     request_id: str
     remote: RemotePrefill
     first_token: int  # tokens before it are cached here and are not pulled
-    local_block_ids: list[int]
+    local_block_ids: list[list[int]]  # per transferred KV-cache group
 
 
 @dataclass
@@ -76,8 +81,9 @@ def parse_remote(params: dict | None) -> RemotePrefill | None:
 
 
 class P2PScheduler:
-    def __init__(self, settings: P2PSettings):
+    def __init__(self, settings: P2PSettings, groups: TransferGroups):
         self.settings = settings
+        self.groups = groups
         self._sends: dict[str, float] = {}
         self._recvs: list[RecvSpec] = []
         self._local_hits: dict[str, int] = {}
@@ -92,7 +98,28 @@ class P2PScheduler:
             self._thread.start()
 
     # -- prefill ------------------------------------------------------------------------
-    def request_finished(self, request, block_ids: list[int]):
+    def on_new_request(self, request) -> None:
+        """Prefill: leave the prompt's last ``backoff`` tokens to the decode side (groups.py).
+        Once per request (a preempted request comes back already shortened)."""
+        params = request.kv_transfer_params
+        backoff = self.groups.backoff
+        if not (
+            self.settings.producer
+            and backoff
+            and params
+            and params.get("do_remote_decode")
+            and not params.get("_ascend_backoff")
+            and request.prompt_token_ids is not None
+            and request.num_prompt_tokens > backoff
+        ):
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params["_ascend_backoff"] = backoff
+
+    def request_finished(self, request, block_ids: tuple[list[int], ...]):
         params = request.kv_transfer_params or {}
         remote = parse_remote(params) if self.settings.consumer else None
         if remote is not None:  # decode: finished before its KV was pulled
@@ -118,8 +145,9 @@ class P2PScheduler:
             "remote_port": self.settings.control_port(self.settings.dp_rank, 0),
             "remote_ranks": layout.ranks_per_replica,
             "remote_dp_rank": self.settings.dp_rank,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": [list(block_ids[g]) for g in self.groups.ids],
             "remote_num_tokens": len(request.prompt_token_ids),
+            "remote_backoff": int(params.get("_ascend_backoff", 0)),
         }
 
     # -- decode -------------------------------------------------------------------------
@@ -127,14 +155,21 @@ class P2PScheduler:
         remote = parse_remote(request.kv_transfer_params) if self.settings.consumer else None
         if remote is None:
             return 0, False
-        if remote.remote_num_tokens != len(request.prompt_token_ids):
-            logger.warning(
-                "request %s: the prefill instance computed %d tokens, the prompt has %d; computing "
-                "it locally",
-                request.request_id,
-                remote.remote_num_tokens,
-                len(request.prompt_token_ids),
+        mismatch = None
+        if remote.remote_num_tokens + remote.remote_backoff != len(request.prompt_token_ids):
+            mismatch = (
+                f"the prefill instance computed {remote.remote_num_tokens} tokens of a "
+                f"{remote.remote_num_tokens + remote.remote_backoff}-token prompt, this one has "
+                f"{len(request.prompt_token_ids)}"
             )
+        elif len(remote.remote_block_ids) != len(self.groups.ids):
+            mismatch = (
+                f"the prefill instance sent block tables for {len(remote.remote_block_ids)} KV-cache "
+                f"groups, this one has {len(self.groups.ids)} (run both with the same hybrid "
+                "KV-cache manager setting)"
+            )
+        if mismatch is not None:
+            logger.warning("request %s: %s; computing it locally", request.request_id, mismatch)
             request.kv_transfer_params["do_remote_prefill"] = False
             self._release(request.request_id, remote)
             return 0, False
@@ -153,7 +188,10 @@ class P2PScheduler:
         if num_external_tokens == 0:
             self._release(request.request_id, remote)
             return
-        self._recvs.append(RecvSpec(request.request_id, remote, first, list(blocks.get_block_ids()[0])))
+        tables = blocks.get_block_ids()
+        self._recvs.append(
+            RecvSpec(request.request_id, remote, first, [list(tables[g]) for g in self.groups.ids])
+        )
 
     def build_connector_meta(self, idle: bool = False) -> P2PConnectorMetadata:
         meta = P2PConnectorMetadata(self._sends, self._recvs, idle)

@@ -27,7 +27,7 @@ from msgspec import Meta, Struct
 
 from vllm.ascend.context_parallel.placement import CPLayout
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: every layer names its KV-cache group
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_READS = 1 << 16  # reads in one message
 
@@ -96,6 +96,7 @@ class LayerRegion(Struct, array_like=True, forbid_unknown_fields=True):
     base: Address
     num_blocks: Count
     planes: Annotated[list[PlaneSpec], Meta(max_length=8)]
+    group: Annotated[int, Meta(ge=0, lt=64)] = 0  # its KV-cache group (block table)
 
 
 class RankInfo(Struct, tag="rank_info", forbid_unknown_fields=True):

@@ -9,7 +9,9 @@ its reads are done or its lease has run out.
 A decode rank pulls each request it is given on a background thread: learn the prefill
 ranks (cached per prefill replica), build the plan (``plan.py``) and execute its own
 reads, then send each prefill rank it read from the done message, also after a failure;
-the first decode rank also tells the unread prefill ranks.
+the first decode rank also tells the unread prefill ranks. Each layer is read by its own
+KV-cache group's block table (``groups.py``); both sides name every layer's group in the
+handshake, and a mismatch fails the pull.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.addressing import layer_regions, plane_regions, plane_table, read_ranges
 from vllm.ascend.kv_transfer.control import ControlClient, ControlServer
+from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
-from vllm.ascend.kv_transfer.plan import build_plan
+from vllm.ascend.kv_transfer.plan import build_group_plan
 from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpec
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats
@@ -63,11 +66,12 @@ class IdlePacer:
 
 @dataclass(frozen=True)
 class _PeerRank:
-    """One prefill rank, connected: where to read and both sides' plane tables."""
+    """One prefill rank, connected: where to read and, per KV-cache group, both sides'
+    plane tables of that group's layers."""
 
     address: str
-    src: list
-    dst: list
+    src: dict  # group -> plane table
+    dst: dict
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,11 @@ class _Peer:
 
 
 class P2PWorker:
-    def __init__(self, settings: P2PSettings, vllm_config):
+    def __init__(self, settings: P2PSettings, vllm_config, groups: TransferGroups):
         from vllm.distributed.parallel_state import get_pcp_group, get_tensor_model_parallel_rank
 
         self.settings = settings
+        self.groups = groups
         self.layout = settings.layout
         model = vllm_config.model_config
         self._head_size = model.get_head_size()
@@ -107,6 +112,7 @@ class P2PWorker:
         self._peers: dict[tuple, _Peer] = {}
         self._finished_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()  # several groups: block ids are per group
         self._pacer = IdlePacer()
         self._idle = False
         self._stats = P2PConnectorStats()  # this interval's; pull threads record into it (under _lock)
@@ -115,6 +121,8 @@ class P2PWorker:
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         for name, tensor in kv_caches.items():
+            if name not in self.groups.layer_group:
+                continue  # a layer of a group that takes no part in transfers
             self._layers[name] = (
                 tensor.data_ptr(),
                 LayerLayout.of_cache(tensor, self._head_size, self._kv_lora_rank),
@@ -125,7 +133,7 @@ class P2PWorker:
         device = next(iter(kv_caches.values())).device  # LLM-DataDist: the NPU holding this rank's cache
         options.setdefault("device_id", device.index if device.index is not None else 0)
         self._transport = open_transport(self.settings.transport, self.settings.host, options)
-        regions = layer_regions(self._layers)
+        regions = layer_regions(self._layers, self.groups.layer_group)
         self._transport.register(plane_regions(regions))
         self._info = wire.RankInfo(
             wire.WIRE_VERSION,
@@ -213,6 +221,11 @@ class P2PWorker:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def take_failed_requests(self) -> set[str]:
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
     # -- decode: pulling ----------------------------------------------------------------
     def _peer(self, remote) -> _Peer:
         key = (remote.remote_engine_id, remote.remote_dp_rank, remote.remote_host, remote.remote_port)
@@ -233,7 +246,11 @@ class P2PWorker:
         """Once per prefill rank: transport connection and the plane tables of both sides."""
         with self._peer_lock:
             self._transport.connect(info.address, plane_regions(info.layers))
-        return _PeerRank(info.address, *plane_table(self._layers, info.layers))
+        src, dst = {}, {}
+        for g in range(len(self.groups.ids)):
+            mine = {name: v for name, v in self._layers.items() if self.groups.layer_group[name] == g}
+            src[g], dst[g] = plane_table(mine, info.layers, group=g)
+        return _PeerRank(info.address, src, dst)
 
     def _hello(self, host: str, port: int) -> wire.RankInfo:
         reply = self._client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, self.settings.engine_id))
@@ -251,7 +268,7 @@ class P2PWorker:
         started = time.perf_counter()
         try:
             peer = self._peer(remote)
-            plan = build_plan(
+            plan = build_group_plan(
                 peer.layout,
                 self.layout,
                 remote.remote_num_tokens,
@@ -282,9 +299,12 @@ class P2PWorker:
                     remote.remote_port,
                 )
             with self._lock:
-                if failed:
+                if failed and len(spec.local_block_ids) > 1:
+                    self._failed_requests.add(spec.request_id)  # block ids are per group
+                    self._stats.record_failed_pull()
+                elif failed:
                     first_block = spec.first_token // self.layout.virtual_block_size
-                    self._failed_blocks.update(spec.local_block_ids[first_block:])
+                    self._failed_blocks.update(spec.local_block_ids[0][first_block:])
                     self._stats.record_failed_pull()
                 else:
                     self._stats.record_pull(time.perf_counter() - started, pulled)
@@ -306,16 +326,21 @@ class P2PWorker:
                     self._hello(peer.host, peer.port + p - p_base)
                 )
             p_heads = peer.layout.heads((p - p_base) % peer.layout.tp).start
-            local, remote_addr, lengths = read_ranges(
-                plan,
-                mine[plan.prefill_rank[mine] == p],
-                target.src,
-                target.dst,
-                p_heads,
-                d_heads,
-                (peer.layout.block_size, self.layout.block_size),
-                self._transport.whole_blocks,
-            )
+            from_p = mine[plan.prefill_rank[mine] == p]
+            parts = [
+                read_ranges(
+                    plan,
+                    from_p[plan.group[from_p] == g],
+                    target.src[g],
+                    target.dst[g],
+                    p_heads,
+                    d_heads,
+                    (peer.layout.block_size, self.layout.block_size),
+                    self._transport.whole_blocks,
+                )
+                for g in np.unique(plan.group[from_p]).tolist()
+            ]
+            local, remote_addr, lengths = (np.concatenate([part[k] for part in parts]) for k in range(3))
             self._transport.read(target.address, local, remote_addr, lengths)
             pulled += int(lengths.sum())
         return pulled

@@ -1,0 +1,50 @@
+"""The KV-cache groups a P/D transfer moves, read once from vLLM's ``KVCacheConfig`` (pure).
+
+With upstream's hybrid KV-cache manager a model with several attention types keeps one
+block table per group (Gemma 3: its sliding-window layers in one group, its full-attention
+layers in another); the connector moves every group that takes part in KV transfer, each
+layer by its own group's table.
+
+A sliding-window group frees the blocks of tokens that fall out of the window of the next
+token to compute. Prefill finishes with every prompt token computed, so it keeps the
+window of token N (keys from N - W + 1); but the decode side recomputes the prompt's last
+token N - 1 itself (upstream rewinds a fully loaded prompt by one to sample from it), whose
+window starts a token earlier, at N - W. When that key is the last of its block, the
+prefill side has freed the block. So with such a group the prefill side computes one token fewer
+(``backoff``): it keeps the window of token N - 1, hands over N - 1 tokens, and the decode
+side computes token N - 1 as upstream's NIXL connector arranges for its own back-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferGroups:
+    ids: tuple[int, ...]  # the config's group ids that are transferred, in block-table order
+    layer_group: dict  # layer name -> index into ``ids``
+    windowed: bool  # some transferred group frees blocks before a window
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens the prefill side leaves to the decode side."""
+        return 1 if self.windowed else 0
+
+    @classmethod
+    def of(cls, kv_cache_config) -> TransferGroups:
+        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+        ids = tuple(kv_cache_config.transfer_group_ids)
+        groups = [kv_cache_config.kv_cache_groups[g] for g in ids]
+        sizes = {g.kv_cache_spec.block_size for g in groups}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"AscendP2PConnector moves KV-cache groups of one block size; this model's groups "
+                f"have block sizes {sorted(sizes)}"
+            )
+        windowed = any(
+            isinstance(g.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for g in groups
+        )
+        layer_group = {name: index for index, g in enumerate(groups) for name in g.layer_names}
+        return cls(ids, layer_group, windowed)
