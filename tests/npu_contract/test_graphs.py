@@ -1,6 +1,7 @@
 """The double's NPU graphs: torch_npu's own graph code (loaded from the pinned wheel) over a
 capture that launches nothing and a replay that re-runs exactly what was captured, with
-the Python values of capture time. Each test compares with the same ops run eagerly."""
+the Python values of capture time, and external events a replay must find recorded. Each
+test compares with the same ops run eagerly."""
 
 from __future__ import annotations
 
@@ -13,22 +14,10 @@ torch_npu = pytest.importorskip("torch_npu")
 if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
     pytest.skip("the real torch_npu is active on this host", allow_module_level=True)
 
-from torch_npu._graphs import GraphCaptureError, StaleGraphInput  # noqa: E402
+from torch_npu._graphs import GraphCaptureError, GraphReplayHang, StaleGraphInput  # noqa: E402
 
 BF16 = torch.bfloat16
 MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def npu_device_module():
-    """torch_npu's graph code calls ``torch.npu``; the double registers it only in processes
-    that pretend to have NPUs, so this module lends it for its own tests."""
-    had = hasattr(torch, "npu")
-    if not had:
-        torch.npu = torch_npu.npu
-    yield
-    if not had:
-        del torch.npu
 
 
 def _capture(fn, auto_dispatch=False):
@@ -97,30 +86,55 @@ def test_captured_attention_replays_old_host_lengths_until_updated():
     """The anchor's graph-mode accuracy bugs: the kernel's KV lengths are host values, so a
     replay keeps the capture's lengths unless torch_npu's update rewrites the task."""
     query, key, value, fixed = _decode_attention_case()
-    lengths = [5, 7]
+    lengths, new_lengths = [5, 7], [6, 8]
 
-    def attend():
-        return torch_npu.npu_fused_infer_attention_score(
-            query, key, value, actual_seq_lengths_kv=lengths, **fixed
-        )[0]
-
-    graph, out = _capture(attend, auto_dispatch=True)
-    assert any("npu_fused_infer_attention_score.out" in t for t in graph.tasks())
-
-    def eager(kv_lengths):
+    def attend(kv_lengths=lengths):
         return torch_npu.npu_fused_infer_attention_score(
             query, key, value, actual_seq_lengths_kv=kv_lengths, **fixed
         )[0]
 
+    # a plain capture: the task keeps the capture's lengths, whatever the inputs hold now
+    graph, out = _capture(attend)
     query.copy_(torch.randn_like(query))  # the next step's query, and one more token each
-    new_lengths = [6, 8]
     graph.replay()
-    torch.testing.assert_close(out, eager(lengths), rtol=0, atol=0)
-    assert not torch.equal(out, eager(new_lengths))
+    torch.testing.assert_close(out, attend(lengths), rtol=0, atol=0)
+    assert not torch.equal(out, attend(new_lengths))
 
+    # torch_npu's auto-dispatch capture makes the call an updatable task group behind an
+    # external event: a replay needs an update first (or the device would wait for ever)
+    graph, out = _capture(attend, auto_dispatch=True)
+    assert any("npu_fused_infer_attention_score.out" in t for t in graph.tasks())
+    assert "ExternalEvent.wait" in graph.tasks()
+    with pytest.raises(GraphReplayHang, match="update the graph"):
+        graph.replay()
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])  # the same host values
+    graph.replay()
+    torch.testing.assert_close(out, attend(lengths), rtol=0, atol=0)
     graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lengths}])
     graph.replay()
-    torch.testing.assert_close(out, eager(new_lengths), rtol=0, atol=0)
+    torch.testing.assert_close(out, attend(new_lengths), rtol=0, atol=0)
+    with pytest.raises(GraphReplayHang):  # one update is waited for by one replay
+        graph.replay()
+
+
+def test_an_update_on_the_capture_stream_is_refused():
+    query, key, value, fixed = _decode_attention_case()
+    capture_stream = torch_npu.npu.Stream()
+    graph = torch_npu.npu.NPUGraph()
+    with torch_npu.npu.graph(graph, stream=capture_stream, auto_dispatch_capture=True):
+        torch_npu.npu_fused_infer_attention_score(query, key, value, actual_seq_lengths_kv=[5, 7], **fixed)
+    [record] = graph.graph_dispatch_mode.graph_dispatch_records
+    with pytest.raises(GraphCaptureError, match="update stream must be another one"):
+        torch_npu.npu.graph_task_update_begin(capture_stream, record.handle)
+
+
+def test_a_capture_on_the_default_stream_is_refused():
+    graph = torch_npu.npu.NPUGraph()
+    with (
+        pytest.raises(GraphCaptureError, match="default stream"),
+        torch_npu.npu.graph(graph, stream=torch_npu.npu.default_stream()),
+    ):
+        pass
 
 
 def test_an_update_without_auto_dispatch_capture_is_torch_npus_error():

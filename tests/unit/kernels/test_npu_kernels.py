@@ -97,7 +97,7 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
     sinks = (torch.randn(kv_heads * group) * 2).to(BF16) if data.draw(st.booleans()) else None
     mask = None
     if window is not None and attention.one_row_per_request(qsl):  # as the backend builds it
-        mask = attention.npu_window_mask(seq_lens, window, max_blocks * block_size, query.device)
+        mask = attention.npu_window_mask(torch.tensor(seq_lens), window, max_blocks * block_size)
         # key j is hidden exactly when it lies before the window ending at position kv - 1
         assert mask.shape == (len(reqs), 1, 1, max_blocks * block_size)
         for r, kv in enumerate(seq_lens):

@@ -7,6 +7,11 @@ and sequence lengths are built once per step in the metadata builder. Under cont
 parallelism decode requests come first in the batch; decode rows combine the ranks'
 partial results and prefill runs attend over histories gathered from the group
 (``context_parallel.py``).
+
+Decode graphs (``vllm/ascend/graph``): with the NPU kernels the builder declares uniform
+batches capturable; a padded graph step's host lists are completed to the captured shape
+and published for the replay's update. The forward reads no per-step tensor that is not a
+view of the runner's persistent buffers (a graph holds their addresses).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
@@ -34,6 +40,7 @@ from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.kv_layout import gqa_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
+from vllm.ascend.graph import host_params
 from vllm.ascend.kernels import attention as kernels
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.step_cache import once_per_step
@@ -79,6 +86,7 @@ class AscendAttentionMetadata(AttentionMetadata):
     query_start_loc: list[int]  # [num_reqs + 1], host
     seq_lens: list[int]  # [num_reqs], host
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    seq_lens_device: torch.Tensor  # [num_reqs], device (the runner's buffer: 0 for padding requests)
     cp_step: CPStep | None = None  # context parallelism: this step's plan
 
 
@@ -91,16 +99,36 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         if self.cp_rank is not None:
             self.reorder_batch_threshold = 1  # decode requests first: their rows combine across ranks
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # decode graphs of uniform batches (1 + k tokens per request with drafts) on the NPU
+        # kernels; context parallelism keeps them off (platform/npu.py, graph_refusal)
+        return AttentionCGSupport.UNIFORM_BATCH if npu_kernels() else AttentionCGSupport.NEVER
+
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> AscendAttentionMetadata:
         m = common_attn_metadata
+        query_start_loc, seq_lens = host_params.pad_to_graph(
+            m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
+            host_seq_lens(m, self.max_model_len),
+            m.num_actual_tokens,
+        )
         metadata = AscendAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
-            seq_lens=host_seq_lens(m, self.max_model_len),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             block_table=m.block_table_tensor[: m.num_reqs],
+            seq_lens_device=m.seq_lens[: m.num_reqs],
         )
+        if npu_kernels():
+            ends = query_start_loc[1:]
+            host_params.publish(
+                actual_seq_lengths=ends,
+                actual_seq_lengths_kv=seq_lens,
+                actual_seq_qlen=ends,
+                actual_seq_kvlen=seq_lens,
+            )
         if self.cp_rank is not None:
             num_decodes = split_decodes_and_prefills(m, decode_threshold=1)[0]
             metadata.cp_step = build_step(
@@ -225,7 +253,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             width = attn_metadata.block_table.shape[1] * k_plane.shape[2]
             window_mask = once_per_step(
                 ("window-mask", id(attn_metadata), self.sliding_window),
-                lambda: kernels.window_mask(attn_metadata.seq_lens, self.sliding_window, width, query.device),
+                lambda: kernels.window_mask(attn_metadata.seq_lens_device, self.sliding_window, width),
             )
         kernels.paged_attention(
             query[:n],

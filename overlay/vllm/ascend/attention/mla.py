@@ -12,6 +12,11 @@ the context length. Under context parallelism the
 history is gathered from the group's caches and decode combines the ranks' partial
 results (``context_parallel.py``); upstream's layer-level DCP machinery stays off
 (``dcp_world_size`` 1 on the impl, the builder opts out of its DCP workspace).
+
+Decode graphs (``vllm/ascend/graph``): as the GQA builder, the MLA builder completes a
+padded graph step's host lists, publishes the decode rows' KV lengths for the replay's
+update, and gathers the decode rows' block-table rows into a buffer of its own that stays
+put (a graph holds its address).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadataBuilder,
     QueryLenSupport,
 )
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm.ascend import envs
@@ -37,6 +42,7 @@ from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.backend import host_seq_lens
 from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
+from vllm.ascend.graph import host_params
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.kernels.attention import gather_range
@@ -55,6 +61,7 @@ class AscendMLAMetadata(MLACommonMetadata):
     cp_step: CPStep | None = None
     request_block_table: torch.Tensor | None = None  # every request's row (history reads and gathers)
     prefill_plan: prefill_chunks.Plan | None = None  # without CP (under CP: cp_step.prefill_plan)
+    graph_batch: bool = False  # built for a graph capture (every row may be padding)
 
 
 class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
@@ -71,12 +78,26 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.prefill_chunk = envs.prefill_chunk_tokens()
+        self.max_rows = vllm_config.scheduler_config.max_num_batched_tokens
+        self._row_tables: torch.Tensor | None = None  # decode rows' block-table rows (MTP verification)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_BATCH if npu_kernels() else AttentionCGSupport.NEVER
+
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> AscendMLAMetadata:
+        metadata = self.build(0, common_attn_metadata)
+        metadata.graph_batch = True
+        return metadata
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> AscendMLAMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         m = common_attn_metadata
-        metadata.query_start_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-        metadata.seq_lens_cpu = host_seq_lens(m, self.max_model_len)
+        metadata.query_start_cpu, metadata.seq_lens_cpu = host_params.pad_to_graph(
+            m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
+            host_seq_lens(m, self.max_model_len),
+            m.num_actual_tokens,
+        )
         metadata.request_block_table = m.block_table_tensor[: m.num_reqs]
         if self.cp_rank is not None:
             metadata.cp_step = build_step(
@@ -93,11 +114,21 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         if metadata.decode is not None:
             n = metadata.num_decodes
             metadata.decode_block_rows, metadata.decode_row_lens = decode_rows(
-                metadata.decode.block_table, metadata.query_start_cpu[: n + 1], metadata.seq_lens_cpu[:n]
+                metadata.decode.block_table,
+                metadata.query_start_cpu[: n + 1],
+                metadata.seq_lens_cpu[:n],
+                self._row_table_buffer(metadata.decode.block_table),
             )
             if metadata.cp_step is not None:
                 metadata.decode_row_lens = metadata.cp_step.decode_lens
+            elif npu_kernels():
+                host_params.publish(actual_seq_lengths_kv=metadata.decode_row_lens)
         return metadata
+
+    def _row_table_buffer(self, block_table: torch.Tensor) -> torch.Tensor:
+        if self._row_tables is None or self._row_tables.shape[1] != block_table.shape[1]:
+            self._row_tables = block_table.new_zeros(self.max_rows, block_table.shape[1])
+        return self._row_tables
 
 
 def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk: int) -> prefill_chunks.Plan:
@@ -113,16 +144,18 @@ def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk:
     return prefill_chunks.build_plan(runs, lens, chunk)
 
 
-def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int]):
+def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int], out: torch.Tensor):
     """One decode row per query token. A request verifying k draft tokens has 1 + k
     query tokens; its token i attends to the first ``seq_len - q_len + i + 1`` keys, the
-    same absorbed decode plain decoding runs for that position."""
+    same absorbed decode plain decoding runs for that position. The rows' block-table rows
+    are gathered into ``out`` (a buffer that stays put)."""
     q_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     if all(n == 1 for n in q_lens):
         return block_table, seq_lens
     rows = [r for r, n in enumerate(q_lens) for _ in range(n)]
     lens = [s - n + i + 1 for s, n in zip(seq_lens, q_lens) for i in range(n)]
-    return block_table[torch.tensor(rows, device=block_table.device)], lens
+    index = torch.tensor(rows, device=block_table.device)
+    return torch.index_select(block_table, 0, index, out=out[: len(rows)]), lens
 
 
 class AscendMLABackend(MLACommonBackend):

@@ -67,6 +67,27 @@ class Device(ABC):
         """ "A2", "A3", "other" (another Ascend SoC) or "host" (emulation): what the MoE
         strategy selector and the MC2 arguments depend on."""
 
+    # -- graphs (vllm/ascend/graph): the NPU's ACL graphs; no such thing on a host CPU --
+    def new_graph(self) -> object:
+        raise NotImplementedError(f"{type(self).__name__} captures no graphs: graphs need the NPU kernels")
+
+    def graph_pool_handle(self) -> object:
+        raise NotImplementedError(f"{type(self).__name__} captures no graphs: graphs need the NPU kernels")
+
+    def capture_graph(self, graph, pool, stream) -> AbstractContextManager:
+        raise NotImplementedError(f"{type(self).__name__} captures no graphs: graphs need the NPU kernels")
+
+    def replay_graph(self, graph, host_args: dict | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} captures no graphs: graphs need the NPU kernels")
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def accelerator_memory_info(self) -> tuple[int, int]:
+        """(free, total) as upstream's ``torch.accelerator.get_memory_info`` should answer it
+        in host emulation (graph memory measurements read it)."""
+        return self.mem_get_info()
+
     @abstractmethod
     def comm_name(self, group) -> str:
         """The name under which the collective-communication library knows ``group``

@@ -71,6 +71,39 @@ class NPUDevice(Device):
     def set_stream(self, stream) -> None:
         self._npu.set_stream(stream)
 
+    # -- graphs: torch_npu's NPUGraph (vllm/ascend/graph) --------------------------------
+    def new_graph(self) -> object:
+        return self._npu.NPUGraph()
+
+    def graph_pool_handle(self) -> object:
+        return self._npu.graph_pool_handle()
+
+    def capture_graph(self, graph, pool, stream):
+        # auto_dispatch_capture: torch_npu records each fused-attention call as a task group
+        # its update can rewrite (npu/graphs.py, _GraphDispatchMode)
+        return self._npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True)
+
+    def replay_graph(self, graph, host_args: dict | None) -> None:
+        """Rewrite the graph's fused-attention tasks with this step's host arguments, then
+        replay it. torch_npu's update re-issues each task on its update stream and records the
+        external event the task waits for in the graph (so every replay needs one); the
+        update stream first waits for the work queued so far, so a replay of an earlier step
+        that is still running keeps its own arguments. Update before replay, as torch_npu's
+        graph_task_update_begin example orders them."""
+        mode = graph.graph_dispatch_mode
+        if mode.graph_dispatch_records:
+            if host_args is None:
+                raise RuntimeError(
+                    "an NPU graph with fused-attention tasks was replayed before any attention "
+                    "metadata gave their host arguments"
+                )
+            mode.update_stream.wait_stream(self._npu.current_stream())
+            graph.update(cpu_update_input=[host_args])
+        graph.replay()
+
+    def is_capturing(self) -> bool:
+        return bool(self._npu.is_current_stream_capturing())
+
     def soc_generation(self) -> str:
         # torch_npu.npu.get_soc_version() returns torch_npu's c10_npu::SocVersion: Atlas A2
         # parts are Ascend910B1 = 220 .. Ascend910B4_1 = 225, A3 parts Ascend910_9391 = 250
@@ -120,6 +153,12 @@ class NPUPathDevice(NPUDevice):
 
     def memory_allocated(self) -> int:
         return self._host.memory_allocated()
+
+    def accelerator_memory_info(self) -> tuple[int, int]:
+        # The double's device memory (its graph pools count against it): upstream's
+        # graph-memory measurements then see what the graphs hold, not the host's noise.
+        free, total = self._npu.mem_get_info()
+        return int(free), int(total)
 
     def record_stream(self, tensor, stream) -> None:
         self._host.record_stream(tensor, stream)  # the tensors are host tensors

@@ -206,17 +206,18 @@ def one_row_per_request(query_start_loc: list[int]) -> bool:
     return all(b - a <= 1 for a, b in zip(query_start_loc, query_start_loc[1:]))
 
 
-def npu_window_mask(seq_lens: list[int], window: int, width: int, device: torch.device) -> torch.Tensor:
+def npu_window_mask(seq_lens: torch.Tensor, window: int, width: int) -> torch.Tensor:
     """The window of a decode-only step as a defaultMask ``[B, 1, 1, width]`` (1: a key
-    before the request's window). One query row per request takes the fused op's
-    incremental branch, where sparse_mode and the band's pre_tokens do nothing, so the
-    window has to travel in the mask; it is the same for every layer with that window."""
-    starts = torch.tensor([max(0, n - window) for n in seq_lens], dtype=torch.int64)
-    starts = starts.to(device, non_blocking=True)
-    return (torch.arange(width, device=device) < starts.unsqueeze(1)).view(len(seq_lens), 1, 1, width)
+    before the request's window), from the device sequence lengths (a graph replays it on
+    each step's values). One query row per request takes the fused op's incremental
+    branch, where sparse_mode and the band's pre_tokens do nothing, so the window has to
+    travel in the mask; it is the same for every layer with that window."""
+    starts = (seq_lens.to(torch.int64) - window).clamp(min=0)
+    columns = torch.arange(width, device=seq_lens.device)
+    return (columns < starts.unsqueeze(1)).view(seq_lens.shape[0], 1, 1, width)
 
 
-def reference_window_mask(seq_lens: list[int], window: int, width: int, device: torch.device) -> None:
+def reference_window_mask(seq_lens: torch.Tensor, window: int, width: int) -> None:
     return None  # the reference attention applies the window itself
 
 

@@ -146,6 +146,17 @@ def reference_write_slots(slot_mapping, num_tokens: int) -> None:
     return None  # the reference write reads the slot mapping itself
 
 
+def graph_padding_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
+    """The latent prolog's slots for a graph batch, whose padding rows (slot -1) differ from
+    replay to replay: each padding row takes the null block's slot of its own row number, so
+    the indices stay distinct (the fused op leaves repeated indices undefined) and real
+    blocks are never written. Needs ``num_tokens`` <= the block size; plain torch, no read
+    back to the host."""
+    slots = slot_mapping[:num_tokens].to(torch.int64)
+    rows = torch.arange(num_tokens, device=slots.device)
+    return torch.where(slots >= 0, slots, rows)
+
+
 def _rows_bnsd(rows, tokens: int):
     """``[1, T, 1, R]`` rows as the ``[T, 1, 1, R]`` tables of the BNSD ops (a view)."""
     return tuple(r.view(tokens, 1, 1, r.shape[-1]) for r in rows)

@@ -181,14 +181,21 @@ def select(max_tokens: int, layout: MoELayout) -> MoEComm:
     return MoEComm.ALLGATHER
 
 
-def choose(max_tokens: int, layout: MoELayout, forced: MoEComm | None = None) -> MoEComm:
+def choose(
+    max_tokens: int, layout: MoELayout, forced: MoEComm | None = None, in_graph: bool = False
+) -> MoEComm:
     """``select`` unless the user forced a strategy. A forced MC2 still cannot carry a
-    step above its capacity (the op's BS limit): such steps run AllToAll."""
+    step above its capacity (the op's BS limit): such steps run AllToAll. In a decode
+    graph (``in_graph``) AllToAll runs AllGather: its all-to-all takes split sizes counted
+    on the device as host lists, which a captured graph cannot read (a forced AllToAll
+    keeps graphs off: platform/npu.py)."""
     if forced is None:
-        return select(max_tokens, layout)
-    if forced is MoEComm.MC2 and max_tokens > layout.mc2_capacity:
-        return MoEComm.ALLTOALL
-    return forced
+        comm = select(max_tokens, layout)
+    elif forced is MoEComm.MC2 and max_tokens > layout.mc2_capacity:
+        comm = MoEComm.ALLTOALL
+    else:
+        comm = forced
+    return MoEComm.ALLGATHER if in_graph and comm is MoEComm.ALLTOALL else comm
 
 
 def parse_override(value) -> MoEComm | None:

@@ -178,17 +178,19 @@ class MoEPlan:
             return self.forced is MoEComm.MC2 and self.layout.mc2_capacity > 0
         return self.layout.mc2_capacity > 0 and selector.mc2_selectable(self.layout)
 
-    def step(self, max_tokens: int) -> MoEStep:
-        comm = selector.choose(max_tokens, self.layout, self.forced)
+    def step(self, max_tokens: int, in_graph: bool = False) -> MoEStep:
+        comm = selector.choose(max_tokens, self.layout, self.forced, in_graph)
         return MoEStep(comm, max_tokens, selector.mc2_padded_tokens(max_tokens, self.layout.tp_size))
 
-    def step_for_forward(self, num_tokens, num_tokens_across_dp) -> MoEStep | None:
+    def step_for_forward(self, num_tokens, num_tokens_across_dp, in_graph: bool = False) -> MoEStep | None:
         """The step of a forward from its token counts (every DP rank's when known, so
-        every rank agrees); None when no count is known (the layers then use their input's)."""
+        every rank agrees); None when no count is known (the layers then use their input's).
+        ``in_graph``: the forward is being captured in a decode graph (every rank captures
+        the same sizes, so they agree on that too)."""
         if num_tokens_across_dp is not None:
-            return self.step(int(num_tokens_across_dp.max()))
+            return self.step(int(num_tokens_across_dp.max()), in_graph)
         if num_tokens is not None:
-            return self.step(int(num_tokens))
+            return self.step(int(num_tokens), in_graph)
         return None
 
 

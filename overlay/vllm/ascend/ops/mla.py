@@ -11,7 +11,9 @@ ops switched off (``custom_ops``), neox-style or partial rotary, q/kv RMSNorm fu
 upstream, a sparse indexer, Llama-4 scaling, DCP query replication, a backend other than
 the Ascend MLA one, context parallelism, a runner's dummy run (memory profile, an idle DP
 rank) or a step whose token count is padded (their slots are -1, and the NPU op leaves
-repeated cache indices undefined).
+repeated cache indices undefined). A decode graph of at most a block's tokens runs the
+fused prolog with its padding rows on null-block slots of their own
+(``kernels.mla.graph_padding_slots``); larger graphs capture upstream's forward.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.ops.norm import AscendRMSNorm
 from vllm.ascend.ops.rotary import AscendRotaryForm
-from vllm.ascend.step_cache import in_dummy_run
+from vllm.ascend.step_cache import in_dummy_run, once_per_step
 
 logger = init_logger(__name__)
 
@@ -54,13 +56,27 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
         return ""
 
     def _step_slots(self, num_tokens: int) -> torch.Tensor | None:
-        """This layer's slot mapping when the step's tokens are all real (none padded)."""
+        """This layer's slot mapping when the step's tokens are all real (none padded), or a
+        graph batch's slots with its padding rows on null-block slots (when they fit)."""
         if not is_forward_context_available() or in_dummy_run():
             return None
         metadata, _, kv_cache, slots = get_attention_context(self.mla_attn.layer_name)
-        if metadata is None or slots is None or not kv_cache.numel():
+        if metadata is None or slots is None or not kv_cache.numel() or slots.numel() < num_tokens:
             return None
-        if metadata.num_actual_tokens != num_tokens or slots.numel() < num_tokens:
+        if getattr(metadata, "graph_batch", False):
+            block_size = kv_cache.shape[1]
+            if num_tokens > block_size:
+                logger.info_once(
+                    "Ascend MLA latent prolog not used in decode graphs of more than %d tokens (a "
+                    "graph's padding rows need null-block slots of their own)",
+                    block_size,
+                )
+                return None
+            return once_per_step(
+                ("mla-graph-slots", slots.data_ptr(), num_tokens),
+                lambda: kernels.graph_padding_slots(slots, num_tokens),
+            )
+        if metadata.num_actual_tokens != num_tokens:
             return None
         return slots
 

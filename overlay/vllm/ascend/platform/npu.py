@@ -210,6 +210,61 @@ def _check_sleep_mode(model_config) -> None:
 
 
 V2_SPEC_METHODS = ("mtp", "ngram", "ngram_gpu", "draft_model", "eagle")
+# speculative methods whose drafters run in decode graphs (the MTP/EAGLE speculator's own
+# graph managers); the others keep the whole step eager
+GRAPH_SPEC_METHODS = ("mtp", "eagle")
+
+
+def graph_refusal(vllm_config: VllmConfig) -> str | None:
+    """Why decode graphs stay off for this configuration (None: they may run)."""
+    pc, spec = vllm_config.parallel_config, vllm_config.speculative_config
+    model = vllm_config.model_config
+    if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
+        return "context parallelism is not captured in graphs yet"
+    if pc.pipeline_parallel_size > 1:
+        return "pipeline parallelism is not captured in graphs yet"
+    if vllm_config.lora_config is not None:
+        return "LoRA adapters are not captured in graphs yet"
+    if model is not None and model.enable_sleep_mode:
+        return "sleep mode releases and re-creates the tensors a captured graph points at"
+    from vllm.ascend.moe.selector import MoEComm
+    from vllm.ascend.moe.step import forced
+
+    if forced(vllm_config) is MoEComm.ALLTOALL:
+        return "a forced AllToAll takes its split sizes from the device counts on the host (use mc2 or allgather)"
+    if spec is not None and spec.method not in GRAPH_SPEC_METHODS:
+        only = ", ".join(GRAPH_SPEC_METHODS)
+        return f"the speculative method '{spec.method}' is not captured in graphs (only {only})"
+    return None
+
+
+def _choose_graph_mode(vllm_config: VllmConfig) -> None:
+    """Decode graphs (FULL_DECODE_ONLY) where the NPU kernels run, as upstream resolved the
+    mode (``--enforce-eager`` gives NONE); steps with a prefill run eagerly, and without
+    torch.compile there are no piecewise graphs. Refused combinations run eagerly, logged
+    with the reason."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation_config = vllm_config.compilation_config
+    if compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
+        compilation_config.cudagraph_capture_sizes = []
+        compilation_config.max_cudagraph_capture_size = 0
+        return
+    reason = graph_refusal(vllm_config)
+    if reason is not None:
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        compilation_config.cudagraph_capture_sizes = []
+        compilation_config.max_cudagraph_capture_size = 0
+        _adjust("decode graphs off", reason)
+        return
+    if compilation_config.cudagraph_mode != CUDAGraphMode.FULL_DECODE_ONLY:
+        compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    _adjust(
+        "decode graphs (FULL_DECODE_ONLY) for "
+        f"{len(compilation_config.cudagraph_capture_sizes or [])} batch sizes up to "
+        f"{compilation_config.max_cudagraph_capture_size} tokens",
+        "ACL graphs through torch_npu; steps with a prefill run eagerly; --enforce-eager turns them off",
+    )
 
 
 def _check_not_bootstrapping() -> None:
@@ -387,9 +442,43 @@ class NPUPlatform(Platform):
     def register_triton_kernel_overrides(cls) -> None:
         _register_kernel_overrides()
 
+    # -- decode graphs: ACL graphs (vllm/ascend/graph; hook patch on V2's graph manager) --
     @classmethod
     def support_static_graph_mode(cls) -> bool:
-        return False
+        # ACL graphs hold the NPU kernels; the reference kernels read host values (host emulation)
+        from vllm.ascend.kernels import npu_kernels
+
+        return npu_kernels()
+
+    @classmethod
+    def new_graph(cls):
+        from vllm.ascend.graph.capture import AscendGraph
+
+        return AscendGraph()
+
+    @classmethod
+    def graph_capture_context(cls, device):
+        from vllm.ascend.graph.capture import capture_context
+
+        return capture_context()
+
+    @classmethod
+    def capture_graph(cls, graph, pool, stream):
+        from vllm.ascend.graph.capture import capture
+
+        return capture(graph, pool, stream)
+
+    @classmethod
+    def profiles_graph_memory(cls) -> bool:
+        return True  # the torch.accelerator memory figures torch_npu answers (the device layer in emulation)
+
+    @classmethod
+    def graph_pool_handle(cls):
+        return ascend_device.current().graph_pool_handle()
+
+    @classmethod
+    def current_stream(cls):
+        return ascend_device.current().current_stream()
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -477,7 +566,6 @@ class NPUPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode
-        from vllm.config.compilation import CUDAGraphMode
 
         _check_not_bootstrapping()
         register_attention_backends()
@@ -503,13 +591,10 @@ class NPUPlatform(Platform):
         if compilation_config.mode != CompilationMode.NONE:
             compilation_config.mode = CompilationMode.NONE
             _adjust(
-                "torch.compile off (eager execution)",
-                "graph compilation for Ascend is not wired up in this distribution yet",
+                "torch.compile off",
+                "no torch.compile backend for Ascend in this distribution (decode steps may run as ACL graphs)",
             )
-        if compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-            _adjust("graph capture off", "ACL graph capture is not wired up yet")
-        compilation_config.cudagraph_capture_sizes = []
+        _choose_graph_mode(vllm_config)
 
         if scheduler_config.async_scheduling and vllm_config.speculative_config is not None:
             scheduler_config.async_scheduling = False
@@ -563,7 +648,11 @@ class NPUPlatform(Platform):
         step = (
             None
             if plan is None
-            else plan.step_for_forward(kwargs.get("num_tokens"), kwargs.get("num_tokens_across_dp"))
+            else plan.step_for_forward(
+                kwargs.get("num_tokens"),
+                kwargs.get("num_tokens_across_dp"),
+                in_graph=ascend_device.current().is_capturing(),
+            )
         )
         return {} if step is None else {"ascend_moe": step}
 

@@ -164,9 +164,18 @@ class NPUWorker(Worker):
             return super().determine_available_memory()
         if npu_kernels():
             # NPU-path mode: the same profile forward runs the NPU kernels' shapes through
-            # the contract double, inside the config context the model layers read.
+            # the contract double, inside the config context the model layers read; then
+            # upstream's graph-memory profile (it captures the largest graphs over a minimal
+            # KV cache, as on an NPU, where the estimate comes off the KV cache's share).
             with set_current_vllm_config(self.vllm_config):
                 self.model_runner.profile_run()
+                if self._graphs_on():
+                    estimate = self.model_runner.profile_cudagraph_memory()
+                    logger.info(
+                        "Ascend graphs: %.1f MiB of graph memory estimated before the KV cache is "
+                        "sized (host emulation sizes the KV cache by VLLM_ASCEND_HOST_KV_CACHE_MB)",
+                        estimate / 2**20,
+                    )
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
             return int(explicit)
@@ -174,8 +183,20 @@ class NPUWorker(Worker):
         logger.info("Host emulation: %d MiB for the KV cache (VLLM_ASCEND_HOST_KV_CACHE_MB)", size >> 20)
         return size
 
+    def _graphs_on(self) -> bool:
+        from vllm.config.compilation import CUDAGraphMode
+
+        return (
+            self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+            and not self.model_config.enforce_eager
+        )
+
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        # Eager execution: nothing to compile or capture (see the platform's config log).
+        # Nothing to compile (no torch.compile here); decode graphs are captured when on
+        # (vllm/ascend/graph; the platform's config log says whether and why not).
+        if self._graphs_on():
+            with set_current_vllm_config(self.vllm_config):
+                self.model_runner.capture_model()
         set_random_seed(self.model_config.seed)
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,

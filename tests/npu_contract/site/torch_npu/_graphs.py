@@ -9,13 +9,16 @@ meta functions are; this module stands in for what it calls in ``torch_npu._C``
 
 What the device does, and so what the double does:
 
-- **Capture launches nothing.** Each op that reaches the dispatcher between
+- **Capture launches nothing** (but collectives, below). Each op that reaches the dispatcher between
   ``capture_begin`` and ``capture_end`` is recorded with its arguments: tensors by their
   memory, every Python value (ints, lists, shapes, strings) frozen as it was. Nothing runs:
   memory that existed before the capture is not written, and outputs are new, unwritten
   memory (floating outputs are NaN) from the graph's pool, which lives as long as the graph.
   Views, allocations and the host-side helpers torch_npu's handlers call
   (``*_get_max_workspace``, ``*_infer_output``) run, since they launch nothing.
+- **Collectives** (``c10d`` ops, gloo here where HCCL would run on an NPU) are recorded and
+  also run at capture: every rank captures the same graphs in the same order, and their
+  callers wait on the ``Work`` they return. A replay runs them again and waits for them.
 - **Host reads of device values are errors during capture**: ``item()``/``bool()`` and
   the other reads the double counts as synchronisations (``_syncs.py``), and ops whose
   output size depends on device data (no meta function can size them).
@@ -26,22 +29,39 @@ What the device does, and so what the double does:
   the device would read freed memory.
 - **Update** (``NPUGraph.update`` → ``graph_task_update_begin`` … ``_end``): the op called
   between the two replaces the captured task of that task group, with its new Python values;
-  it runs nothing either.
+  it runs nothing either. The update stream must not be the capture stream (torch_npu's
+  ``graph_task_update_begin`` docs: "图更新阶段的流同图捕获阶段的流必须不同").
+- **External events** (``torch.npu.ExternalEvent``, which torch_npu's capture puts before each
+  task group it can update): a ``wait`` or ``reset`` issued during capture is a task of the
+  graph, a ``record`` outside it happens at once. A wait "blocks the stream until the event
+  completes" and resets it (torch_npu's ``ExternalEvent().wait`` docs), so a replay whose
+  wait finds the event not recorded since the last wait would hang the device: the double
+  refuses it (``GraphReplayHang``). Every replay of such a graph needs its update first.
+- **Streams**: capture on the default stream is refused (torch_npu's capture diagnostics name
+  it as a cause of failed captures).
+- **Counts** for the graph benchmark (``stats``): replays, and the ops updates re-issued;
+  the call log (``TORCH_NPU_DOUBLE_CALL_LOG``) has them as ``graph::replay`` and
+  ``graph::update_op``.
+- **Memory**: a graph's pool counts as used device memory in ``torch_npu.npu.mem_get_info``
+  until the graph is reset or freed.
 
 One liberty the double takes: torch_npu's graph code records a device tensor by address
 (``TensorWeakRef``) and deep-copies anything else. The double's tensors are CPU tensors
-standing for device tensors, so a ``deepcopy`` of a tensor made by that code returns the
-tensor itself, as its weak reference would on a device.
+standing for device tensors, so a ``deepcopy`` of a tensor (or a parameter) made by that
+code returns the tensor itself, as its weak reference would on a device.
 
 Only one capture at a time per process, as torch_npu documents.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import linecache
+import os
 import sys
+import traceback
 import types
 import weakref
 
@@ -61,20 +81,42 @@ class StaleGraphInput(RuntimeError):
     """A captured graph would read memory freed since its capture."""
 
 
+class GraphReplayHang(RuntimeError):
+    """A replay would wait for an external event that nothing recorded: the device hangs."""
+
+
 _GRAPH_MODULES = ("torch_npu.npu.graphs", "torch_npu.npu._npugraph_handlers.npugraph_handler")
 # Helpers torch_npu's handlers call during capture to allocate an op's workspace and outputs.
 _HOST_SIDE = frozenset(
     {
         "_npu_fused_infer_attention_score_get_max_workspace",
         "_npu_fused_infer_attention_score_infer_output",
+        "_npu_fused_infer_attention_score_v2_get_max_workspace",
+        "_npu_fused_infer_attention_score_v2_infer_output",
     }
 )
 _ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 _HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
+# ops that are device kernels (recorded as tasks); others are Python custom ops, whose bodies run
+_DEVICE_NAMESPACES = frozenset({"aten", "prims", "npu", "atb", "c10d", "_c10d_functional"})
+_PLAIN = (int, float, bool, str, bytes, type(None), complex)
+_PLAIN += (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+_SITES = os.environ.get("TORCH_NPU_DOUBLE_GRAPH_SITES", "0") == "1"
+
+
+def _capture_site() -> str:
+    """The innermost frames outside torch and the double: where the op was issued."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} ({f.name})" for f in reversed(frames[-4:]))
+
 
 capturing: _Graph | None = None
 _updating: tuple[_Graph, int, _Recorder] | None = None  # graph, task group, recorder
 _handles = itertools.count(1)
+# host-issued graph work since the process started (the graph benchmark reads them)
+stats = {"replays": 0, "update_ops": 0}
 
 
 # -- recorded arguments --------------------------------------------------------------------
@@ -95,7 +137,8 @@ class _Memory:
         if storage is None:
             if self.weak.expired():
                 raise StaleGraphInput(
-                    f"{where}: the graph reads memory at 0x{self.ptr:x} that was freed after capture "
+                    f"{where}: the graph reads memory at 0x{self.ptr:x} ({self.dtype} {list(self.size)}) "
+                    "that was freed after capture "
                     "(a buffer re-allocated since?); keep captured inputs alive and copy new values "
                     "into them, or capture again"
                 )
@@ -103,24 +146,45 @@ class _Memory:
         return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
 
 
+class _HostTask:
+    """A task of the stream that is not an op: an external event's wait or reset."""
+
+    __slots__ = ("name", "run")
+
+    def __init__(self, name: str, run) -> None:
+        self.name, self.run = name, run
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class _Task:
-    __slots__ = ("func", "args", "kwargs", "outputs")
+    __slots__ = ("func", "args", "kwargs", "outputs", "site")
 
     def __init__(self, func, args, kwargs, outputs) -> None:
         self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
+        # TORCH_NPU_DOUBLE_GRAPH_SITES=1: where each task was captured, for the errors of replay
+        self.site = _capture_site() if _SITES else None
 
     def run(self) -> None:
-        where = str(self.func)
+        where = str(self.func) if self.site is None else f"{self.func} (captured at {self.site})"
 
         def live(value):
             return value.tensor(where) if isinstance(value, _Memory) else value
 
         result = self.func(*tree_map(live, self.args), **tree_map(live, self.kwargs))
+        if self.func.namespace == "c10d":  # a collective: the replay waits for it, as its caller did
+            for item in result if isinstance(result, (list, tuple)) else [result]:
+                if not isinstance(item, (torch.Tensor, list)) and hasattr(item, "wait"):
+                    item.wait()
         if self.outputs is not None:  # a functional op: its result goes where capture placed it
             flat = result if isinstance(result, (list, tuple)) else [result]
             for out, got in zip(self.outputs, flat):
                 if isinstance(out, torch.Tensor) and isinstance(got, torch.Tensor):
-                    out.copy_(got)
+                    try:
+                        out.copy_(got)
+                    except RuntimeError as e:
+                        raise RuntimeError(f"{where}: {e} (output {out.shape} {out.stride()})") from e
 
 
 # -- the graph ----------------------------------------------------------------------------
@@ -135,13 +199,23 @@ class _Graph:
         self._recorder: _Recorder | None = None
         self._open_group: int | None = None
         self._groups: dict[int, list[int]] = {}
+        self._capture_stream = None
 
     # capture ---------------------------------------------------------------------------
     def capture_begin(self, pool=None, capture_error_mode="global", report_shape=True) -> None:
         global capturing
+        from torch_npu import npu
+
         if capturing is not None:
             raise GraphCaptureError("another NPU graph capture is underway in this process")
+        stream = npu.current_stream()
+        if stream is npu.default_stream():
+            raise GraphCaptureError(
+                "NPU graph capture on the default stream; capture on a side stream "
+                "(torch.npu.graph makes one when none is given)"
+            )
         self.reset()
+        self._capture_stream = stream
         self._pool = pool if pool is not None else _graph_pool_handle()
         capturing = self
         _syncs.ensure_wrappers()
@@ -169,18 +243,27 @@ class _Graph:
         with dispatch_modes._disable_current_modes(), torch.inference_mode():
             for task in self._tasks:
                 task.run()
+        stats["replays"] += 1
+        _contract.calls["graph::replay"] += 1  # the call log (TORCH_NPU_DOUBLE_CALL_LOG) counts them
         _syncs.launched()
 
     def reset(self) -> None:
+        from torch_npu import npu
+
+        npu._device_memory_used(-self.pool_bytes())
         self._tasks, self._pool_storages, self._groups = [], {}, {}
         self._captured, self._open_group = False, None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
+            self.reset()
 
     def pool(self):
         return self._pool
 
     # the double's own read-outs, for tests and the graph benchmark
     def tasks(self) -> list[str]:
-        return [str(t.func) for t in self._tasks]
+        return [str(t) if isinstance(t, _HostTask) else str(t.func) for t in self._tasks]
 
     def pool_bytes(self) -> int:
         return sum(s.nbytes() for s in self._pool_storages.values())
@@ -190,17 +273,24 @@ class _Graph:
         return tensor.untyped_storage().data_ptr() in self._pool_storages
 
     def _adopt(self, value) -> None:
+        from torch_npu import npu
+
         for t in _tensors(value):
             storage = t.untyped_storage()
-            self._pool_storages.setdefault(storage.data_ptr(), storage)
+            if storage.data_ptr() not in self._pool_storages:
+                self._pool_storages[storage.data_ptr()] = storage
+                npu._device_memory_used(storage.nbytes())  # the pool is device memory
 
     def _freeze(self, value):
-        """An argument as the task keeps it: tensors by memory, Python values as they are now."""
+        """An argument as the task keeps it: tensors by memory, Python values as they are now,
+        handles (a process group, a reduce op) by reference."""
         if isinstance(value, torch.Tensor):
             return _Memory(value, self._owned(value))
         if isinstance(value, (list, tuple)):
             return type(value)(self._freeze(v) for v in value)
-        return copy.deepcopy(value)
+        if isinstance(value, _PLAIN):
+            return copy.deepcopy(value)
+        return value
 
     def _task(self, func, args, kwargs, outputs) -> _Task:
         frozen_kwargs = {k: self._freeze(v) for k, v in kwargs.items()}
@@ -210,6 +300,11 @@ class _Graph:
         self._tasks.append(self._task(func, args, kwargs, outputs))
         if self._open_group is not None:
             self._groups[self._open_group].append(len(self._tasks) - 1)
+
+    def _record_host(self, task: _HostTask) -> None:
+        if self._open_group is not None:
+            raise GraphCaptureError(f"{task} inside a task group: torch_npu issues it before the group")
+        self._tasks.append(task)
 
     def _group_begin(self) -> None:
         if self._open_group is not None:
@@ -270,33 +365,87 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace not in _DEVICE_NAMESPACES:
+            return self._run_inside(func, args, kwargs)
         name = func._schema.name.split("::")[-1]
         if name in _HOST_READS:
             raise GraphCaptureError(
                 f"{func} reads a device value on the host during NPU graph capture; the device refuses "
                 "this (the value does not exist until replay)"
             )
-        if name in _HOST_SIDE or any(
-            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
-        ):
-            return func(*args, **kwargs)  # a helper on the host, or a view: nothing launched
+        if name in _HOST_SIDE:
+            return func(*args, **kwargs)  # a helper on the host: nothing launched
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            # a view launches nothing; an op that may alias but copied (``to``, ``contiguous``
+            # and ``reshape`` reach here whole under inference mode) made new memory: a task
+            result = func(*args, **kwargs)
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors(args) + _tensors(kwargs)}
+            made = [t for t in _tensors(result) if t.untyped_storage().data_ptr() not in inputs]
+            if made:
+                self.graph._adopt(made)
+                self._keep(func, args, kwargs, _tensors(result))
+            return result
         if name in _ALLOCATIONS:
             result = func(*args, **kwargs)
             self.graph._adopt(result)
             return result
         written = _written(func._schema, args, kwargs)
+        if func.namespace == "c10d" and not self.update:
+            # A collective runs at capture as well (on the capture's unwritten buffers): every
+            # rank captures the same graphs in the same order, and its caller waits on the Work
+            # it returns. The replay runs it again on the live memory.
+            result = func(*args, **kwargs)
+            self.graph._record(func, args, kwargs, None)
+            return result
         if written:
             outputs, result = None, _mutated_result(func, written)
         else:
-            result = _allocate_like_meta(func, args, kwargs)
+            meta = _meta(func, args, kwargs)
+            if any(_overlapping(m) for m in _tensors(meta)):
+                # expanded outputs are views (broadcast_tensors reaches here whole under
+                # inference mode, its schema naming no alias): nothing launched
+                result = func(*args, **kwargs)
+                inputs = {t.untyped_storage().data_ptr() for t in _tensors(args) + _tensors(kwargs)}
+                if all(t.untyped_storage().data_ptr() in inputs for t in _tensors(result)):
+                    return result
+                raise GraphCaptureError(
+                    f"{func} makes outputs that overlap themselves: not modelled in a capture"
+                )
+            result = _real_like(meta)
             self.graph._adopt(result)
             outputs = _tensors(result)
+        self._keep(func, args, kwargs, outputs)
+        return result
+
+    def _run_inside(self, func, args, kwargs):
+        """A Python custom op (vLLM's attention and MoE wrappers): on the device its body runs at
+        capture and its kernels are what the graph holds, so its body runs here with this
+        recorder (and torch_npu's dispatch mode above it) seeing the ops it issues."""
+        try:
+            kernel = torch.library.get_kernel(func, "CPU")
+        except Exception:
+            kernel = torch.library.get_kernel(func, "CompositeExplicitAutograd")
+        auto = getattr(self.graph, "auto_dispatch_capture", False)
+        above = getattr(self.graph, "graph_dispatch_mode", None) if auto else None
+        dispatch_modes._push_mode(self)
+        if above is not None and not self.update:
+            dispatch_modes._push_mode(above)
+        try:
+            keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+            return kernel.call_boxed(keys, *args, **kwargs)
+        finally:
+            if above is not None and not self.update:
+                dispatch_modes._pop_mode()
+            dispatch_modes._pop_mode()
+
+    def _keep(self, func, args, kwargs, outputs) -> None:
         _syncs.launched()
         if self.update:
+            stats["update_ops"] += 1
+            _contract.calls["graph::update_op"] += 1
             self.tasks.append(self.graph._task(func, args, kwargs, outputs))
         else:
             self.graph._record(func, args, kwargs, outputs)
-        return result
 
 
 def _mutated_result(func, written):
@@ -308,15 +457,21 @@ def _mutated_result(func, written):
     return tuple(written[: len(returns)])
 
 
-def _allocate_like_meta(func, args, kwargs):
+def _meta(func, args, kwargs):
     try:
-        meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        return func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
     except Exception as e:  # no meta kernel, or an output size that depends on device data
         raise GraphCaptureError(
             f"{func} cannot be captured in an NPU graph: its output cannot be sized without running it "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from e
 
+
+def _overlapping(t: torch.Tensor) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
+def _real_like(meta):
     def real(m):
         if not isinstance(m, torch.Tensor):
             return m
@@ -380,6 +535,11 @@ def _graph_task_update_begin(stream, handle) -> None:
         raise GraphCaptureError(
             f"graph_task_update_begin: no captured task group {group} (graph reset or freed)"
         )
+    if stream is graph._capture_stream:
+        raise GraphCaptureError(
+            "graph_task_update_begin on the graph's capture stream: the update stream must be "
+            "another one (torch_npu docs: 图更新阶段的流同图捕获阶段的流必须不同)"
+        )
     if _updating is not None:
         raise GraphCaptureError("graph_task_update_begin inside another update")
     recorder = _Recorder(graph, update=True)
@@ -402,25 +562,54 @@ def _weak_ref_tensor(tensor):
 
 
 class ExternalEvent:
-    """``torch.npu.ExternalEvent``: ordering between the update stream and the graph's
-    stream. Work runs in program order here, so record/wait/reset only keep the state."""
+    """``torch.npu.ExternalEvent``: ordering between an update stream and a graph's stream.
+    Work runs in program order here; what the double keeps is whether the event has been
+    recorded since the last wait, which a captured wait needs at replay."""
 
     def __init__(self) -> None:
         self.recorded = False
 
     def record(self, stream=None) -> None:
-        self.recorded = True
+        if capturing is not None:
+            capturing._record_host(_HostTask("ExternalEvent.record", self._set))
+        else:
+            self._set()
 
     def wait(self, stream=None) -> None:
-        pass
+        if capturing is not None:
+            capturing._record_host(_HostTask("ExternalEvent.wait", self._wait))
+        else:
+            self._wait()
 
     def reset(self, stream=None) -> None:
+        if capturing is not None:
+            capturing._record_host(_HostTask("ExternalEvent.reset", self._clear))
+        else:
+            self._clear()
+
+    def _set(self) -> None:
+        self.recorded = True
+
+    def _clear(self) -> None:
         self.recorded = False
+
+    def _wait(self) -> None:
+        if not self.recorded:
+            raise GraphReplayHang(
+                "a graph task waits for an ExternalEvent that nothing recorded since its last wait: "
+                "on the device the stream would block for ever; update the graph (which records "
+                "the event) before every replay"
+            )
+        self.recorded = False  # a wait resets the event
 
 
 def _identity_deepcopy_for_graph_code() -> None:
-    original = torch.Tensor.__deepcopy__
+    """Tensors and parameters (which deep-copy by their own method) alike."""
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        cls.__deepcopy__ = _identity_for_graph_code(cls.__deepcopy__)
 
+
+def _identity_for_graph_code(original):
     def __deepcopy__(self, memo):
         try:
             caller = sys._getframe(2).f_globals.get("__name__")
@@ -428,7 +617,7 @@ def _identity_deepcopy_for_graph_code() -> None:
             caller = None
         return self if caller in _GRAPH_MODULES else original(self, memo)
 
-    torch.Tensor.__deepcopy__ = __deepcopy__
+    return __deepcopy__
 
 
 # -- loading torch_npu's graph code from the wheel ------------------------------------------
@@ -489,10 +678,24 @@ def install(torch_npu_module, wheel) -> None:
             # torch's config modules read their own source (inspect); tracebacks show it too
             linecache.cache[module.__file__] = (len(source), None, source.splitlines(True), module.__file__)
             exec(compile(source, module.__file__, "exec", dont_inherit=True), module.__dict__)
+            if module.__dict__.get("torch") is torch:
+                module.torch = _TorchWithNpu(npu)
     graphs = sys.modules["torch_npu.npu.graphs"]
     for name in graphs.__all__:
         setattr(npu, name, getattr(graphs, name))
     _identity_deepcopy_for_graph_code()
+
+
+class _TorchWithNpu:
+    """``torch`` as torch_npu's graph code sees it: with ``torch.npu`` the double's device
+    module, which the real torch_npu registers at import and the double registers process-wide
+    only when it pretends NPUs exist."""
+
+    def __init__(self, npu) -> None:
+        self.npu = npu
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
 def _refused(what: str):

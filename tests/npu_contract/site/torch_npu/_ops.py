@@ -1703,6 +1703,58 @@ def fia_max_workspace(**a):
     return torch.empty(0, dtype=torch.uint8)
 
 
+def npu_fused_infer_attention_score_v2_out(**a):
+    """v2's ``.out`` (the same capture handler swaps it in): v2 written into ``out``."""
+    out, _ = a.pop("out"), a.pop("workspace")
+    require(
+        len(out) == 2,
+        FIA_V2,
+        "FIA.out_pair",
+        f"out has {len(out)} tensors, expected [attention_out, softmax_lse]",
+    )
+    result = npu_fused_infer_attention_score_v2(**a)
+    require(
+        out[0].shape == result[0].shape and out[0].dtype == result[0].dtype,
+        FIA_V2,
+        "FIA.out_pair",
+        f"out[0] is {tuple(out[0].shape)} {out[0].dtype}, the op gives {tuple(result[0].shape)} {result[0].dtype}",
+    )
+    out[0].copy_(result[0])
+    if a["return_softmax_lse"]:
+        out[1].copy_(result[1])
+    return out[0], out[1]
+
+
+def fia_v2_infer_output(
+    query,
+    value,
+    query_dtype,
+    value_dtype,
+    input_layout,
+    quant_scale_out,
+    block_table,
+    num_query_heads,
+    num_key_value_heads,
+    return_softmax_lse,
+    query_rope,
+    out_dtype,
+):
+    """v2's unwritten outputs (a host-side allocation), as v1's."""
+    if query_dtype is not None or value_dtype is not None or out_dtype is not None:
+        raise unmodelled(FIA_V2, "infer_output with dtype codes")
+    return fia_infer_output(
+        query,
+        value,
+        input_layout,
+        quant_scale_out,
+        block_table,
+        num_query_heads,
+        num_key_value_heads,
+        return_softmax_lse,
+        query_rope,
+    )
+
+
 KERNELS = {
     "npu": {
         GTKS: npu_moe_gating_top_k_softmax,
@@ -1710,6 +1762,9 @@ KERNELS = {
         FIA: npu_fused_infer_attention_score,
         FIA + ".out": npu_fused_infer_attention_score_out,
         FIA_V2: npu_fused_infer_attention_score_v2,
+        FIA_V2 + ".out": npu_fused_infer_attention_score_v2_out,
+        "_" + FIA_V2 + "_infer_output": fia_v2_infer_output,
+        "_" + FIA_V2 + "_get_max_workspace": fia_max_workspace,
         "_" + FIA + "_infer_output": fia_infer_output,
         "_" + FIA + "_get_max_workspace": fia_max_workspace,
         "npu_scatter_nd_update_": npu_scatter_nd_update_,

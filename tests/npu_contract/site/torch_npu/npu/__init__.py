@@ -66,6 +66,12 @@ def mem_get_info(device=None) -> tuple[int, int]:
     return total - _allocated, total
 
 
+def _device_memory_used(delta: int) -> None:
+    """The double's graph pools are its device memory (``_graphs.py``)."""
+    global _allocated
+    _allocated += delta
+
+
 def memory_allocated(device=None) -> int:
     _record("memory_allocated")
     return _allocated

@@ -1,0 +1,121 @@
+"""What Model Runner V2's full-graph manager asks the platform for (hook patch
+``v2-runner-capture-its-full-graphs-through-the-platform``): the graph object, the capture
+context around all captures, and the capture of one graph.
+
+``AscendGraph`` stands where upstream keeps a ``torch.cuda.CUDAGraph``: the manager only
+captures it and calls ``replay()``, which here first updates the graph's fused-attention
+tasks with the step's host arguments (``host_params.latest()``), through the device layer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager
+
+import torch
+
+from vllm.logger import init_logger
+
+from vllm.ascend import device as ascend_device
+from vllm.ascend.errors import AscendStartupError
+from vllm.ascend.graph import host_params
+
+logger = init_logger(__name__)
+
+
+class AscendGraph:
+    def __init__(self) -> None:
+        self._device = ascend_device.current()
+        self.npu_graph = self._device.new_graph()
+        self._workspace = None  # the MoE workspace the capture used, kept alive
+
+    def keep_workspace(self) -> None:
+        """Hold the workspace the capture used: the runner lets it grow after capture
+        (worker/model_runner.py), and growing frees the old buffer, which this graph's
+        tasks still point at."""
+        from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
+
+        if not is_workspace_manager_initialized():
+            return
+        try:  # a view of this lane's current buffer (None before anything asked for one)
+            [self._workspace] = current_workspace_manager().get_simultaneous(((0,), torch.uint8))
+        except TypeError:
+            self._workspace = None
+
+    def replay(self) -> None:
+        self._device.replay_graph(self.npu_graph, host_params.latest())
+
+    def pool(self):
+        return self.npu_graph.pool()
+
+
+class _CaptureSession:
+    """Counts and times the captures of one graph-capture context (for the start-up log)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.started = time.perf_counter()
+
+
+_session: _CaptureSession | None = None
+
+
+@contextmanager
+def capture_context():
+    """Around all of a manager's captures: capture on a side stream of this process's device
+    (the NPU refuses the default stream), then return to the stream that was current.
+    Capture errors CANN names by code become one line that says what to change."""
+    global _session
+    device = ascend_device.current()
+    previous, stream = device.current_stream(), device.stream()
+    stream.wait_stream(previous)
+    _session = _CaptureSession()
+    try:
+        with device.stream_context(stream), capture_errors():
+            yield
+    finally:
+        session, _session = _session, None
+        previous.wait_stream(stream)
+        if session.graphs:
+            logger.info(
+                "Ascend graphs: %d captured in %.1f s", session.graphs, time.perf_counter() - session.started
+            )
+
+
+@contextmanager
+def capture(graph: AscendGraph, pool, stream):
+    """One graph's capture. The stream upstream names is vLLM's cached current stream, which
+    does not follow this platform's stream changes: capture on the device's live current
+    stream, the capture context's side stream."""
+    device = ascend_device.current()
+    with device.capture_graph(graph.npu_graph, pool, device.current_stream()):
+        yield
+    graph.keep_workspace()
+    if _session is not None:
+        _session.graphs += 1
+
+
+# CANN runtime codes a capture runs into when it exhausts a device resource
+# (ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, ACL_ERROR_RT_NO_EVENT_RESOURCE, ACL_ERROR_RT_NO_STREAM_RESOURCE)
+_RESOURCE_ERRORS = {
+    "207005": "a device resource could not be allocated (CANN 207005)",
+    "207007": "the device ran out of events (CANN 207007)",
+    "207008": "the device ran out of streams (CANN 207008)",
+}
+_CODE = re.compile(r"\b(20700[578])\b")
+
+
+@contextmanager
+def capture_errors():
+    try:
+        yield
+    except RuntimeError as e:
+        found = _CODE.search(str(e))
+        if found is None:
+            raise
+        raise AscendStartupError(
+            f"ACL graph capture failed: {_RESOURCE_ERRORS[found.group(1)]}: capture fewer graphs "
+            "(a smaller --max-cudagraph-capture-size, or fewer sizes in --cudagraph-capture-sizes) "
+            "or run without graphs (--enforce-eager)"
+        ) from e
