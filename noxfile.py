@@ -297,8 +297,10 @@ def bench(session: nox.Session) -> None:
     `quant` (W8A8 checkpoints vs. float: linear and expert weight bytes, host tokens/s),
     `v2-kernels` (Model Runner V2's per-step kernels: the torch forms vs. Triton's interpreter) or
     `launches` (device ops per decoder layer per decode step in NPU-path mode, upstream's
-    native op forms vs. the Ascend forms; host synchronisations and host time per step)."""
-    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "quant", "v2-kernels", "launches")
+    native op forms vs. the Ascend forms; host synchronisations and host time per step) or
+    `graph` (per decode step in NPU-path mode, eager vs. decode graphs: host launches and
+    host time)."""
+    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "quant", "v2-kernels", "launches", "graph")
     if not session.posargs or session.posargs[0] not in names:
         session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
     _install_torch(session)

@@ -107,6 +107,29 @@ def _record_vllm_ops() -> None:
     Library.impl = recording_impl
 
 
+_ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
+
+
+def _storages(value) -> set[int]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()}
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_storages(v) for v in value)) if value else set()
+    return set()
+
+
+def launches(func, name, args, kwargs, out) -> bool:
+    """A kernel runs: the op writes its inputs (in-place, out=) or makes a tensor whose
+    memory is new (a view, a no-op cast, an allocation launch nothing)."""
+    if name in _ALLOCATIONS:
+        return False
+    if func._schema.is_mutable:
+        return True
+    return bool(_storages(out) - _storages(list(args) + list(kwargs.values())))
+
+
 class _Counter:
     """Counts the ops of one layer's forward and times every top-level op of the model."""
 
@@ -117,28 +140,9 @@ class _Counter:
         self.sites = False
 
     def mode(self):
-        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counter = self
-        allocations = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-
-        def storages(value) -> set[int]:
-            if isinstance(value, torch.Tensor):
-                return {value.untyped_storage().data_ptr()}
-            if isinstance(value, (list, tuple)):
-                return set().union(*(storages(v) for v in value)) if value else set()
-            return set()
-
-        def launches(func, name, args, kwargs, out) -> bool:
-            """A kernel runs: the op writes its inputs (in-place, out=) or makes a tensor
-            whose memory is new (a view, a no-op cast, an allocation launch nothing)."""
-            if name in allocations:
-                return False
-            if func._schema.is_mutable:
-                return True
-            made = storages(out)
-            return bool(made - storages(list(args) + list(kwargs.values())))
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):

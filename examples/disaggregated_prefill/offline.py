@@ -16,8 +16,9 @@ On an NPU host each process sees its own NPUs (``--prefill-devices``, ``--decode
 both run on the CPU; with no ``--model`` a tiny random Qwen2 is made first
 (examples/make_tiny_model.py). The transport is Mooncake (install the wheel's
 ``mooncake-host`` extra here, ``mooncake`` on an NPU host). ``--json FILE`` writes the
-prompts, the token ids of both runs and the pulled byte count. ``--block-size`` and
-``--disable-hybrid-kv-cache-manager`` are passed to both engines as vLLM takes them.
+prompts, the token ids of both runs and the pulled byte count. ``--block-size``,
+``--max-num-seqs``, ``--enforce-eager`` and ``--disable-hybrid-kv-cache-manager`` are passed
+to both engines as vLLM takes them.
 """
 
 from __future__ import annotations
@@ -45,8 +46,12 @@ def _engine(args, role: str, kv_port: int):
     from vllm import LLM
 
     options = {"block_size": args.block_size} if args.block_size else {}
+    if args.max_num_seqs:
+        options["max_num_seqs"] = args.max_num_seqs
     if args.disable_hybrid_kv_cache_manager:
         options["disable_hybrid_kv_cache_manager"] = True
+    if args.enforce_eager:
+        options["enforce_eager"] = True
     return LLM(
         model=args.model,
         dtype=args.dtype,
@@ -162,6 +167,10 @@ def main() -> int:
         help="comma-separated prompt lengths: prompts of random token ids instead of the text ones",
     )
     parser.add_argument("--block-size", type=int, help="vLLM's --block-size for both engines")
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs for both engines")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no decode graphs (vLLM's option), on both engines"
+    )
     parser.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",

@@ -178,3 +178,68 @@ def test_a_captured_input_freed_after_capture_is_detected_at_replay():
     gc.collect()
     with pytest.raises(StaleGraphInput, match="freed after capture"):
         graph.replay()
+
+
+def test_copies_that_reach_the_dispatcher_whole_are_tasks_and_expansions_are_views():
+    """Under inference mode ``to``/``contiguous`` reach the dispatcher as themselves (their
+    schema names an alias) and ``broadcast_tensors`` returns expanded views."""
+    x = torch.arange(4, dtype=torch.int32)
+    weight = torch.randn(10, 3)
+    scale = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    with torch.inference_mode():
+        graph, out = _capture(
+            lambda: (
+                torch.nn.functional.embedding(x.long(), weight)
+                * torch.broadcast_tensors(scale.to(torch.bfloat16), weight[:1])[0].float()
+            )
+        )
+        x.copy_(torch.tensor([3, 2, 1, 0]))
+        graph.replay()
+        torch.testing.assert_close(out, weight[[3, 2, 1, 0]] * scale.to(torch.bfloat16).float())
+    assert "aten.to.dtype" in graph.tasks()
+
+
+def test_a_python_custom_op_is_captured_by_the_kernels_its_body_issues():
+    lib = torch.library.Library("graphtest", "FRAGMENT")
+    lib.define("twice_sin(Tensor x) -> Tensor")
+    lib.impl("twice_sin", lambda x: x.sin() * 2, "CPU")
+    x = torch.randn(5)
+    graph, out = _capture(lambda: torch.ops.graphtest.twice_sin(x) + 1)
+    assert graph.tasks() == ["aten.sin.default", "aten.mul.Tensor", "aten.add.Tensor"]
+    x.copy_(torch.randn(5))
+    graph.replay()
+    torch.testing.assert_close(out, x.sin() * 2 + 1)
+
+
+def test_a_graph_pool_counts_as_device_memory_until_the_graph_goes():
+    before = torch_npu.npu.mem_get_info()[0]
+    x = torch.randn(1024)
+    graph, _ = _capture(lambda: x * 2)
+    held = before - torch_npu.npu.mem_get_info()[0]
+    assert held >= 1024 * 4 and held == graph.pool_bytes()
+    del graph
+    gc.collect()
+    assert torch_npu.npu.mem_get_info()[0] == before
+
+
+def test_a_captured_collective_runs_again_at_every_replay():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(4)
+        graph, out = _capture(lambda: _all_reduced(x * 2))
+        assert any(t.startswith("c10d.allreduce_") for t in graph.tasks())
+        x.copy_(torch.randn(4))
+        graph.replay()
+        torch.testing.assert_close(out, x * 2)  # one rank: the sum is the input
+    finally:
+        dist.destroy_process_group()
+
+
+def _all_reduced(t):
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+    return t

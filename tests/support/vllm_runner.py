@@ -16,14 +16,17 @@ attribute path from the LLM, as llm_engine.is_sleeping; each result or error mes
 returned in "call_results"), "kv_dump": {"prompt": str,
 "dir": DIR} (before the batches, prefill that prompt alone and have every worker save its
 first attention layer's KV planes of the request's blocks to DIR/rank<N>.pt; needs
-VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1), "env": {...}}, or
+VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1),
+"freeze_graph_updates": true (every decode graph replays with the host arguments of its
+capture: tests/support/graph_sabotage.py; an in-process engine), "env": {...}}, or
 {"runs": [spec, ...]} to run several engines one after another in this process (each
 with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
 prefix cache). Output per run: {"batches": [[{"token_ids": [...], "logprobs": [[[id,
 lp], ...] per step] and "prompt_logprobs" (when asked), "num_cached_tokens": n, "prompt_len": n}, ...], ...],
 "chats": [...], "startup_s": t, "generate_s": t (all batches), "counters": {name: value}, "async_scheduling": bool (the
-engine's final setting)}
+engine's final setting), "graphs": {"replays": n, "update_ops": n} (what the contract double's decode graphs did in
+this process during the run: an in-process engine's)}
 (vLLM's counter metrics, when the engine has ``"disable_log_stats": false``); with "runs"
 the output is {"runs": [...]}.
 """
@@ -44,6 +47,12 @@ def _run(spec: dict) -> dict:
 
     saved = {k: os.environ.get(k) for k in spec.get("env", {})}
     os.environ.update(spec.get("env", {}))
+    restore = None
+    if spec.get("freeze_graph_updates"):
+        from tests.support.graph_sabotage import freeze_graph_updates
+
+        restore = freeze_graph_updates()
+    graphs_before = _graph_stats()
     try:
         t0 = time.perf_counter()
         llm = LLM(model=spec["model"], **spec.get("engine", {}))
@@ -91,6 +100,8 @@ def _run(spec: dict) -> dict:
         del llm
         gc.collect()
     finally:
+        if restore is not None:
+            restore()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -111,7 +122,14 @@ def _run(spec: dict) -> dict:
         "async_scheduling": async_scheduling,
         "kv_dump": kv_dump,
         "call_results": call_results,
+        "graphs": {k: v - graphs_before.get(k, 0) for k, v in _graph_stats().items()},
     }
+
+
+def _graph_stats() -> dict:
+    """The contract double's graph counts in this process (empty without the double)."""
+    graphs = sys.modules.get("torch_npu._graphs")
+    return dict(graphs.stats) if graphs is not None else {}
 
 
 _LORA_IDS: dict[str, int] = {}  # adapter dir -> its LoRA id (1, 2, ... in first use)

@@ -151,6 +151,19 @@ def test_mla_write_decode_and_prefill_equal_reference(data, heads, block_size):
     out_npu = mla.npu_mla_decode(q_nope, q_pe, *planes["npu"], table, seq_lens, 0.04)
     out_ref = mla.reference_mla_decode(q_nope, q_pe, *planes["ref"], table, seq_lens, 0.04)
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    # Draft verification: q_len rows per request (one batch each, S = q_len, rightDownCausal)
+    # against one decode row per query token over its own prefix (the brute-force rule).
+    q_len = data.draw(st.integers(2, 3))
+    verified = [max(n, q_len) for n in seq_lens]
+    q_nope = torch.randn(len(reqs) * q_len, heads, rank, dtype=BF16)
+    q_pe = torch.randn(len(reqs) * q_len, heads, rope_dim, dtype=BF16)
+    out_npu = mla.npu_mla_decode(q_nope, q_pe, *planes["npu"], table, verified, 0.04, q_len=q_len)
+    rows = table.repeat_interleave(q_len, dim=0)
+    row_lens = [n - q_len + i + 1 for n in verified for i in range(q_len)]
+    out_rows = mla.reference_mla_decode(q_nope, q_pe, *planes["ref"], rows, row_lens, 0.04)
+    torch.testing.assert_close(out_npu.float(), out_rows.float(), **TOL)
+    out_ref = mla.reference_mla_decode(q_nope, q_pe, *planes["ref"], table, verified, 0.04, q_len=q_len)
+    torch.testing.assert_close(out_ref, out_rows, rtol=0, atol=0)
     # Prefill attention over expanded keys/values (V narrower than Q/K, as in DeepSeek).
     q_lens = [q for _, q in reqs]
     q = torch.randn(sum(q_lens), 4, 96, dtype=BF16)

@@ -13,10 +13,13 @@ history is gathered from the group's caches and decode combines the ranks' parti
 results (``context_parallel.py``); upstream's layer-level DCP machinery stays off
 (``dcp_world_size`` 1 on the impl, the builder opts out of its DCP workspace).
 
+Draft verification (1 + k query tokens per decode request) runs the decode kernel with
+k + 1 query rows per request (``decode_q_len``); under context parallelism every query
+token is a decode row of its own instead (``decode_rows``).
+
 Decode graphs (``vllm/ascend/graph``): as the GQA builder, the MLA builder completes a
-padded graph step's host lists, publishes the decode rows' KV lengths for the replay's
-update, and gathers the decode rows' block-table rows into a buffer of its own that stays
-put (a graph holds its address).
+padded graph step's host lists and publishes the decode requests' KV lengths for the
+replay's update.
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ class AscendMLAMetadata(MLACommonMetadata):
     # Host copies, built once per step (decodes come first, as upstream orders them).
     query_start_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
-    # One row per decode query token (decode_rows): block table rows and KV lengths.
+    # The decode kernel's block-table rows and KV lengths: one per decode request, each with
+    # decode_q_len query rows; under CP one per decode query token (decode_rows), q_len 1.
     decode_block_rows: torch.Tensor | None = None
     decode_row_lens: list[int] = field(default_factory=list)  # under CP: the tokens this rank holds
+    decode_q_len: int = 1
     cp_step: CPStep | None = None
     request_block_table: torch.Tensor | None = None  # every request's row (history reads and gathers)
     prefill_plan: prefill_chunks.Plan | None = None  # without CP (under CP: cp_step.prefill_plan)
@@ -78,8 +83,6 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.prefill_chunk = envs.prefill_chunk_tokens()
-        self.max_rows = vllm_config.scheduler_config.max_num_batched_tokens
-        self._row_tables: torch.Tensor | None = None  # decode rows' block-table rows (MTP verification)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -113,22 +116,19 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
             )
         if metadata.decode is not None:
             n = metadata.num_decodes
-            metadata.decode_block_rows, metadata.decode_row_lens = decode_rows(
-                metadata.decode.block_table,
-                metadata.query_start_cpu[: n + 1],
-                metadata.seq_lens_cpu[:n],
-                self._row_table_buffer(metadata.decode.block_table),
-            )
+            starts = metadata.query_start_cpu[: n + 1]
             if metadata.cp_step is not None:
+                metadata.decode_block_rows, _ = decode_rows(
+                    metadata.decode.block_table, starts, metadata.seq_lens_cpu[:n]
+                )
                 metadata.decode_row_lens = metadata.cp_step.decode_lens
-            elif npu_kernels():
-                host_params.publish(actual_seq_lengths_kv=metadata.decode_row_lens)
+            else:
+                metadata.decode_q_len = starts[1] - starts[0]  # uniform (query_len_support)
+                metadata.decode_block_rows = metadata.decode.block_table
+                metadata.decode_row_lens = metadata.seq_lens_cpu[:n]
+                if npu_kernels():
+                    host_params.publish(actual_seq_lengths_kv=metadata.decode_row_lens)
         return metadata
-
-    def _row_table_buffer(self, block_table: torch.Tensor) -> torch.Tensor:
-        if self._row_tables is None or self._row_tables.shape[1] != block_table.shape[1]:
-            self._row_tables = block_table.new_zeros(self.max_rows, block_table.shape[1])
-        return self._row_tables
 
 
 def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk: int) -> prefill_chunks.Plan:
@@ -144,18 +144,17 @@ def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk:
     return prefill_chunks.build_plan(runs, lens, chunk)
 
 
-def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int], out: torch.Tensor):
-    """One decode row per query token. A request verifying k draft tokens has 1 + k
-    query tokens; its token i attends to the first ``seq_len - q_len + i + 1`` keys, the
-    same absorbed decode plain decoding runs for that position. The rows' block-table rows
-    are gathered into ``out`` (a buffer that stays put)."""
+def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int]):
+    """One decode row per query token (context parallelism, whose ranks hold their own
+    share of each row's keys). A request verifying k draft tokens has 1 + k query tokens;
+    its token i attends to the first ``seq_len - q_len + i + 1`` keys, the same absorbed
+    decode plain decoding runs for that position."""
     q_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     if all(n == 1 for n in q_lens):
         return block_table, seq_lens
     rows = [r for r, n in enumerate(q_lens) for _ in range(n)]
     lens = [s - n + i + 1 for s, n in zip(seq_lens, q_lens) for i in range(n)]
-    index = torch.tensor(rows, device=block_table.device)
-    return torch.index_select(block_table, 0, index, out=out[: len(rows)]), lens
+    return block_table[torch.tensor(rows, device=block_table.device)], lens
 
 
 class AscendMLABackend(MLACommonBackend):
@@ -275,7 +274,18 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
             q_rope = None
             if self.prolog_rows is not None:  # decode tokens come first
                 q_rope = tuple(r[:, : q_pe.shape[0]] for r in self.prolog_rows)
-            return kernels.mla_decode(q_nope, q_pe, latent, rope, rows, lens, self.scale, q_rope=q_rope), None
+            out = kernels.mla_decode(
+                q_nope,
+                q_pe,
+                latent,
+                rope,
+                rows,
+                lens,
+                self.scale,
+                q_rope=q_rope,
+                q_len=attn_metadata.decode_q_len,
+            )
+            return out, None
         heads = q_nope.shape[1]
         q_group = cp.gather_dcp_heads(torch.cat([q_nope, q_pe], dim=-1), step.rank)
         q_nope, q_pe = q_group.split([self.kv_lora_rank, q_pe.shape[-1]], dim=-1)

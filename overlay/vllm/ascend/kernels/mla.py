@@ -90,23 +90,37 @@ def _gather(plane, block_row, seq_len):
 
 
 def reference_mla_decode(
-    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False, q_rope=None
+    q_nope,
+    q_pe,
+    latent,
+    rope,
+    block_table,
+    seq_lens: list[int],
+    scale,
+    return_lse: bool = False,
+    q_rope=None,
+    q_len: int = 1,
 ):
-    """With ``return_lse`` also the softmax log-sum-exp ``[B, H]`` (float32; -inf and a zero
-    output for a row with no keys on this rank). ``q_rope``: the rotary rows to rotate
-    ``q_pe`` with first (the latent prolog left it unrotated)."""
+    """``q_len`` query rows per request (1 + k when verifying k drafts; the rows of request
+    ``b`` are ``b * q_len ..``): row i of a request attends to its first
+    ``seq_len - q_len + i + 1`` keys. With ``return_lse`` also the softmax log-sum-exp
+    ``[rows, H]`` (float32; -inf and a zero output for a row with no keys on this rank).
+    ``q_rope``: the rotary rows to rotate ``q_pe`` with first (the latent prolog left it
+    unrotated)."""
     if q_rope is not None:
         q_pe = reference_rope_query(q_pe, q_rope)
     out = q_nope.new_zeros(q_nope.shape)
     lse = torch.full(q_nope.shape[:2], float("-inf"), dtype=torch.float32, device=q_nope.device)
-    for b, seq_len in enumerate(seq_lens):
-        if seq_len == 0:
+    for row in range(q_nope.shape[0]):
+        b, i = divmod(row, q_len)
+        seq_len = seq_lens[b] - q_len + i + 1 if seq_lens[b] else 0
+        if seq_len <= 0:
             continue
         c = _gather(latent, block_table[b], seq_len).float()
         pe = _gather(rope, block_table[b], seq_len).float()
-        scores = (q_nope[b].float() @ c.t() + q_pe[b].float() @ pe.t()) * scale  # [H, seq]
-        lse[b] = torch.logsumexp(scores, dim=-1)
-        out[b] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
+        scores = (q_nope[row].float() @ c.t() + q_pe[row].float() @ pe.t()) * scale  # [H, seq]
+        lse[row] = torch.logsumexp(scores, dim=-1)
+        out[row] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -157,9 +171,9 @@ def graph_padding_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
     return torch.where(slots >= 0, slots, rows)
 
 
-def _rows_bnsd(rows, tokens: int):
-    """``[1, T, 1, R]`` rows as the ``[T, 1, 1, R]`` tables of the BNSD ops (a view)."""
-    return tuple(r.view(tokens, 1, 1, r.shape[-1]) for r in rows)
+def _rows_bnsd(rows, batch: int, q_len: int = 1):
+    """``[1, T, 1, R]`` rows as the ``[B, 1, S, R]`` tables of the BNSD ops (T = B x S; a view)."""
+    return tuple(r.view(batch, 1, q_len, r.shape[-1]) for r in rows)
 
 
 def npu_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
@@ -215,26 +229,39 @@ def npu_padded_heads(num_heads: int) -> int:
 
 
 def npu_mla_decode(
-    q_nope, q_pe, latent, rope, block_table, seq_lens: list[int], scale, return_lse: bool = False, q_rope=None
+    q_nope,
+    q_pe,
+    latent,
+    rope,
+    block_table,
+    seq_lens: list[int],
+    scale,
+    return_lse: bool = False,
+    q_rope=None,
+    q_len: int = 1,
 ):
     """``npu_fused_infer_attention_score`` in its MLA form: BNSD query ``c``-space parts
     (heads padded to 32/64/128), ``query_rope``/``key_rope`` the rotary parts, value = ``c``;
-    ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``. With ``q_rope`` the
-    BNSD rope part is rotated by ``npu_interleave_rope`` (it is contiguous by then)."""
-    batch, heads, rank = q_nope.shape
+    ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``. ``q_len`` > 1 (draft
+    verification) is the query's S with the rightDownCausal mask (sparse_mode 3): one batch
+    per request, so its blocks count once against the cache. With ``q_rope`` the BNSD rope
+    part is rotated by ``npu_interleave_rope`` (it is contiguous by then)."""
+    rows, heads, rank = q_nope.shape
+    batch = rows // q_len
     padded = npu_padded_heads(heads)
 
-    def bnsd(x: torch.Tensor) -> torch.Tensor:  # [B, N, D] -> contiguous [B, padded, 1, D], one op
-        x = x.unsqueeze(2)
+    def bnsd(x: torch.Tensor) -> torch.Tensor:  # [B*S, N, D] -> contiguous [B, padded, S, D]
+        x = x.view(batch, q_len, heads, x.shape[-1]).transpose(1, 2)
         if padded > heads:
             return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padded - heads))
         return x.contiguous()
 
     query, query_rope = bnsd(q_nope), bnsd(q_pe)
     if q_rope is not None:
-        cos, sin = _rows_bnsd(q_rope, batch)
+        cos, sin = _rows_bnsd(q_rope, batch, q_len)
         query_rope = torch_npu().npu_interleave_rope(query_rope, cos, sin)
     latent_bnsd = head_major(latent)
+    mask = {"atten_mask": causal_mask(query.device), "sparse_mode": 3} if q_len > 1 else {}
     out, lse = torch_npu().npu_fused_infer_attention_score(
         query,
         latent_bnsd,
@@ -249,10 +276,14 @@ def npu_mla_decode(
         block_size=latent.shape[1],
         actual_seq_lengths_kv=seq_lens,
         softmax_lse_flag=return_lse,
+        **mask,
     )
+    out = out[:, :heads].transpose(1, 2).reshape(rows, heads, -1)
     if not return_lse:
-        return out[:, :heads, 0]
-    return empty_rows_to_identity(out[:, :heads, 0], lse[:, :heads, 0, 0], seq_lens)
+        return out
+    lse = lse[:, :heads, :, 0].transpose(1, 2).reshape(rows, heads)
+    lens = [n - q_len + i + 1 if n else 0 for n in seq_lens for i in range(q_len)]
+    return empty_rows_to_identity(out, lse, lens)
 
 
 # npu_fused_infer_attention_score in TND without page attention (the dense form):

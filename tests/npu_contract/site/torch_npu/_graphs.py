@@ -41,7 +41,7 @@ What the device does, and so what the double does:
   it as a cause of failed captures).
 - **Counts** for the graph benchmark (``stats``): replays, and the ops updates re-issued;
   the call log (``TORCH_NPU_DOUBLE_CALL_LOG``) has them as ``graph::replay`` and
-  ``graph::update_op``.
+  ``graph::update_op``, and each collective a replay ran as ``graph::c10d.<op>``.
 - **Memory**: a graph's pool counts as used device memory in ``torch_npu.npu.mem_get_info``
   until the graph is reset or freed.
 
@@ -174,6 +174,7 @@ class _Task:
 
         result = self.func(*tree_map(live, self.args), **tree_map(live, self.kwargs))
         if self.func.namespace == "c10d":  # a collective: the replay waits for it, as its caller did
+            _contract.calls[f"graph::{self.func}"] += 1  # (what a rank's replays exchanged)
             for item in result if isinstance(result, (list, tuple)) else [result]:
                 if not isinstance(item, (torch.Tensor, list)) and hasattr(item, "wait"):
                     item.wait()

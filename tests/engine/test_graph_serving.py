@@ -1,0 +1,138 @@
+"""Decode graphs served, in NPU-path mode (the torch_npu kernels and graphs of the contract
+double, bfloat16): data parallelism with an idle rank, and the decode instance of a P/D
+pair. Each runs with graphs and eagerly (``--enforce-eager``), and the greedy tokens of the
+two must be equal (test_graphs.py's rule).
+
+- ``vllm serve --data-parallel-size 2`` with the MLA + MoE DeepSeek-V3, expert parallelism
+  over both ranks: one request at a time leaves one rank idle, whose dummy steps replay the
+  same graphs as the busy rank's (the call log counts every replay and every collective a
+  replay ran, per process: the two engine cores' counts must match), and the collective
+  recorder (``tests/dp_recorder``) checks the collectives outside the graphs: one DP
+  metadata all-reduce per step, the same sequence on both ranks.
+- The offline P/D example (a prefill and a decode ``LLM``, KV over Mooncake TCP) with the
+  Qwen2: the decode instance decodes the pulled KV in graphs.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import VllmServer, greedy_completion
+from tests.support.models import MLA512, ROOT
+from tests.support.ports import free_ports
+from tests.support.prompts import PROMPTS
+
+from . import dp_collectives
+
+MAX_TOKENS = 10
+NPU = {"VLLM_ASCEND_KERNELS": "npu"}
+DP_ARGS = [
+    *("--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0", "--block-size", "128"),
+    *("--max-num-seqs", "4", "--data-parallel-size", "2", "--enable-expert-parallel"),
+]
+
+
+def _call_logs(directory: Path) -> list[dict[str, int]]:
+    return [json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))]
+
+
+@pytest.fixture(scope="module")
+def dp(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph-dp")
+    recorded = root / "collectives"
+    servers = {}
+    for mode, extra in (("graph", []), ("eager", ["--enforce-eager"])):
+        calls = root / f"{mode}-calls"
+        calls.mkdir()
+        env = {**NPU, "TORCH_NPU_DOUBLE_CALL_LOG": str(calls)}
+        if mode == "graph":
+            env.update(dp_collectives.recorder_env(recorded))
+        servers[mode] = VllmServer(tiny_models[MLA512], [*DP_ARGS, *extra], root / f"{mode}.log", env)
+        servers[mode].calls = calls
+    try:
+        deadline = time.monotonic() + 1200
+        for server in servers.values():
+            server.wait(deadline)
+        yield servers, recorded, tiny_models[MLA512]
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _complete(server, model: Path, prompt: str) -> list[int]:
+    return greedy_completion(server.url, model, prompt, MAX_TOKENS)
+
+
+def test_dp_graphs_decode_like_eager_one_request_at_a_time(dp):
+    servers, _, model = dp
+    for prompt in PROMPTS[:3]:  # one request: the other rank idles through dummy steps
+        assert _complete(servers["graph"], model, prompt) == _complete(servers["eager"], model, prompt)
+
+
+def test_dp_graphs_decode_like_eager_for_concurrent_requests(dp):
+    servers, _, model = dp
+    got = {}
+    for mode, server in servers.items():
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got[mode] = list(pool.map(lambda p, s=server: _complete(s, model, p), PROMPTS[:4]))
+    assert got["graph"] == got["eager"]
+
+
+def test_idle_ranks_replay_the_same_graphs_and_collectives(dp):
+    """Runs last (module order): stops the instances, whose engine cores write their call
+    logs at exit, and reads what every rank did."""
+    servers, recorded, _ = dp
+    dp_collectives.settle(recorded)
+    steps = dp_collectives.check(recorded, 2)  # outside the graphs: one metadata all-reduce per step
+    for server in servers.values():
+        server.stop()
+    graph_ranks = [
+        {k: v for k, v in log.items() if k.startswith("graph::")}
+        for log in _call_logs(servers["graph"].calls)
+        if any(k.startswith("graph::") for k in log)
+    ]
+    assert len(graph_ranks) == 2, f"expected both DP ranks' engine cores to replay graphs: {graph_ranks}"
+    first, second = graph_ranks
+    assert first.get("graph::replay", 0) > 0 and first == second, (first, second, steps)
+    assert any(k.startswith("graph::c10d.") for k in first), first  # the MoE collectives ran in graphs
+    eager = collections.Counter()
+    for log in _call_logs(servers["eager"].calls):
+        eager.update({k: v for k, v in log.items() if k.startswith("graph::")})
+    assert not eager, eager
+
+
+# -- a P/D decode instance ---------------------------------------------------------------------
+def _offline_example(model: Path, out: Path, calls: Path, *options: str) -> dict:
+    calls.mkdir(parents=True)
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "disaggregated_prefill" / "offline.py"),
+        *("--model", str(model), "--dtype", "bfloat16", "--max-tokens", str(MAX_TOKENS)),
+        *("--max-num-seqs", "4", "--block-size", "128"),
+        *("--prefill-kv-port", str(free_ports(1)), "--decode-kv-port", str(free_ports(1))),
+        *("--json", str(out), *options),
+    ]
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1", **NPU, TORCH_NPU_DOUBLE_CALL_LOG=str(calls))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_a_pd_decode_instance_decodes_in_graphs_like_eager(tiny_models, tmp_path):
+    model = tiny_models["qwen2"]
+    graph = _offline_example(model, tmp_path / "graph.json", tmp_path / "graph-calls")
+    eager = _offline_example(model, tmp_path / "eager.json", tmp_path / "eager-calls", "--enforce-eager")
+    assert graph["pulled_bytes"] > 0 and eager["pulled_bytes"] > 0
+    assert graph["disaggregated"] == eager["disaggregated"] == eager["colocated"]
+    replays = [log.get("graph::replay", 0) for log in _call_logs(tmp_path / "graph-calls")]
+    assert max(replays) > 0, replays  # the decode process replayed graphs (the prefill one decodes one token)
+    assert not any(log.get("graph::replay") for log in _call_logs(tmp_path / "eager-calls"))
