@@ -300,7 +300,19 @@ def bench(session: nox.Session) -> None:
     native op forms vs. the Ascend forms; host synchronisations and host time per step) or
     `graph` (per decode step in NPU-path mode, eager vs. decode graphs: host launches and
     host time)."""
-    names = ("build", "serve", "moe", "mtp", "cp", "plan", "kv-transfer", "quant", "v2-kernels", "launches", "graph")
+    names = (
+        "build",
+        "serve",
+        "moe",
+        "mtp",
+        "cp",
+        "plan",
+        "kv-transfer",
+        "quant",
+        "v2-kernels",
+        "launches",
+        "graph",
+    )
     if not session.posargs or session.posargs[0] not in names:
         session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
     _install_torch(session)

@@ -35,6 +35,19 @@ from . import dp_collectives
 
 MAX_TOKENS = 10
 NPU = {"VLLM_ASCEND_KERNELS": "npu"}
+# The DP token counts are a host tensor (num_tokens_across_dp_cpu) that upstream's forward
+# context checks and splits (DPMetadata) and the MoE layers read for their strategy, graph
+# captures included; the double cannot tell it from a device tensor, whose read it refuses
+# during a capture.
+DP_HOST_TENSORS = {
+    "TORCH_NPU_DOUBLE_HOST_TENSOR_SITES": ",".join(
+        (
+            "vllm/forward_context.py",
+            "vllm/ascend/moe/step.py:step_for_forward",
+            "vllm/ascend/moe/prepare_finalize.py:current_step",
+        )
+    )
+}
 DP_ARGS = [
     *("--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0", "--block-size", "128"),
     *("--max-num-seqs", "4", "--data-parallel-size", "2", "--enable-expert-parallel"),
@@ -53,7 +66,7 @@ def dp(tiny_models, tmp_path_factory):
     for mode, extra in (("graph", []), ("eager", ["--enforce-eager"])):
         calls = root / f"{mode}-calls"
         calls.mkdir()
-        env = {**NPU, "TORCH_NPU_DOUBLE_CALL_LOG": str(calls)}
+        env = {**NPU, **DP_HOST_TENSORS, "TORCH_NPU_DOUBLE_CALL_LOG": str(calls)}
         if mode == "graph":
             env.update(dp_collectives.recorder_env(recorded))
         servers[mode] = VllmServer(tiny_models[MLA512], [*DP_ARGS, *extra], root / f"{mode}.log", env)

@@ -166,6 +166,24 @@ def test_a_host_read_of_a_device_value_during_capture_is_refused(read):
     torch.testing.assert_close(out, x + 1)
 
 
+def _largest_count(counts: torch.Tensor) -> int:  # stands for a read of an upstream *_cpu tensor
+    return int(counts.max())
+
+
+def test_a_host_read_at_a_named_host_tensor_site_runs_during_capture(monkeypatch):
+    counts, x = torch.tensor([3, 5]), torch.randn(4)
+    with pytest.raises(GraphCaptureError, match="_largest_count"):  # unnamed: refused, with its site
+        _capture(lambda: x + _largest_count(counts))
+    monkeypatch.setenv("TORCH_NPU_DOUBLE_HOST_TENSOR_SITES", "npu_contract/test_graphs.py:_largest_count")
+    graph, out = _capture(lambda: x + _largest_count(counts))
+    counts[1] = 7  # the value read at capture is a Python int of the graph from here on
+    graph.replay()
+    torch.testing.assert_close(out, x + 5)
+    monkeypatch.setenv("TORCH_NPU_DOUBLE_HOST_TENSOR_SITES", "npu_contract/test_graphs.py:another_function")
+    with pytest.raises(GraphCaptureError, match="NPU graph capture"):
+        _capture(lambda: x + _largest_count(counts))
+
+
 def test_a_captured_input_freed_after_capture_is_detected_at_replay():
     kept = torch.randn(8)
     graph, out = _capture(lambda: kept * 2)
@@ -222,15 +240,18 @@ def test_a_graph_pool_counts_as_device_memory_until_the_graph_goes():
     assert torch_npu.npu.mem_get_info()[0] == before
 
 
-def test_a_captured_collective_runs_again_at_every_replay():
+@pytest.mark.parametrize("collective", ["allreduce_", "_reduce_scatter_base_"])
+def test_a_captured_collective_runs_again_at_every_replay(collective):
     import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         x = torch.randn(4)
-        graph, out = _capture(lambda: _all_reduced(x * 2))
-        assert any(t.startswith("c10d.allreduce_") for t in graph.tasks())
+        run = _all_reduced if collective == "allreduce_" else _reduce_scattered
+        graph, out = _capture(lambda: run(x * 2))
+        assert any(t.startswith(f"c10d.{collective}") for t in graph.tasks())
+        gc.collect()  # (gloo's reduce-scatter buffer from capture is gone: no task may read it)
         x.copy_(torch.randn(4))
         graph.replay()
         torch.testing.assert_close(out, x * 2)  # one rank: the sum is the input
@@ -243,3 +264,11 @@ def _all_reduced(t):
 
     dist.all_reduce(t)
     return t
+
+
+def _reduce_scattered(t):
+    import torch.distributed as dist
+
+    out = torch.empty_like(t)
+    dist.reduce_scatter_tensor(out, t)
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import psutil
@@ -101,29 +102,26 @@ class HostDevice(Device):
         return group.group_name
 
 
-def answer_accelerator_calls() -> None:
+def answer_accelerator_calls(memory_info: Callable[[], tuple[int, int]]) -> None:
     """torch.accelerator.synchronize/empty_cache/current_device_index/get_memory_info raise
     on a torch with no accelerator, and upstream calls them on generic paths (sampler
     warm-up, profiling clean-up, shutdown, ``cleanup_dist_env_and_memory``, KV connectors,
     graph-memory measurements). On the host there is nothing to synchronise or free, each
     process has one emulated device, index 0, and memory is what the device layer says
-    (``Device.accelerator_memory_info``). Only when no accelerator exists; idempotent."""
+    (``memory_info``: the caller passes ``Device.accelerator_memory_info`` of its device,
+    which this module cannot import without a cycle). Only when no accelerator exists;
+    idempotent."""
     if torch.accelerator.is_available() or getattr(torch.accelerator, "_ascend_host_answers", False):
         return
 
     def nothing(*args, **kwargs) -> None:
         pass
 
-    def memory_info(device=None) -> tuple[int, int]:
-        from vllm.ascend import device as ascend_device
-
-        return ascend_device.current().accelerator_memory_info()
-
     torch.accelerator.synchronize = nothing
     torch.accelerator.empty_cache = nothing
     torch.accelerator.empty_host_cache = nothing
     torch.accelerator.current_device_index = lambda: 0
-    torch.accelerator.get_memory_info = memory_info
+    torch.accelerator.get_memory_info = lambda device=None: memory_info()
     torch.accelerator._ascend_host_answers = True
 
 

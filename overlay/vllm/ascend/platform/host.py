@@ -25,9 +25,10 @@ class HostEmulationPlatform(NPUPlatform):
         # This process's current_platform: from here on upstream's torch.accelerator
         # calls (synchronise, empty_cache at shutdown and in test fixtures) are answered
         # for the CPU, in every process: API server, engine core, workers, tests.
+        from vllm.ascend import device
         from vllm.ascend.device.host import answer_accelerator_calls, skip_final_collection_at_exit
 
-        answer_accelerator_calls()
+        answer_accelerator_calls(lambda: device.current().accelerator_memory_info())
         skip_final_collection_at_exit()
 
     @classmethod

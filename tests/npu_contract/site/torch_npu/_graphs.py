@@ -18,7 +18,8 @@ What the device does, and so what the double does:
   (``*_get_max_workspace``, ``*_infer_output``) run, since they launch nothing.
 - **Collectives** (``c10d`` ops, gloo here where HCCL would run on an NPU) are recorded and
   also run at capture: every rank captures the same graphs in the same order, and their
-  callers wait on the ``Work`` they return. A replay runs them again and waits for them.
+  callers wait on the ``Work`` they return (what a collective's run or wait dispatches is
+  its own work, not recorded). A replay runs them again and waits for them.
 - **Host reads of device values are errors during capture**: ``item()``/``bool()`` and
   the other reads the double counts as synchronisations (``_syncs.py``), and ops whose
   output size depends on device data (no meta function can size them).
@@ -175,9 +176,7 @@ class _Task:
         result = self.func(*tree_map(live, self.args), **tree_map(live, self.kwargs))
         if self.func.namespace == "c10d":  # a collective: the replay waits for it, as its caller did
             _contract.calls[f"graph::{self.func}"] += 1  # (what a rank's replays exchanged)
-            for item in result if isinstance(result, (list, tuple)) else [result]:
-                if not isinstance(item, (torch.Tensor, list)) and hasattr(item, "wait"):
-                    item.wait()
+            _wait_for(result)
         if self.outputs is not None:  # a functional op: its result goes where capture placed it
             flat = result if isinstance(result, (list, tuple)) else [result]
             for out, got in zip(self.outputs, flat):
@@ -186,6 +185,32 @@ class _Task:
                         out.copy_(got)
                     except RuntimeError as e:
                         raise RuntimeError(f"{where}: {e} (output {out.shape} {out.stride()})") from e
+
+
+def _wrap_collective_waits() -> None:
+    """``Work.wait`` during a capture runs what it dispatches at once (``collective_running``)."""
+    work = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", None)
+    if work is None or getattr(work.wait, "_double_wrapped", False):
+        return
+    plain_wait = work.wait
+
+    def wait(self, *args, **kwargs):
+        recorder = capturing._recorder if capturing is not None else None
+        if recorder is None:
+            return plain_wait(self, *args, **kwargs)
+        with recorder.collective_running():
+            return plain_wait(self, *args, **kwargs)
+
+    wait._double_wrapped = True
+    work.wait = wait
+
+
+def _wait_for(collective_result) -> None:
+    """Wait for the ``Work`` objects a c10d op returned."""
+    items = collective_result if isinstance(collective_result, (list, tuple)) else [collective_result]
+    for item in items:
+        if not isinstance(item, (torch.Tensor, list)) and hasattr(item, "wait"):
+            item.wait()
 
 
 # -- the graph ----------------------------------------------------------------------------
@@ -219,6 +244,7 @@ class _Graph:
         self._capture_stream = stream
         self._pool = pool if pool is not None else _graph_pool_handle()
         capturing = self
+        _wrap_collective_waits()
         _syncs.ensure_wrappers()
         _syncs.drained()
         self._recorder = _Recorder(self)
@@ -363,11 +389,27 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
         self.graph = graph
         self.update = update
         self.tasks: list[_Task] = []
+        self.in_collective = False  # a collective (or its wait) runs at capture
+
+    @contextlib.contextmanager
+    def collective_running(self):
+        """What a collective's own run and its wait dispatch (gloo's reduce-scatter copies its
+        chunk out of a buffer of its own as its Work is waited for) is the collective's work,
+        which the replay's run of it does again, not a task of the graph: it runs at once."""
+        outer, self.in_collective = self.in_collective, True
+        try:
+            yield
+        finally:
+            self.in_collective = outer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.in_collective:
+            return func(*args, **kwargs)
         if func.namespace not in _DEVICE_NAMESPACES:
             return self._run_inside(func, args, kwargs)
+        if _syncs.at_host_tensor_site():  # host tensors a test named (_syncs.py): not device work
+            return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         if name in _HOST_READS:
             raise GraphCaptureError(
@@ -395,7 +437,8 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
             # A collective runs at capture as well (on the capture's unwritten buffers): every
             # rank captures the same graphs in the same order, and its caller waits on the Work
             # it returns. The replay runs it again on the live memory.
-            result = func(*args, **kwargs)
+            with self.collective_running():
+                result = func(*args, **kwargs)
             self.graph._record(func, args, kwargs, None)
             return result
         if written:

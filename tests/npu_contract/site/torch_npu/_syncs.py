@@ -18,7 +18,12 @@ default ``model_forward``: the model runner's forward). At exit each process wri
 ``<directory>/<pid>.json``: ``{site: {"calls": n, "in_region": m}}``.
 
 The double cannot tell a host tensor (an upstream ``*_cpu`` mirror) from a device
-tensor, since both are CPU tensors here; a test that allows a site says why.
+tensor, since both are CPU tensors here; a test that allows a site says why. During an NPU
+graph capture such a read is refused (``_graphs.py``) unless its site is one of
+``TORCH_NPU_DOUBLE_HOST_TENSOR_SITES`` (comma-separated ``file.py:function``, or
+``file.py`` for all of a file's functions, where the value read is a host tensor), which
+a test sets with its reason; the ops such a site issues during a capture run at once
+instead of being captured.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 
 SYNC_LOG_VARIABLE = "TORCH_NPU_DOUBLE_SYNC_LOG"
 REGION_VARIABLE = "TORCH_NPU_DOUBLE_SYNC_REGIONS"
+HOST_TENSOR_SITES_VARIABLE = "TORCH_NPU_DOUBLE_HOST_TENSOR_SITES"
 
 in_flight = 0  # device ops launched since the host last waited for the device
 _kernel_depth = 0  # > 0 while the double's own kernel code runs
@@ -65,13 +71,19 @@ class kernel_running:
         _kernel_depth -= 1
 
 
+def _is_torch_frame(frame) -> bool:
+    # the real torch_npu runs from its wheel (a zip path), so its frames are told by module name
+    module = frame.f_globals.get("__name__", "")
+    return frame.f_code.co_filename.startswith(_SKIP_PATHS) or module.split(".")[0] == "torch_npu"
+
+
 def _site_and_region() -> tuple[str, bool]:
     frame = sys._getframe(2)
     site = None
     in_region = False
     while frame is not None:
         code = frame.f_code
-        if site is None and not code.co_filename.startswith(_SKIP_PATHS):
+        if site is None and not _is_torch_frame(frame):
             site = f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
         if code.co_name in _regions:
             in_region = True
@@ -80,11 +92,30 @@ def _site_and_region() -> tuple[str, bool]:
     return site or "<unknown>", in_region
 
 
+def _host_tensor_site(site: str) -> bool:
+    """``site`` ("path:line (function)") is one a test named as reading a host tensor (a
+    named file without a function: any function of it)."""
+    path, _, rest = site.partition(":")
+    function = rest.partition("(")[2].rstrip(")")
+    return any(path.endswith(file) and name in ("", function) for file, name in host_tensor_sites())
+
+
+def host_tensor_sites() -> list[tuple[str, str]]:
+    named = os.environ.get(HOST_TENSOR_SITES_VARIABLE, "")
+    return [tuple(e.strip().partition(":")[::2]) for e in named.split(",") if e.strip()]
+
+
+def at_host_tensor_site() -> bool:
+    """Is the code that issued the current op a named host-tensor site? (Its ops on host
+    tensors run at once during a graph capture, as they do on an NPU host.)"""
+    return bool(host_tensor_sites()) and _host_tensor_site(_site_and_region()[0])
+
+
 def _record(what: str) -> None:
     if in_flight == 0 or _kernel_depth:
         return
     graphs = sys.modules.get("torch_npu._graphs")
-    if graphs is not None and graphs.capturing is not None:
+    if graphs is not None and graphs.capturing is not None and not _host_tensor_site(_site_and_region()[0]):
         raise graphs.GraphCaptureError(
             f"{what} reads a device value on the host during NPU graph capture "
             f"({_site_and_region()[0]}); the device refuses this: the value does not exist until replay"
