@@ -169,7 +169,22 @@ def deselected_tests(name: str, selection: dict, expectations: list[Expectation]
                 f"error: selection {name!r} deselects {test}, which no [[expect]] entry lists: "
                 "deselect only tests the expectations explain"
             )
-    return deselected
+    # tests that pass, left out for their time alone (``deselect-passing``): each says why
+    passing = []
+    for entry in selection.get("deselect-passing", ()):
+        test, why = entry.get("test", ""), entry.get("why", "").strip()
+        if not test or not why:
+            raise SystemExit(
+                f"error: selection {name!r}: a deselect-passing entry needs a test and why "
+                f"(its measured time), got {entry}"
+            )
+        if any(e.matches(test) for e in expectations):
+            raise SystemExit(
+                f"error: selection {name!r} deselects {test} as passing, but an [[expect]] entry "
+                "lists it: put it in deselect"
+            )
+        passing.append(test)
+    return deselected + tuple(passing)
 
 
 def _directory(test: str) -> str:

@@ -74,6 +74,18 @@ def test_a_deselected_test_must_be_listed_and_its_entry_is_not_stale():
         deselected_tests("fast", {"deselect": [f"{FILE}::test_ok"]}, EXPECT)
 
 
+def test_a_passing_test_is_deselected_only_with_why_and_only_if_no_entry_lists_it():
+    blast = f"{FILE}::test_blast"
+    why = {"test": blast, "why": "400 s in CI's fast run"}
+    assert deselected_tests("fast", {"deselect-passing": [why]}, EXPECT) == (blast,)
+    with pytest.raises(SystemExit, match="needs a test and why"):
+        deselected_tests("fast", {"deselect-passing": [{"test": blast, "why": " "}]}, EXPECT)
+    with pytest.raises(SystemExit, match="put it in deselect"):
+        deselected_tests(
+            "fast", {"deselect-passing": [{"test": f"{FILE}::test_skipped", "why": "x"}]}, EXPECT
+        )
+
+
 def test_the_committed_expectations_are_well_formed():
     reasons, selections, expectations = load_expectations(default_expectations())
     assert set(reasons) == {
