@@ -265,37 +265,52 @@ def child(spec: dict) -> None:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-def _make_models(archs: list[str], base: Path) -> dict[str, Path]:
-    out = {}
-    for arch in archs:
-        out[arch] = base / arch
+def make_tiny_model(args: list[str], base: Path) -> Path:
+    """examples/make_tiny_model.py with ``args``, under ``base`` (made once per argument list)."""
+    out = base / "_".join(a.lstrip("-") for a in args)
+    if not out.exists():
+        script = str(ROOT / "examples" / "make_tiny_model.py")
         subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "examples" / "make_tiny_model.py"),
-                *ARCHS[arch],
-                "--out",
-                str(out[arch]),
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
+            [sys.executable, script, *args, "--out", str(out)], check=True, stdout=subprocess.DEVNULL
         )
     return out
 
 
-def _run(model: Path, forms: str, batches: list[int], steps: int, env: dict, sites: bool) -> dict:
-    spec = {"model": str(model), "forms": forms, "batches": batches, "steps": steps, "sites": sites}
+def npu_path_env(**extra: str) -> dict:
+    """The environment of an engine in NPU-path mode: host emulation with the torch_npu
+    kernels of the contract double, the engine core in the benchmark's process."""
+    sys.path.insert(0, str(ROOT))
+    from tests.npu_contract.wheel import double_env
+
+    return {
+        **os.environ,
+        **double_env(),
+        "VLLM_ASCEND_EMULATE": "1",
+        "VLLM_ASCEND_KERNELS": "npu",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **extra,
+    }
+
+
+def run_child(script: str, spec: dict, env: dict, timeout: int, what: str) -> dict:
+    """``script --child SPEC`` in a process of its own; the JSON of its ``RESULT`` line."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
+        [sys.executable, script, "--child", json.dumps(spec)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=timeout,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return {int(k): v for k, v in json.loads(line[7:]).items()}
-    raise RuntimeError(f"{model.name} ({forms}) failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            return json.loads(line[7:])
+    raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def _run(model: Path, forms: str, batches: list[int], steps: int, env: dict, sites: bool) -> dict:
+    spec = {"model": str(model), "forms": forms, "batches": batches, "steps": steps, "sites": sites}
+    result = run_child(__file__, spec, env, 1200, f"{model.name} ({forms})")
+    return {int(k): v for k, v in result.items()}
 
 
 def main() -> None:
@@ -311,19 +326,9 @@ def main() -> None:
         child(json.loads(args.child))
         return
 
-    sys.path.insert(0, str(ROOT))
-    from tests.npu_contract.wheel import double_env
-
-    env = {
-        **os.environ,
-        **double_env(),
-        "VLLM_ASCEND_EMULATE": "1",
-        "VLLM_ASCEND_KERNELS": "npu",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "TORCH_NPU_DOUBLE_SYNC_LOG": tempfile.mkdtemp(prefix="launches-syncs-"),
-    }
+    env = npu_path_env(TORCH_NPU_DOUBLE_SYNC_LOG=tempfile.mkdtemp(prefix="launches-syncs-"))
     with tempfile.TemporaryDirectory() as tmp:
-        models = _make_models(args.arch, Path(tmp))
+        models = {arch: make_tiny_model(ARCHS[arch], Path(tmp)) for arch in args.arch}
         table = {}
         for arch, model in models.items():
             for forms in FORMS:

@@ -38,6 +38,17 @@ VARIANTS = {
 }
 
 
+def engine_config(directory: Path, hf_config, dtype: str = "float32", **engine_args):
+    """Upstream's engine config for ``hf_config`` (a transformers config written to
+    ``directory`` as config.json; no weights, no tokenizer), built in this process, so the
+    platform's config checks run here."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    hf_config.save_pretrained(directory)
+    args = EngineArgs(model=str(directory), skip_tokenizer_init=True, dtype=dtype, **engine_args)
+    return args.create_engine_config()
+
+
 def make_model(out: Path, *args: str) -> Path:
     """A tiny model by examples/make_tiny_model.py (``args``: its options)."""
     made = subprocess.run(

@@ -4,11 +4,14 @@ the one-line capture errors."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DeepseekV3Config, Qwen2Config
 
+from tests.support.models import engine_config
 from vllm.ascend.errors import AscendStartupError
 from vllm.ascend.graph import capture, host_params
 from vllm.ascend.moe import selector
@@ -20,12 +23,7 @@ TINY = dict(
 )
 
 
-def _engine_config(tmp_path, hf_config, **engine_args):
-    from vllm.engine.arg_utils import EngineArgs
-
-    hf_config.save_pretrained(tmp_path)
-    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, **{"dtype": "bfloat16", **engine_args})
-    return args.create_engine_config()
+_engine_config = functools.partial(engine_config, dtype="bfloat16")  # the NPU path's dtype
 
 
 def _qwen2():
@@ -85,21 +83,15 @@ def test_the_reference_kernels_never_capture(tmp_path, monkeypatch):
     ],
     ids=["forced-alltoall", "context-parallel", "sleep-mode", "lora"],
 )
-def test_refused_combinations_keep_graphs_off_and_say_why(
-    tmp_path, monkeypatch, caplog, make, engine_args, reason
-):
+def test_refused_combinations_keep_graphs_off_and_say_why(tmp_path, monkeypatch, make, engine_args, reason):
     from vllm.config.compilation import CUDAGraphMode
+
+    from vllm.ascend.platform.npu import graph_refusal
 
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     config = _engine_config(tmp_path, make(), **engine_args)
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-    assert reason in npu_refusal(config)
-
-
-def npu_refusal(config) -> str:
-    from vllm.ascend.platform.npu import graph_refusal
-
-    return graph_refusal(config) or ""
+    assert reason in (graph_refusal(config) or "")
 
 
 @settings(max_examples=200, deadline=None)

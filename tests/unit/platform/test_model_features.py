@@ -22,6 +22,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from tests.support.models import engine_config
 from vllm.ascend.errors import AscendConfigError
 
 # the sizes every config class below takes by these names
@@ -51,14 +52,6 @@ def inspect_models_in_this_process(monkeypatch):
     from vllm.model_executor.models import registry
 
     monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
-
-
-def _engine_config(tmp_path, hf_config, **engine_args):
-    from vllm.engine.arg_utils import EngineArgs
-
-    hf_config.save_pretrained(tmp_path)
-    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, **{"dtype": "float32", **engine_args})
-    return args.create_engine_config()
 
 
 # (name, config, engine args, the phrases the error names; None: accepted)
@@ -167,10 +160,10 @@ def test_unsupported_model_features_are_named_when_the_config_is_built(
     elif named is not None:
         named = [phrase for phrase in named if "NPU attention kernels" not in phrase] or None
     if named is None:
-        _engine_config(tmp_path, make(), **engine_args)
+        engine_config(tmp_path, make(), **engine_args)
         return
     with pytest.raises(AscendConfigError) as refused:
-        _engine_config(tmp_path, make(), **engine_args)
+        engine_config(tmp_path, make(), **engine_args)
     message = str(refused.value)
     assert message.startswith("not supported on Ascend yet: "), message
     for phrase in named:
@@ -191,21 +184,21 @@ def _qwen3_moe(**extra):
 
 
 def test_moe_options_that_change_routes_are_refused(tmp_path, monkeypatch):
-    _engine_config(tmp_path / "plain", _qwen3_moe())  # the model itself runs
+    engine_config(tmp_path / "plain", _qwen3_moe())  # the model itself runs
     with pytest.raises(AscendConfigError, match=r"yet: MoE expert substitution \(approximate_experts\) \("):
-        _engine_config(tmp_path / "substituted", _qwen3_moe(approximate_experts={"1": [3]}))
+        engine_config(tmp_path / "substituted", _qwen3_moe(approximate_experts={"1": [3]}))
     monkeypatch.setenv("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "uniform_random")
     with pytest.raises(
         AscendConfigError, match=r"MoE routing simulation \(unset VLLM_MOE_ROUTING_SIMULATION_STRATEGY\)"
     ):
-        _engine_config(tmp_path / "simulated", _qwen3_moe())
+        engine_config(tmp_path / "simulated", _qwen3_moe())
 
 
 def test_eplb_is_refused_by_name(tmp_path):
     config = LlamaConfig(architectures=["LlamaForCausalLM"], **SMALL)
     from vllm.ascend.platform.model_features import unsupported_features
 
-    built = _engine_config(tmp_path, config)
+    built = engine_config(tmp_path, config)
     built.parallel_config.enable_eplb = True  # upstream accepts it only with an MoE model and EP
     assert unsupported_features(built) == ["expert-parallel load balancing (drop --enable-eplb)"]
 

@@ -89,6 +89,12 @@ def _gather(plane, block_row, seq_len):
     return gather_tokens(head_major(plane), block_row, seq_len)[:, 0]  # [seq, D]
 
 
+def verification_row_lens(seq_lens: list[int], q_len: int) -> list[int]:
+    """Keys each of a request's ``q_len`` query rows sees (row i: ``seq_len - q_len + i + 1``;
+    0 for a request with no keys on this rank)."""
+    return [n - q_len + i + 1 if n else 0 for n in seq_lens for i in range(q_len)]
+
+
 def reference_mla_decode(
     q_nope,
     q_pe,
@@ -111,11 +117,10 @@ def reference_mla_decode(
         q_pe = reference_rope_query(q_pe, q_rope)
     out = q_nope.new_zeros(q_nope.shape)
     lse = torch.full(q_nope.shape[:2], float("-inf"), dtype=torch.float32, device=q_nope.device)
-    for row in range(q_nope.shape[0]):
-        b, i = divmod(row, q_len)
-        seq_len = seq_lens[b] - q_len + i + 1 if seq_lens[b] else 0
+    for row, seq_len in enumerate(verification_row_lens(seq_lens, q_len)):
         if seq_len <= 0:
             continue
+        b = row // q_len
         c = _gather(latent, block_table[b], seq_len).float()
         pe = _gather(rope, block_table[b], seq_len).float()
         scores = (q_nope[row].float() @ c.t() + q_pe[row].float() @ pe.t()) * scale  # [H, seq]
@@ -282,8 +287,7 @@ def npu_mla_decode(
     if not return_lse:
         return out
     lse = lse[:, :heads, :, 0].transpose(1, 2).reshape(rows, heads)
-    lens = [n - q_len + i + 1 if n else 0 for n in seq_lens for i in range(q_len)]
-    return empty_rows_to_identity(out, lse, lens)
+    return empty_rows_to_identity(out, lse, verification_row_lens(seq_lens, q_len))
 
 
 # npu_fused_infer_attention_score in TND without page attention (the dense form):

@@ -114,13 +114,13 @@ def at_host_tensor_site() -> bool:
 def _record(what: str) -> None:
     if in_flight == 0 or _kernel_depth:
         return
+    site, in_region = _site_and_region()
     graphs = sys.modules.get("torch_npu._graphs")
-    if graphs is not None and graphs.capturing is not None and not _host_tensor_site(_site_and_region()[0]):
+    if graphs is not None and graphs.capturing is not None and not _host_tensor_site(site):
         raise graphs.GraphCaptureError(
             f"{what} reads a device value on the host during NPU graph capture "
-            f"({_site_and_region()[0]}); the device refuses this: the value does not exist until replay"
+            f"({site}); the device refuses this: the value does not exist until replay"
         )
-    site, in_region = _site_and_region()
     entry = records[f"{site}: {what}"]
     entry["calls"] += 1
     entry["in_region"] += int(in_region)
