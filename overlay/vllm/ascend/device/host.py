@@ -1,21 +1,39 @@
 """Host emulation: the NPU runtime's device calls, answered by the CPU.
 
-There is nothing to synchronise or cache on a CPU, so streams, events and
-synchronisation are no-ops; memory figures come from the operating system.
+There is nothing to synchronise on a CPU, so streams, events and synchronisation are
+no-ops; memory figures come from the operating system (the process's RSS stands for
+device memory in use, and emptying the cache returns the C heap's free memory).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import cache
 
 import psutil
 import torch
 
 from vllm.ascend.device.base import Device
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def _malloc_trim() -> None:
+    """Return the C heap's free memory to the system (glibc; elsewhere nothing)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))
 
 
 class _HostStream:
@@ -61,7 +79,10 @@ class HostDevice(Device):
         pass
 
     def empty_cache(self) -> None:
-        pass
+        # The NPU allocator hands its cached blocks back here; on the host, glibc keeps
+        # freed chunks below its (adaptive) mmap threshold in the heap, so memory a sleep
+        # released would stay in the process's RSS, which stands for device memory here.
+        _malloc_trim()
 
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         vm = psutil.virtual_memory()
