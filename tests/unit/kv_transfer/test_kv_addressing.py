@@ -166,6 +166,10 @@ def test_a_run_never_crosses_from_one_read_into_the_next():
         head1=np.array([1, 1]),
         src_block=np.array([0, 5]),
         dst_block=np.array([2, 9]),
+        runs_start=np.array([0, 1]),
+        runs_count=np.array([1, 1]),
+        run_token=np.array([0, 4]),
+        run_length=np.array([4, 4]),
     )
     # one plane of one head: block b starts at base + b * 80, a slot is 10 bytes
     local, remote, lengths = read_ranges(plan, [0, 1], [(1000, 80, 80)], [(5000, 80, 80)], 0, 0, (8, 8))

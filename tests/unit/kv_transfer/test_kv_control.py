@@ -97,3 +97,36 @@ def test_a_second_server_on_the_same_port_is_a_clear_error(server):
     address, _ = server
     with pytest.raises(RuntimeError, match="Give each instance its own kv_port"):
         ControlServer("127.0.0.1", int(address.rsplit(":", 1)[1]), lambda m: m)
+
+
+def test_requests_to_several_servers_are_all_sent_before_any_reply_is_awaited():
+    import threading
+    import time
+
+    gate = threading.Barrier(2, timeout=5)  # each server answers only once both have a request
+
+    def handle(message):
+        gate.wait()
+        return wire.Reply(wire.WIRE_VERSION, True, message.engine_id)
+
+    ports = [_port(), _port()]
+    servers = [ControlServer("127.0.0.1", p, handle) for p in ports]
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes requests, never answers
+    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        client = ControlClient(timeout=2)
+        requests = [
+            (f"127.0.0.1:{p}", wire.Renew(wire.WIRE_VERSION, f"e{i}", [])) for i, p in enumerate(ports)
+        ]
+        requests.append((f"127.0.0.1:{silent_port}", wire.Renew(wire.WIRE_VERSION, "e-silent", [])))
+        started = time.monotonic()
+        first, second, third = client.request_all(requests, timeout=1.0)
+        # one after the other, the first server would wait for the second until the barrier broke
+        assert (first.ok, first.error, second.error) == (True, "e0", "e1")
+        assert isinstance(third, ControlTimeout)
+        assert time.monotonic() - started < 3, "one deadline for all requests"
+        assert silent.poll(1000), "the unanswered request was sent all the same"
+    finally:
+        silent.close()
+        for s in servers:
+            s.close()

@@ -14,13 +14,13 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, place
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.inspector import main as inspect_main
-from vllm.ascend.kv_transfer.plan import NULL_BLOCK, build_group_plan, build_plan
+from vllm.ascend.kv_transfer.plan import NULL_BLOCK, _period_plan, build_group_plan, build_plan, period
 
 UNSET = -7  # prefill slots that hold no token of the request
 
@@ -172,7 +172,8 @@ NAMED = {
 @pytest.mark.parametrize("name", list(NAMED))
 def test_named_layouts_deliver_exactly_the_decode_placement(name):
     prefill, decode = NAMED[name]
-    for tokens in (1, 333):
+    # within one period, several periods, and several with a partial one after them
+    for tokens in (1, 333, 4 * period(prefill, decode), 3 * period(prefill, decode) + 5):
         simulate(prefill, decode, tokens, prefill_dp=prefill.dp - 1, decode_dp=decode.dp - 1)
 
 
@@ -316,6 +317,58 @@ def test_random_layouts_are_planned_exactly_or_refused(pair, tokens, offset, dat
                 counts = [len(readers.get((r, head), ())) for r in holders]
                 if any(counts):
                     assert max(counts) - min(counts) <= 1, (pcp_rank, dcp_rank, head, counts)
+
+
+def _reads(plan) -> list[tuple]:
+    """A plan's reads with their tokens and runs, in a canonical order (read ids aside)."""
+    rows = []
+    for read in plan.reads():
+        rows.append(
+            (
+                read.decode_rank,
+                read.prefill_rank,
+                read.src_block,
+                read.dst_block,
+                read.heads,
+                tuple(read.positions.tolist()),
+                tuple(read.src_offsets.tolist()),
+                tuple(read.dst_offsets.tolist()),
+                tuple(map(tuple, plan.runs(read.read_id).tolist())),
+            )
+        )
+    return sorted(rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout_pairs(), st.integers(1, 6), st.integers(0, 200), st.integers(0, 70))
+# a last partial period whose one token only decode CP rank 0 wants: its readers of the
+# replicas must still be counted as in a full period
+@example((_mla(tp=8, block_size=16), _mla(tp=4, dcp=2, block_size=16)), 1, 1, 0)
+def test_a_plan_made_of_periods_equals_the_plan_made_token_by_token(pair, periods, extra, offset):
+    prefill, decode = pair
+    if not (plainly_valid(prefill) and plainly_valid(decode) and prefill.kv_heads == decode.kv_heads):
+        return
+    tokens = periods * period(prefill, decode) + extra
+    p_ids = (np.arange(tokens) * 3 + 1).tolist()  # ids unlike the indices
+    d_ids = (np.arange(tokens) * 5 + 2).tolist()
+    plan = build_plan(prefill, decode, tokens, p_ids, d_ids, replica_offset=offset)
+    direct = _period_plan(prefill, decode, 0, 0, offset, tokens)
+    assert plan.num_tokens == tokens and plan.run_count() == direct.run_count()
+    expected = [(r[0], r[1], p_ids[r[2]], d_ids[r[3]], *r[4:]) for r in _reads(direct)]
+    assert _reads(plan) == sorted(expected)
+
+
+def test_plans_of_one_shape_share_their_period_and_keep_their_block_ids():
+    prefill, decode = NAMED["mla tp8/pcp2 -> tp4/dcp2"]
+    tokens = 5 * period(prefill, decode) + 7
+    blocks = -(-tokens // 16)
+    _period_plan.cache_clear()
+    first = build_plan(prefill, decode, tokens, list(range(blocks)), list(range(blocks)))
+    again = build_plan(prefill, decode, tokens, list(range(100, 100 + blocks)), list(range(blocks)))
+    assert _period_plan.cache_info().hits >= 2  # the full and the partial period, planned once
+    assert (again.src_block == first.src_block + 100).all() and (again.dst_block == first.dst_block).all()
+    with pytest.raises(ValueError, match="read-only"):
+        _period_plan(prefill, decode, 0, 0, 0, period(prefill, decode)).src_block[0] = 1
 
 
 # -- wire types -----------------------------------------------------------------------

@@ -119,3 +119,53 @@ def test_byte_ranges_and_failures(transport_name, tmp_path):
         stop.set()
         proc.join(60)
         transport.close()
+
+
+def test_a_mooncake_read_of_more_slices_than_the_engine_queues_arrives_whole(tmp_path):
+    """Mooncake's TCP lanes queue about 2,048 slices per peer and fail a batch beyond that;
+    the transport submits a read in chunks of at most ``batch_slices`` slices."""
+    proc, stop, address, theirs = _start_peer("mooncake", "equal", tmp_path)
+    transport = open_transport("mooncake", "127.0.0.1", {"transfer_timeout": 5, "batch_slices": 512})
+    try:
+        buffers, regions = peer.make_layers("equal", fill=False)
+        mine = [Region(*r) for r in regions]
+        transport.register(mine)
+        transport.connect(address, theirs)
+        # 2 bytes each (a slice each): every 2 bytes of this rank's planes from the peer's
+        # plane at a rotating offset
+        local, remote = [], []
+        for m, t in zip(mine, theirs):
+            for i in range(m.length // 2):
+                local.append(m.base + 2 * i)
+                remote.append(t.base + (2 * i * 7) % (t.length - 2))
+        lengths = np.full(len(local), 2, np.int64)
+        assert len(lengths) > 3000
+        parts = transport.chunks(lengths)
+        assert [p.stop - p.start for p in parts[:-1]] == [512] * (len(parts) - 1)
+        assert parts[-1].stop == len(lengths) and len(parts) == -(-len(lengths) // 512)
+        args = (address, np.array(local, np.int64), np.array(remote, np.int64), lengths)
+        transport._batch_slices = 1 << 20  # the premise: as one submission, the engine refuses it
+        with pytest.raises(TransferError):
+            transport.read(*args)
+        transport._batch_slices = 512
+        transport.read(*args)
+        sources = [peer.pattern(layer, plane, 256) for layer in range(peer.LAYERS) for plane in range(2)]
+        flat = [b for buf in buffers for b in [buf[: buf.size // 2], buf[buf.size // 2 :]]]
+        for got, want in zip(flat, sources):
+            for i in range(0, got.size, 2):
+                j = (i * 7) % (want.size - 2)
+                assert np.array_equal(got[i : i + 2], want[j : j + 2]), i
+    finally:
+        stop.set()
+        proc.join(60)
+        transport.close()
+
+
+def test_chunks_count_a_large_range_as_its_slices():
+    from vllm.ascend.kv_transfer.transport.mooncake import MooncakeTransport
+
+    transport = MooncakeTransport.__new__(MooncakeTransport)  # the cutting only: no engine
+    transport._slice_bytes, transport._batch_slices = 65536, 1024
+    lengths = np.array([1 << 20] * 100 + [16 << 10] * 10 + [300 << 20])  # 16 slices each, 1 each, 4800
+    parts = transport.chunks(lengths)
+    assert [(p.start, p.stop) for p in parts] == [(0, 64), (64, 110), (110, 111)]

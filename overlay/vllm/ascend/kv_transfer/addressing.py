@@ -57,7 +57,9 @@ def read_ranges(
 
     ``src``/``dst``: per layer and plane ``(plane start address, block bytes, head bytes)``.
     One range per plane, head and run of slots contiguous on both sides, computed for all
-    reads at once; neighbouring ranges contiguous on both sides are merged."""
+    reads at once from the plan's runs; neighbouring ranges contiguous on both sides are
+    merged (a layer's consecutive blocks, where both sides' block ids are consecutive,
+    become one range)."""
     ids = np.asarray(read_ids, dtype=np.int64).ravel()
     if whole_blocks:
         parts = [
@@ -84,37 +86,67 @@ def read_ranges(
     slot = s[:, 2] // block_sizes[0]
     if np.any(slot != d[:, 2] // block_sizes[1]):
         raise ValueError("prefill and decode store a head's token with different sizes: not the same model")
-    # every token of every read, then the runs: a run ends where the read or contiguity ends
-    counts = plan.token_count[ids].astype(np.int64)
-    read_of = np.repeat(np.arange(ids.size), counts)
+    # the reads' runs (the plan keeps them: no per-token work here)
+    counts = plan.runs_count[ids].astype(np.int64)
+    run_read = np.repeat(np.arange(ids.size), counts)
     before = np.r_[0, np.cumsum(counts)[:-1]]
-    token = np.arange(read_of.size) + np.repeat(plan.token_start[ids] - before, counts)
-    src_slot, dst_slot = plan.src_offsets[token], plan.dst_offsets[token]
-    first = np.flatnonzero(
-        np.r_[True, (np.diff(read_of) != 0) | (np.diff(src_slot) != 1) | (np.diff(dst_slot) != 1)]
-    )
-    run_len = np.diff(np.r_[first, read_of.size])
-    run_read = read_of[first]
+    run_row = np.arange(run_read.size) + np.repeat(plan.runs_start[ids] - before, counts)
+    first_token = plan.run_token[run_row]
+    run_len = plan.run_length[run_row]
+    src_first, dst_first = plan.src_offsets[first_token], plan.dst_offsets[first_token]
     # each run once per head of its read
     h0 = plan.head0[ids][run_read]
     heads = plan.head1[ids][run_read] - h0
-    run = np.repeat(np.arange(first.size), heads)
+    run = np.repeat(np.arange(run_read.size), heads)
     head = h0[run] + np.arange(run.size) - np.repeat(np.r_[0, np.cumsum(heads)[:-1]], heads)
     read = run_read[run]
     remote = (
         s[:, :1]
         + plan.src_block[ids][read] * s[:, 1:2]
         + (head - src_head0) * s[:, 2:3]
-        + src_slot[first][run] * slot[:, None]
+        + src_first[run] * slot[:, None]
     )
     local = (
         d[:, :1]
         + plan.dst_block[ids][read] * d[:, 1:2]
         + (head - dst_head0) * d[:, 2:3]
-        + dst_slot[first][run] * slot[:, None]
+        + dst_first[run] * slot[:, None]
     )
     lengths = run_len[run] * slot[:, None]
     return merge_ranges(local.ravel(), remote.ravel(), lengths.ravel())
+
+
+def decode_rank_ranges(
+    plan, global_rank: int, first_token: int, tp_rank: int, tables, whole_blocks: bool = False
+):
+    """What one decode rank (``global_rank``, TP rank ``tp_rank``) copies for ``plan``: per
+    prefill rank it reads from, ``(prefill rank in its replica, local addresses, remote
+    addresses, lengths)``, every KV-cache group in one batch. Reads of tokens before
+    ``first_token`` (cached here already) are skipped. ``tables(rank_in_replica)`` gives
+    that prefill rank's plane tables per group, ``(src, dst)`` (``plane_table``)."""
+    mine = plan.read_ids_of(global_rank)
+    mine = mine[plan.first_position[mine] >= first_token]
+    p_base = plan.prefill_ranks.start
+    d_heads = plan.decode.heads(tp_rank).start
+    block_sizes = (plan.prefill.block_size, plan.decode.block_size)
+    for p in np.unique(plan.prefill_rank[mine]).tolist():
+        src, dst = tables(p - p_base)
+        p_heads = plan.prefill.heads((p - p_base) % plan.prefill.tp).start
+        from_p = mine[plan.prefill_rank[mine] == p]
+        parts = [
+            read_ranges(
+                plan,
+                from_p[plan.group[from_p] == g],
+                src[g],
+                dst[g],
+                p_heads,
+                d_heads,
+                block_sizes,
+                whole_blocks,
+            )
+            for g in np.unique(plan.group[from_p]).tolist()
+        ]
+        yield (p - p_base, *(np.concatenate([part[k] for part in parts]) for k in range(3)))
 
 
 def whole_block_ranges(

@@ -4,13 +4,15 @@ A prefill rank runs one ``ControlServer`` (a ROUTER socket bound to the configur
 and its port) on a thread. Every request gets exactly one reply; a message that cannot
 be decoded (wrong version, malformed, too large, unknown type) is logged and answered
 with ``Reply(ok=False, error=...)``, and the server keeps serving. ``ControlClient``
-sends one request and waits at most ``timeout`` seconds for the reply.
+sends one request and waits at most ``timeout`` seconds for the reply (``request_all``:
+one request to each of several servers, all sent first, under one deadline).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -113,6 +115,39 @@ class ControlClient:
         except BaseException:
             self._drop(address)
             raise
+
+    def request_all(
+        self, requests: list[tuple[str, wire.Message]], timeout: float | None = None
+    ) -> list[wire.Message | Exception]:
+        """One request to each of several addresses, all sent before any reply is awaited
+        (a request's done messages to its prefill ranks cost one round trip, not one per
+        rank); per request its reply, or the exception that request met. One deadline for
+        all of them."""
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        results: list[wire.Message | Exception | None] = [None] * len(requests)
+        sent = []
+        for i, (address, message) in enumerate(requests):
+            try:
+                self._socket(address).send_multipart([b"", wire.encode_message(message)])
+                sent.append(i)
+            except Exception as e:
+                self._drop(address)
+                results[i] = e
+        for i in sent:
+            address = requests[i][0]
+            try:
+                socket = self._socket(address)
+                left = max(0.0, deadline - time.monotonic())
+                if not socket.poll(int(left * 1000), zmq.POLLIN):
+                    raise ControlTimeout(
+                        f"no answer from the KV control plane at {address} within {wait:.1f} s"
+                    )
+                results[i] = wire.decode_message(socket.recv_multipart()[-1])
+            except Exception as e:
+                self._drop(address)
+                results[i] = e
+        return results
 
     def close(self) -> None:
         """Close this thread's sockets."""

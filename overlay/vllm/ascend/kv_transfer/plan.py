@@ -23,12 +23,21 @@ from its own tables and joins the plans, so read ids stay unique per request; a 
 ``group`` says which layers it is for. A sliding-window group's table names vLLM's null
 block where the group keeps no block (before the window); such tokens are not read.
 
+Plans are reused: a request's plan depends on its block tables only through the block
+ids, and on its length through whole *periods* of ``lcm`` of both sides' virtual block
+sizes (the placement repeats every period). So the plan of one period, and of a partial
+last period, is worked out once per layout pair (cached, block-table indices instead of
+block ids) and a request's plan is those copied period after period with its block ids
+put in: no per-request sort, and the work per request grows with its blocks, not with
+planning.
+
 Run ``python -m vllm.ascend.kv_transfer.inspector --help`` to inspect a plan (docs/pd_plan.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -67,7 +76,9 @@ class DoneMessage:
 @dataclass
 class Plan:
     """The reads as columns, one row per read (row index = read id); a read's tokens are
-    rows ``token_start .. token_start + token_count`` of the token columns."""
+    rows ``token_start .. token_start + token_count`` of the token columns, and its runs
+    (slots contiguous on both sides) rows ``runs_start .. runs_start + runs_count`` of the
+    run columns (``run_token``: a run's first token row; ``run_length``: its tokens)."""
 
     prefill: CPLayout
     decode: CPLayout
@@ -86,7 +97,15 @@ class Plan:
     positions: np.ndarray
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
+    runs_start: np.ndarray
+    runs_count: np.ndarray
+    run_token: np.ndarray
+    run_length: np.ndarray
     group: np.ndarray | None = None  # per read: its KV-cache group (None: all group 0)
+    # which decode CP ranks read which prefill CP rank's tokens (decode.cp x prefill.cp
+    # booleans): it orders the readers of replicas, so a partial period is planned with
+    # the full period's
+    need: bytes = b""
 
     def __post_init__(self) -> None:
         if self.group is None:
@@ -110,21 +129,12 @@ class Plan:
                 "head1",
                 "token_start",
                 "token_count",
+                "runs_start",
+                "runs_count",
                 "group",
             )
         }
-        return Plan(
-            self.prefill,
-            self.decode,
-            self.num_tokens,
-            self.prefill_dp_rank,
-            self.decode_dp_rank,
-            self.replica_offset,
-            positions=self.positions,
-            src_offsets=self.src_offsets,
-            dst_offsets=self.dst_offsets,
-            **columns,
-        )
+        return replace(self, **columns)
 
     @property
     def prefill_ranks(self) -> range:
@@ -169,22 +179,29 @@ class Plan:
         """The reads one decode rank makes (read ids are grouped by decode rank)."""
         return np.flatnonzero(self.decode_rank == decode_rank)
 
+    @property
+    def first_position(self) -> np.ndarray:
+        """Per read: the position of its first token."""
+        return self.positions[self.token_start]
+
     def runs(self, i: int) -> np.ndarray:
         """Read ``i``'s tokens as runs that are contiguous on both sides: rows (first token's
         position, src slot, dst slot, length)."""
-        s, n = int(self.token_start[i]), int(self.token_count[i])
-        pos, src, dst = self.positions[s : s + n], self.src_offsets[s : s + n], self.dst_offsets[s : s + n]
-        first = np.flatnonzero(_run_starts(src, dst))
-        lengths = np.diff(np.r_[first, n])
-        return np.stack([pos[first], src[first], dst[first], lengths], axis=1)
+        s, n = int(self.runs_start[i]), int(self.runs_count[i])
+        first = self.run_token[s : s + n]
+        return np.stack(
+            [
+                self.positions[first],
+                self.src_offsets[first],
+                self.dst_offsets[first],
+                self.run_length[s : s + n],
+            ],
+            axis=1,
+        )
 
     def run_count(self) -> int:
         """Contiguous runs over all reads (a run is one copy per head and KV plane)."""
-        per_token = _run_starts(self.src_offsets, self.dst_offsets)
-        # a run also ends where a token group ends; groups are shared by several reads
-        per_token[self.token_start] = True
-        starts = np.r_[0, np.cumsum(per_token)]
-        return int((starts[self.token_start + self.token_count] - starts[self.token_start]).sum())
+        return int(self.runs_count.sum())
 
     def done_messages(self) -> list[DoneMessage]:
         """Every done message of the request: each decode rank to each prefill rank it read
@@ -310,10 +327,113 @@ def build_plan(
             f"and {need_d} decode blocks ({decode.virtual_block_size} tokens each), got "
             f"{len(prefill_block_ids)} and {len(decode_block_ids)}"
         )
+    shape = plan_shape(prefill, decode, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
     src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
     dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
+    return replace(
+        shape,
+        replica_offset=replica_offset,
+        src_block=src_ids[shape.src_block],
+        dst_block=dst_ids[shape.dst_block],
+    )
+
+
+def period(prefill: CPLayout, decode: CPLayout) -> int:
+    """Tokens after which both placements repeat (block-table index + 1 on each side per
+    virtual block): the plan of tokens ``t + period`` is that of ``t``, blocks shifted."""
+    return math.lcm(prefill.virtual_block_size, decode.virtual_block_size)
+
+
+@lru_cache(maxsize=64)
+def _replica_period(prefill: CPLayout) -> int:
+    """Replica offsets that choose the same replicas repeat with this period."""
+    counts = {
+        sum(1 for t in range(dcp_rank, prefill.tp, prefill.dcp) if head in prefill.heads(t))
+        for dcp_rank in range(prefill.dcp)
+        for head in range(prefill.kv_heads or 1)
+    }
+    return math.lcm(*(c for c in counts if c))
+
+
+def plan_shape(
+    prefill: CPLayout,
+    decode: CPLayout,
+    num_tokens: int,
+    prefill_dp_rank: int = 0,
+    decode_dp_rank: int = 0,
+    replica_offset: int = 0,
+) -> Plan:
+    """The plan of ``num_tokens`` tokens with block-table indices where the block ids go
+    (``src_block``/``dst_block``), made of cached per-period plans. Read-only arrays: it is
+    shared by every request of this shape."""
+    args = (prefill, decode, prefill_dp_rank, decode_dp_rank, replica_offset % _replica_period(prefill))
+    cycle = period(prefill, decode)
+    if num_tokens < cycle:
+        return _period_plan(*args, num_tokens)
+    copies, rest = divmod(num_tokens, cycle)
+    full = _period_plan(*args, cycle)
+    steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
+    whole = _copies(full, copies, *steps)
+    if not rest:
+        return whole
+    # the last, partial period keeps the full period's readers (``need``), so its reads
+    # are the full period's, cut short
+    tail = _copies(_period_plan(*args, rest, need=full.need), 1, *steps, first=copies)
+    return _join([whole, tail], num_tokens)
+
+
+def _copies(shape: Plan, copies: int, src_step: int, dst_step: int, first: int = 0) -> Plan:
+    """``shape`` (the plan of one period, or less) repeated for periods ``first ..
+    first + copies - 1``: block-table indices, positions and rows shifted per period."""
+    k = np.arange(first, first + copies, dtype=np.int64)
+    tokens, runs = shape.positions.size, shape.run_token.size
+    cycle = src_step * shape.prefill.virtual_block_size
+
+    def per_read(column, step):
+        return (column[None, :] + (k[:, None] * step if step else 0)).ravel()
+
+    def rows(column, size, shift):
+        return (column[None, :] + (k - first)[:, None] * size + shift).ravel()
+
+    return replace(
+        shape,
+        num_tokens=(first + copies - 1) * cycle + shape.num_tokens,
+        decode_rank=np.tile(shape.decode_rank, copies),
+        prefill_rank=np.tile(shape.prefill_rank, copies),
+        src_block=per_read(shape.src_block, src_step),
+        dst_block=per_read(shape.dst_block, dst_step),
+        head0=np.tile(shape.head0, copies),
+        head1=np.tile(shape.head1, copies),
+        token_start=rows(shape.token_start, tokens, 0),
+        token_count=np.tile(shape.token_count, copies),
+        positions=per_read(shape.positions, cycle),
+        src_offsets=np.tile(shape.src_offsets, copies),
+        dst_offsets=np.tile(shape.dst_offsets, copies),
+        runs_start=rows(shape.runs_start, runs, 0),
+        runs_count=np.tile(shape.runs_count, copies),
+        run_token=rows(shape.run_token, tokens, 0),
+        run_length=np.tile(shape.run_length, copies),
+        group=np.tile(shape.group, copies),
+    )
+
+
+@lru_cache(maxsize=512)
+def _period_plan(
+    prefill: CPLayout,
+    decode: CPLayout,
+    prefill_dp_rank: int,
+    decode_dp_rank: int,
+    replica_offset: int,
+    num_tokens: int,
+    need: bytes | None = None,
+) -> Plan:
+    """The plan of tokens ``0 .. num_tokens - 1`` worked out token by token, block-table
+    indices for block ids; ``need`` (``Plan.need`` of a longer plan) fixes which decode CP
+    ranks count as readers of which prefill CP rank's tokens."""
     p_base = prefill_dp_rank * prefill.ranks_per_replica
     d_base = decode_dp_rank * decode.ranks_per_replica
+    need_p = -(-num_tokens // prefill.virtual_block_size)
+    need_d = -(-num_tokens // decode.virtual_block_size)
 
     t = np.arange(num_tokens, dtype=np.int64)
     c_p = owner(t, prefill.cp, prefill.interleave)
@@ -332,12 +452,22 @@ def build_plan(
     g_dst, g = g % span_d, g // span_d
     g_src, g = g % span_p, g // span_p
     g_cp, g_cd = g % prefill.cp, g // prefill.cp
+    # runs: slots contiguous on both sides inside a token group
+    positions, src_offsets, dst_offsets = t[order], src_off[order], dst_off[order]
+    run_first = _run_starts(src_offsets, dst_offsets)
+    run_first[starts] = True
+    run_token = np.flatnonzero(run_first)
+    run_length = np.diff(np.r_[run_token, num_tokens])
+    group_runs = np.searchsorted(run_token, starts)
+    group_run_count = np.diff(np.r_[group_runs, run_token.size])
 
     # Every (decode rank, head piece) takes the groups of its CP rank (contiguous: the key
     # sorts by decode CP rank first).
-    need = np.zeros((decode.cp, prefill.cp), dtype=bool)
-    need[g_cd, g_cp] = True
-    t_rank, t_cp, t_h0, t_h1, t_src_tp = _targets(prefill, decode, replica_offset, need.tobytes())
+    if need is None:
+        readers = np.zeros((decode.cp, prefill.cp), dtype=bool)
+        readers[g_cd, g_cp] = True
+        need = readers.tobytes()
+    t_rank, t_cp, t_h0, t_h1, t_src_tp = _targets(prefill, decode, replica_offset, need)
     lo = np.searchsorted(g_cd, t_cp, side="left")
     hi = np.searchsorted(g_cd, t_cp, side="right")
     n = hi - lo
@@ -347,7 +477,7 @@ def build_plan(
     src_tp = t_src_tp[target, p_cp]
     prefill_rank = p_base + (p_cp // prefill.dcp) * prefill.tp + src_tp
 
-    return Plan(
+    plan = Plan(
         prefill,
         decode,
         num_tokens,
@@ -356,16 +486,25 @@ def build_plan(
         replica_offset,
         decode_rank=d_base + t_rank[target],
         prefill_rank=prefill_rank,
-        src_block=src_ids[g_src[group]],
-        dst_block=dst_ids[g_dst[group]],
+        src_block=g_src[group],
+        dst_block=g_dst[group],
         head0=t_h0[target],
         head1=t_h1[target],
         token_start=starts[group],
         token_count=counts[group],
-        positions=t[order],
-        src_offsets=src_off[order],
-        dst_offsets=dst_off[order],
+        positions=positions,
+        src_offsets=src_offsets,
+        dst_offsets=dst_offsets,
+        runs_start=group_runs[group],
+        runs_count=group_run_count[group],
+        run_token=run_token,
+        run_length=run_length,
+        need=need,
     )
+    for column in vars(plan).values():
+        if isinstance(column, np.ndarray):
+            column.flags.writeable = False  # cached: shared by every request of this shape
+    return plan
 
 
 def build_group_plan(
@@ -396,7 +535,7 @@ def build_group_plan(
         needed = plan.dst_block != NULL_BLOCK
         lost = needed & (plan.src_block == NULL_BLOCK)
         if lost.any():
-            first = int(plan.positions[plan.token_start[np.flatnonzero(lost)]].min())
+            first = int(plan.first_position[lost].min())
             raise LayoutError(
                 f"KV-cache group {g}: the prefill instance kept no block for token {first}, which "
                 "this instance needs (the two sides disagree on the group's window)"
@@ -407,33 +546,38 @@ def build_group_plan(
     return _join(parts) if len(parts) != 1 else parts[0]
 
 
-def _join(plans: list[Plan]) -> Plan:
-    """The reads of several plans of one request (one per KV-cache group) as one plan."""
+def _join(plans: list[Plan], num_tokens: int | None = None) -> Plan:
+    """The reads of several plans of one request (one per KV-cache group, or consecutive
+    periods) as one plan; ``num_tokens``: the request's (default: the first plan's)."""
     if not plans:
         raise LayoutError("a request with no KV-cache group has nothing to transfer")
-    first, token_base = plans[0], np.cumsum([0] + [p.positions.size for p in plans[:-1]])
+    token_base = np.cumsum([0] + [p.positions.size for p in plans[:-1]])
+    run_base = np.cumsum([0] + [p.run_token.size for p in plans[:-1]])
 
-    def cat(name):
-        return np.concatenate([getattr(p, name) for p in plans])
+    def cat(name, bases=None):
+        columns = [getattr(p, name) for p in plans]
+        if bases is not None:
+            columns = [c + b for c, b in zip(columns, bases)]
+        return np.concatenate(columns)
 
-    return Plan(
-        first.prefill,
-        first.decode,
-        first.num_tokens,
-        first.prefill_dp_rank,
-        first.decode_dp_rank,
-        first.replica_offset,
+    return replace(
+        plans[0],
+        num_tokens=plans[0].num_tokens if num_tokens is None else num_tokens,
         decode_rank=cat("decode_rank"),
         prefill_rank=cat("prefill_rank"),
         src_block=cat("src_block"),
         dst_block=cat("dst_block"),
         head0=cat("head0"),
         head1=cat("head1"),
-        token_start=np.concatenate([p.token_start + base for p, base in zip(plans, token_base)]),
+        token_start=cat("token_start", token_base),
         token_count=cat("token_count"),
         positions=cat("positions"),
         src_offsets=cat("src_offsets"),
         dst_offsets=cat("dst_offsets"),
+        runs_start=cat("runs_start", run_base),
+        runs_count=cat("runs_count"),
+        run_token=cat("run_token", token_base),
+        run_length=cat("run_length"),
         group=cat("group"),
     )
 

@@ -10,7 +10,8 @@ serves its control plane on ``kv_port + d x ranks_per_replica + r``.
   without hearing from the decode side (default 30; renewed while decode waits);
 * ``control_timeout``: seconds to wait for a control-plane answer (default 5);
 * transport options: ``mooncake_protocol`` (``tcp`` default; ``ascend`` on NPU hosts),
-  ``transfer_timeout`` (seconds, default 30), ``device_name``; for llmdatadist
+  ``transfer_timeout`` (seconds, default 30), ``batch_slices`` (slices per Mooncake
+  submission, default 1024), ``device_name``; for llmdatadist
   ``device_id`` and ``llmdatadist_port_offset`` (its link port is the rank's control
   port plus this, default 1000).
 """
@@ -29,6 +30,7 @@ KNOWN_KEYS = {
     "control_timeout",
     "mooncake_protocol",
     "transfer_timeout",
+    "batch_slices",
     "device_name",
     "device_id",
     "llmdatadist_port_offset",

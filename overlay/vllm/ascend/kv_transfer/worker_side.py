@@ -23,11 +23,9 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.kv_transfer import wire
-from vllm.ascend.kv_transfer.addressing import layer_regions, plane_regions, plane_table, read_ranges
+from vllm.ascend.kv_transfer.addressing import decode_rank_ranges, layer_regions, plane_regions, plane_table
 from vllm.ascend.kv_transfer.control import ControlClient, ControlServer
 from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
@@ -313,35 +311,25 @@ class P2PWorker:
 
     def _execute(self, plan, peer: _Peer, spec: RecvSpec) -> int:
         """This rank's reads of the plan; the bytes read."""
-        pulled = 0
-        mine = plan.read_ids_of(self.global_rank)
-        # reads of tokens cached here are skipped (a whole block either is or is not)
-        mine = mine[plan.positions[plan.token_start[mine]] >= spec.first_token]
-        p_base = plan.prefill_ranks.start
-        d_heads = self.layout.heads(self.tp_rank).start
-        for p in np.unique(plan.prefill_rank[mine]).tolist():
-            target = peer.ranks.get(p - p_base)
+
+        def tables(rank_in_replica: int):
+            target = peer.ranks.get(rank_in_replica)
             if target is None:
-                target = peer.ranks[p - p_base] = self._connect(
-                    self._hello(peer.host, peer.port + p - p_base)
+                target = peer.ranks[rank_in_replica] = self._connect(
+                    self._hello(peer.host, peer.port + rank_in_replica)
                 )
-            p_heads = peer.layout.heads((p - p_base) % peer.layout.tp).start
-            from_p = mine[plan.prefill_rank[mine] == p]
-            parts = [
-                read_ranges(
-                    plan,
-                    from_p[plan.group[from_p] == g],
-                    target.src[g],
-                    target.dst[g],
-                    p_heads,
-                    d_heads,
-                    (peer.layout.block_size, self.layout.block_size),
-                    self._transport.whole_blocks,
-                )
-                for g in np.unique(plan.group[from_p]).tolist()
-            ]
-            local, remote_addr, lengths = (np.concatenate([part[k] for part in parts]) for k in range(3))
-            self._transport.read(target.address, local, remote_addr, lengths)
+            return target
+
+        pulled = 0
+        for p, local, remote_addr, lengths in decode_rank_ranges(
+            plan,
+            self.global_rank,
+            spec.first_token,  # reads of tokens cached here are skipped
+            self.tp_rank,
+            lambda rank: (tables(rank).src, tables(rank).dst),
+            self._transport.whole_blocks,
+        ):
+            self._transport.read(tables(p).address, local, remote_addr, lengths)
             pulled += int(lengths.sum())
         return pulled
 
@@ -372,28 +360,31 @@ class P2PWorker:
                 if m.decode_rank == self.global_rank
             ]
             targets = [remote.remote_port + m.prefill_rank - plan.prefill_ranks.start for m in messages]
+        # done messages are idempotent: after good reads a busy prefill rank gets a second
+        # chance (unanswered, they would be discarded); after failed ones the lease frees anyway
+        requests = [(f"{remote.remote_host}:{port}", m) for m, port in zip(messages, targets)]
         expired = False
-        for message, port in zip(messages, targets):
-            address = f"{remote.remote_host}:{port}"
-            # done messages are idempotent: after good reads a busy prefill rank gets a second
-            # chance (unanswered, they would be discarded); after failed ones the lease frees anyway
-            attempts = 2 if message.ok else 1
-            for attempt in range(1, attempts + 1):
-                try:
-                    reply = self._client.request(address, message)
+        for attempt in (1, 2):
+            retry = []
+            for (address, message), reply in zip(requests, self._client.request_all(requests)):
+                if not isinstance(reply, Exception):
                     expired |= isinstance(reply, wire.Reply) and reply.lease_expired
-                    break
-                except Exception as e:
-                    logger.warning(
-                        "request %s: done message to %s failed (attempt %d of %d): %s",
-                        spec.request_id,
-                        address,
-                        attempt,
-                        attempts,
-                        e,
-                    )
-            else:  # unanswered: the blocks may have been freed under the read
-                expired |= message.ok
+                    continue
+                logger.warning(
+                    "request %s: done message to %s failed (attempt %d of %d): %s",
+                    spec.request_id,
+                    address,
+                    attempt,
+                    2 if message.ok else 1,
+                    reply,
+                )
+                if message.ok and attempt == 1:
+                    retry.append((address, message))
+                else:  # unanswered: the blocks may have been freed under the read
+                    expired |= message.ok
+            if not retry:
+                break
+            requests = retry
         return expired
 
     def close(self) -> None:

@@ -44,6 +44,11 @@ class MooncakeTransport(Transport):
                 f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"
             )
         self._address = f"{host}:{self._engine.get_rpc_port()}"
+        # The engine cuts ranges into slices (MC_SLICE_SIZE bytes) and its TCP lanes queue a
+        # bounded number per peer, refusing a batch beyond that: a read is submitted in
+        # chunks of at most ``batch_slices`` slices.
+        self._slice_bytes = int(os.environ.get("MC_SLICE_SIZE", 65536))
+        self._batch_slices = int(options.get("batch_slices", 1024))
         self._regions: list[int] = []
         self._lock = threading.Lock()
 
@@ -64,9 +69,25 @@ class MooncakeTransport(Transport):
             raise RuntimeError(f"Mooncake batch_register_memory of {len(regions)} regions returned {rc}")
         self._regions += bases
 
+    def chunks(self, lengths: np.ndarray) -> list[slice]:
+        """The read's ranges cut into submissions of at most ``batch_slices`` slices each (a
+        range larger than that alone)."""
+        slices = np.cumsum(-(-np.asarray(lengths, dtype=np.int64) // self._slice_bytes))
+        bounds, start = [], 0
+        while start < len(slices):
+            base = slices[start - 1] if start else 0
+            end = max(start + 1, int(np.searchsorted(slices, base + self._batch_slices, side="right")))
+            bounds.append(slice(start, end))
+            start = end
+        return bounds
+
     def read(self, peer: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> None:
         if len(lengths) == 0:
             return
+        for part in self.chunks(lengths):
+            self._read_chunk(peer, local[part], remote[part], lengths[part])
+
+    def _read_chunk(self, peer: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> None:
         args = (peer, local.tolist(), remote.tolist(), lengths.tolist())
         for attempt in (1, 2):  # a TCP session the engine had to drop is re-opened once
             if attempt == 2:
