@@ -176,7 +176,7 @@ class Plan:
         return (self.read(i) for i in range(len(self)))
 
     def read_ids_of(self, decode_rank: int) -> np.ndarray:
-        """The reads one decode rank makes (read ids are grouped by decode rank)."""
+        """The reads one decode rank makes."""
         return np.flatnonzero(self.decode_rank == decode_rank)
 
     @property
@@ -364,8 +364,8 @@ def plan_shape(
     replica_offset: int = 0,
 ) -> Plan:
     """The plan of ``num_tokens`` tokens with block-table indices where the block ids go
-    (``src_block``/``dst_block``), made of cached per-period plans. Read-only arrays: it is
-    shared by every request of this shape."""
+    (``src_block``/``dst_block``), made of cached per-period plans. Its arrays may be the
+    cache's (read-only): copy before changing them."""
     args = (prefill, decode, prefill_dp_rank, decode_dp_rank, replica_offset % _replica_period(prefill))
     cycle = period(prefill, decode)
     if num_tokens < cycle:
@@ -389,29 +389,29 @@ def _copies(shape: Plan, copies: int, src_step: int, dst_step: int, first: int =
     tokens, runs = shape.positions.size, shape.run_token.size
     cycle = src_step * shape.prefill.virtual_block_size
 
-    def per_read(column, step):
-        return (column[None, :] + (k[:, None] * step if step else 0)).ravel()
+    def shifted(column, step):  # a column of ids or positions, ``step`` further per period
+        return (column[None, :] + k[:, None] * step).ravel()
 
-    def rows(column, size, shift):
-        return (column[None, :] + (k - first)[:, None] * size + shift).ravel()
+    def rows(column, size):  # row indices into columns ``size`` rows longer per copy
+        return (column[None, :] + (k - first)[:, None] * size).ravel()
 
     return replace(
         shape,
         num_tokens=(first + copies - 1) * cycle + shape.num_tokens,
         decode_rank=np.tile(shape.decode_rank, copies),
         prefill_rank=np.tile(shape.prefill_rank, copies),
-        src_block=per_read(shape.src_block, src_step),
-        dst_block=per_read(shape.dst_block, dst_step),
+        src_block=shifted(shape.src_block, src_step),
+        dst_block=shifted(shape.dst_block, dst_step),
         head0=np.tile(shape.head0, copies),
         head1=np.tile(shape.head1, copies),
-        token_start=rows(shape.token_start, tokens, 0),
+        token_start=rows(shape.token_start, tokens),
         token_count=np.tile(shape.token_count, copies),
-        positions=per_read(shape.positions, cycle),
+        positions=shifted(shape.positions, cycle),
         src_offsets=np.tile(shape.src_offsets, copies),
         dst_offsets=np.tile(shape.dst_offsets, copies),
-        runs_start=rows(shape.runs_start, runs, 0),
+        runs_start=rows(shape.runs_start, runs),
         runs_count=np.tile(shape.runs_count, copies),
-        run_token=rows(shape.run_token, tokens, 0),
+        run_token=rows(shape.run_token, tokens),
         run_length=np.tile(shape.run_length, copies),
         group=np.tile(shape.group, copies),
     )

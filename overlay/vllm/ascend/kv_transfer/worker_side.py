@@ -312,13 +312,13 @@ class P2PWorker:
     def _execute(self, plan, peer: _Peer, spec: RecvSpec) -> int:
         """This rank's reads of the plan; the bytes read."""
 
-        def tables(rank_in_replica: int):
+        def plane_tables(rank_in_replica: int):  # connects to that prefill rank the first time
             target = peer.ranks.get(rank_in_replica)
             if target is None:
                 target = peer.ranks[rank_in_replica] = self._connect(
                     self._hello(peer.host, peer.port + rank_in_replica)
                 )
-            return target
+            return target.src, target.dst
 
         pulled = 0
         for p, local, remote_addr, lengths in decode_rank_ranges(
@@ -326,10 +326,10 @@ class P2PWorker:
             self.global_rank,
             spec.first_token,  # reads of tokens cached here are skipped
             self.tp_rank,
-            lambda rank: (tables(rank).src, tables(rank).dst),
+            plane_tables,
             self._transport.whole_blocks,
         ):
-            self._transport.read(tables(p).address, local, remote_addr, lengths)
+            self._transport.read(peer.ranks[p].address, local, remote_addr, lengths)
             pulled += int(lengths.sum())
         return pulled
 
