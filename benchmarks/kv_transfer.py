@@ -20,10 +20,11 @@
 2. Control-plane time per request, p50/p99: planning, addressing, and the done messages'
    round trip (to every prefill rank read from, at once). Goal: p50 <= 1 ms for
    DeepSeek-V3 at 4k tokens; the table shows how it grows with the prompt.
-3. Serving: TTFT and output tokens/s of 1P1D (tiny Qwen2, prefill and decode instances
-   with AscendP2PConnector behind the proxy) vs. one colocated instance, the same
-   concurrent streamed requests (recorded; host emulation, so these numbers track the
-   connector's cost, not NPU performance).
+3. Serving (tiny Qwen2; prefill and decode instances with AscendP2PConnector behind the
+   proxy, once as pull after prefill and once ``--layerwise``, and one colocated
+   instance): TTFT of one request at a time on 512- to 4k-token prompts, with each P/D
+   mode's overhead over colocated, then TTFT and output tokens/s of concurrent streamed
+   requests (host emulation: these numbers track the connector's cost, not NPU speed).
 """
 
 from __future__ import annotations
@@ -324,6 +325,87 @@ def run_case(case: Case, repeats: int) -> dict:
     }
 
 
+def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: list[int]) -> list[dict]:
+    """``requests`` pulls at once (disjoint fragmented blocks, plan + addressing + read +
+    done messages each, as the worker's pull threads run them) through thread pools of
+    each size: the aggregate rate and the per-request p50, to size the worker's pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.ascend.kv_transfer import wire
+    from vllm.ascend.kv_transfer.addressing import (
+        decode_rank_ranges,
+        layer_regions,
+        plane_regions,
+        plane_table,
+    )
+    from vllm.ascend.kv_transfer.control import ControlClient
+    from vllm.ascend.kv_transfer.plan import build_group_plan
+    from vllm.ascend.kv_transfer.transport import open_transport
+
+    case = Case(shape_name, tokens, (("tp", 1),), (("tp", 1),))
+    shape, (prefill, decode) = SHAPES[shape_name], case.layouts()
+    need = -(-tokens // BLOCK_TOKENS)
+    pool = requests * need + 1
+    port = _free_port(1)
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    peer = ctx.Process(target=prefill_peer, args=(case, [0], pool, port, out, stop), daemon=True)
+    peer.start()
+    rows = []
+    try:
+        address, raw_regions = out.get(timeout=600)
+        theirs = [
+            wire.LayerRegion(n, b, nb, [wire.PlaneSpec(h, hb) for h, hb in planes])
+            for n, b, nb, planes in raw_regions[0]
+        ]
+        buffers, mine = _rank_layers(shape, decode, 0, pool)
+        transport = open_transport("mooncake", "127.0.0.1", {})
+        transport.register(plane_regions(layer_regions(mine)))
+        transport.connect(address, plane_regions(theirs))
+        src, dst = plane_table(mine, theirs)
+        client = ControlClient(10.0)
+        rng = np.random.default_rng(1)
+
+        def pull(ids):
+            t0 = time.perf_counter()
+            plan = build_group_plan(prefill, decode, tokens, [ids[0]], [ids[1]])
+            for _, local, remote, lengths in decode_rank_ranges(
+                plan, 0, 0, 0, lambda _: ({0: src}, {0: dst})
+            ):
+                transport.read(address, local, remote, lengths)
+            done = [m for m in wire.done_messages(plan, "c", frozenset()) if m.decode_rank == 0]
+            client.request_all([(f"127.0.0.1:{port + m.prefill_rank}", m) for m in done])
+            return time.perf_counter() - t0
+
+        for size in [pool_sizes[0], *pool_sizes]:  # the first round warms up
+            src_ids = (rng.permutation(pool - 1) + 1).reshape(requests, need)
+            dst_ids = (rng.permutation(pool - 1) + 1).reshape(requests, need)
+            with ThreadPoolExecutor(size) as executor:
+                t0 = time.perf_counter()
+                latencies = list(executor.map(pull, zip(src_ids, dst_ids)))
+                elapsed = time.perf_counter() - t0
+            rows.append(
+                {
+                    "threads": size,
+                    "mib_s": requests * _request_mib(shape, tokens) / elapsed,
+                    "p50_ms": _pct(latencies, 50) * 1e3,
+                }
+            )
+        transport.close()
+        del buffers
+    finally:
+        stop.set()
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+    return rows[1:]
+
+
+def _request_mib(shape: Shape, tokens: int) -> float:
+    heads = shape.kv_heads or 1
+    return shape.layers * sum(shape.plane_bytes) * heads * tokens / 2**20
+
+
 def _filled(buffers) -> int:
     return sum(int(np.count_nonzero(buf)) for buf in buffers)
 
@@ -361,6 +443,9 @@ def _raw_ranges(plan, me: int, tables: dict, src_ids, dst_ids) -> dict:
     return out
 
 
+SERVING_MODEL_LEN = 4608  # the 4k-token prompts and their output
+
+
 def _server(model: Path, port: int, config: dict | None, log: Path):
     cmd = [
         sys.executable,
@@ -375,7 +460,7 @@ def _server(model: Path, port: int, config: dict | None, log: Path):
         "--dtype",
         "float32",
         "--max-model-len",
-        "512",
+        str(SERVING_MODEL_LEN),
         "--seed",
         "0",
     ]
@@ -407,8 +492,10 @@ def _wait(url: str, proc, log: Path, timeout: float = 600) -> None:
 
 
 async def _stream_all(
-    url: str, model: Path, prompts: list[str], max_tokens: int
+    url: str, model: Path, prompts: list, max_tokens: int
 ) -> tuple[list[float], int, float]:
+    """The prompts (text or token ids) sent at once, streamed: their TTFTs, the output
+    tokens and the seconds it all took."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as client:
@@ -437,7 +524,14 @@ async def _stream_all(
         return [r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - t0
 
 
-def serving_rows(num_prompts: int, max_tokens: int) -> list[dict]:
+SETUPS = (("colocated", "colocated"), ("1P1D, pull after prefill", "proxy"), ("1P1D, layer-wise", "proxy_lw"))
+
+
+def serving_rows(num_prompts: int, max_tokens: int, lengths: list[int], repeats: int) -> tuple[list, list]:
+    """TTFT per prompt length (one request at a time, fresh random token ids each, so no
+    prefix-cache hits) and the concurrent streamed run, for each setup in ``SETUPS``."""
+    import random
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = tmp / "qwen2"
@@ -453,42 +547,65 @@ def serving_rows(num_prompts: int, max_tokens: int) -> list[dict]:
             check=True,
             capture_output=True,
         )
-        ports = {name: _free_port() for name in ("colocated", "prefill", "decode", "proxy")}
+        ports = {name: _free_port() for name in ("colocated", "prefill", "decode", "proxy", "proxy_lw")}
         kv = {name: _free_port() for name in ("prefill", "decode")}
         procs = {"colocated": _server(model, ports["colocated"], None, tmp / "colocated.log")}
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             config = {"kv_connector": "AscendP2PConnector", "kv_role": role, "kv_port": kv[name]}
             procs[name] = _server(model, ports[name], config, tmp / f"{name}.log")
-        procs["proxy"] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm.ascend.kv_transfer.proxy",
-                "--prefill",
-                f"http://127.0.0.1:{ports['prefill']}",
-                "--decode",
-                f"http://127.0.0.1:{ports['decode']}",
-                "--port",
-                str(ports["proxy"]),
-            ],
-            stdout=open(tmp / "proxy.log", "w"),  # noqa: SIM115  (the proxy writes it until it stops)
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        for name, extra in (
+            ("proxy", []),
+            ("proxy_lw", ["--layerwise", "--prefill-kv", f"127.0.0.1:{kv['prefill']}"]),
+        ):
+            procs[name] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm.ascend.kv_transfer.proxy",
+                    "--prefill",
+                    f"http://127.0.0.1:{ports['prefill']}",
+                    "--decode",
+                    f"http://127.0.0.1:{ports['decode']}",
+                    "--port",
+                    str(ports[name]),
+                    *extra,
+                ],
+                stdout=open(tmp / f"{name}.log", "w"),  # noqa: SIM115  (the proxy writes it until it stops)
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
-            print("serving: starting a colocated instance, a 1P1D pair and the proxy ...", flush=True)
-            for name in ("colocated", "prefill", "decode", "proxy"):
+            print("serving: starting a colocated instance, a 1P1D pair and both proxies ...", flush=True)
+            for name in procs:
                 _wait(f"http://127.0.0.1:{ports[name]}", procs[name], tmp / f"{name}.log")
+            rng = random.Random(0)
+
+            def token_prompt(n):  # ids from 10 up: clear of the special tokens
+                return [rng.randrange(10, 1000) for _ in range(n)]
+
+            ttft_rows, concurrent_rows = [], []
+            for _, name in SETUPS:
+                url = f"http://127.0.0.1:{ports[name]}"
+                asyncio.run(_stream_all(url, model, [token_prompt(64), token_prompt(512)], 4))  # warm-up
+            for n in lengths:
+                row = {"tokens": n}
+                for _ in range(repeats):  # setups interleaved: drift on the machine hits all alike
+                    for label, name in SETUPS:
+                        url = f"http://127.0.0.1:{ports[name]}"
+                        (ttft,), _, _ = asyncio.run(_stream_all(url, model, [token_prompt(n)], 2))
+                        row.setdefault(label, []).append(ttft * 1e3)
+                ttft_rows.append(
+                    {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
+                )
+                print(f"  TTFT at {n} tokens: done", flush=True)
             prompts = [
                 f"Request {i}: " + "paged attention keeps keys and values in blocks " * (2 + i % 6)
                 for i in range(num_prompts)
             ]
-            rows = []
-            for label, name in (("colocated", "colocated"), ("1P1D via proxy", "proxy")):
+            for label, name in SETUPS:
                 url = f"http://127.0.0.1:{ports[name]}"
-                asyncio.run(_stream_all(url, model, prompts[:2], 4))  # warm-up
                 ttfts, tokens, elapsed = asyncio.run(_stream_all(url, model, prompts, max_tokens))
-                rows.append(
+                concurrent_rows.append(
                     {
                         "setup": label,
                         "requests": num_prompts,
@@ -498,7 +615,7 @@ def serving_rows(num_prompts: int, max_tokens: int) -> list[dict]:
                         "tokens_s": tokens / elapsed,
                     }
                 )
-            return rows
+            return ttft_rows, concurrent_rows
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
@@ -517,6 +634,19 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16, help="concurrent requests in the serving part")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--skip-serving", action="store_true")
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=8,
+        help="requests pulled at once in the pool-size table (DeepSeek-V3, 4k tokens; 0 leaves it out)",
+    )
+    p.add_argument(
+        "--ttft-lengths",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[512, 1024, 2048, 4096],
+        help="prompt lengths of the TTFT table (comma-separated, at most 4096)",
+    )
+    p.add_argument("--ttft-repeats", type=int, default=5, help="requests per setup and length (median)")
     args = p.parse_args()
     cases = default_cases(long=not args.no_long)
     print(
@@ -566,20 +696,37 @@ def main() -> None:
         f"goal: total p50 <= 1 ms for DeepSeek-V3 at 4k tokens: worst {worst:.2f} ms,",
         "met" if worst <= 1 else "NOT met",
     )
+    if args.concurrent:
+        print(f"\n{args.concurrent} DeepSeek-V3 4k-token pulls at once, by pull threads (the worker has 4)")
+        print("| threads | aggregate MiB/s | per-request p50 ms |")
+        print("|---:|---:|---:|")
+        for r in run_concurrency("deepseek-v3", 4096, args.concurrent, [1, 2, 4, 8]):
+            print(f"| {r['threads']} | {r['mib_s']:.0f} | {r['p50_ms']:.0f} |")
     if args.skip_serving:
         return
-    srows = serving_rows(args.prompts, args.max_tokens)
-    print("\n| setup | requests | TTFT p50 ms | TTFT p99 ms | output tokens | tokens/s |")
+    ttft_rows, srows = serving_rows(args.prompts, args.max_tokens, args.ttft_lengths, args.ttft_repeats)
+    base = SETUPS[0][0]
+    print(f"\nTTFT, one request at a time, ms (median of {args.ttft_repeats}); overhead over {base}")
+    print(
+        "| prompt tokens | "
+        + " | ".join(label for label, _ in SETUPS)
+        + " | "
+        + " | ".join(f"{label} overhead" for label, _ in SETUPS[1:])
+        + " |"
+    )
+    print("|---:|" + "---:|" * (2 * len(SETUPS) - 1))
+    for r in ttft_rows:
+        cells = [f"{r[label]:.0f}" for label, _ in SETUPS]
+        cells += [f"+{r[label] - r[base]:.0f} ({r[label] / r[base]:.2f}x)" for label, _ in SETUPS[1:]]
+        print(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+    print(f"\n{args.prompts} concurrent streamed requests")
+    print("| setup | requests | TTFT p50 ms | TTFT p99 ms | output tokens | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in srows:
         print(
             f"| {r['setup']} | {r['requests']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tokens']} "
             f"| {r['tokens_s']:.1f} |"
         )
-    print(
-        f"1P1D / colocated tokens/s: {srows[1]['tokens_s'] / srows[0]['tokens_s']:.2f}; "
-        f"TTFT p50 ratio: {srows[1]['ttft_p50_ms'] / srows[0]['ttft_p50_ms']:.2f}"
-    )
 
 
 def _name(row) -> str:

@@ -11,6 +11,10 @@ script prints both and exits with status 1 if any greedy output differs or nothi
 pulled. ``--prompt-lengths 31,39`` replaces the text prompts with prompts of random token
 ids of those lengths (seeded), e.g. to put a sliding window's edge on a block boundary.
 
+``--layerwise``: both processes get every prompt at once, with a transfer id
+(``layerwise_id``) each; the decode side reads each layer of a prompt's KV as the prefill
+forward writes it (docs/pd_disaggregation.md). Then a failed pull is an error too.
+
 On an NPU host each process sees its own NPUs (``--prefill-devices``, ``--decode-devices``:
 ``ASCEND_RT_VISIBLE_DEVICES``; NPU-unverified). In host emulation (``VLLM_ASCEND_EMULATE=1``)
 both run on the CPU; with no ``--model`` a tiny random Qwen2 is made first
@@ -81,10 +85,25 @@ def _greedy(max_tokens: int, kv_transfer_params: dict | None = None):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
 
 
+def _transfer_ids(args) -> list[str]:
+    return [f"offline-{i}" for i in range(len(_prompts(args)))]
+
+
 def prefill(args, devices: str, handoff, done) -> None:
     os.environ["ASCEND_RT_VISIBLE_DEVICES"] = devices
     llm = _engine(args, "kv_producer", args.prefill_kv_port)
     try:
+        if args.layerwise:
+            ready = handoff.get(timeout=HANDOFF_TIMEOUT)  # both engines up: the prompts go at once
+            if "error" in ready:
+                return
+            sampling = [
+                _greedy(1, {"do_remote_decode": True, "layerwise_id": transfer_id})
+                for transfer_id in _transfer_ids(args)
+            ]
+            llm.generate(_prompts(args), sampling, use_tqdm=False)
+            done.wait(HANDOFF_TIMEOUT)  # the decode side reads while the engine answers
+            return
         outputs = llm.generate(_prompts(args), _greedy(1, {"do_remote_decode": True}), use_tqdm=False)
         params = [out.kv_transfer_params for out in outputs]
         if not all(params):
@@ -103,18 +122,30 @@ def decode(args, devices: str, handoff, results) -> None:
     llm = _engine(args, "kv_consumer", args.decode_kv_port)
     prompts = _prompts(args)
     try:
-        message = handoff.get(timeout=HANDOFF_TIMEOUT)
-        if "error" in message:
-            results.put(message)
-            return
+        if args.layerwise:  # no hand-off: where the KV is comes from the prefill rank
+            handoff.put({"ready": True})
+            where = {"remote_host": args.host, "remote_port": args.prefill_kv_port}
+            params = [
+                {"do_remote_prefill": True, "layerwise_id": transfer_id, **where}
+                for transfer_id in _transfer_ids(args)
+            ]
+        else:
+            message = handoff.get(timeout=HANDOFF_TIMEOUT)
+            if "error" in message:
+                results.put(message)
+                return
+            params = message["params"]
         # one batch, each request with the transfer parameters of its own prompt
-        sampling = [_greedy(args.max_tokens, params) for params in message["params"]]
+        sampling = [_greedy(args.max_tokens, p) for p in params]
         disaggregated = llm.generate(prompts, sampling, use_tqdm=False)
-        pulled = sum(
-            metric.value
-            for metric in llm.get_metrics()
-            # (the registry names a counter without its _total suffix)
-            if metric.name in ("vllm:ascend_p2p_pulled_bytes", "vllm:ascend_p2p_pulled_bytes_total")
+        pulled, failed = (
+            sum(
+                metric.value
+                for metric in llm.get_metrics()
+                # (the registry names a counter without its _total suffix)
+                if metric.name in (name, name + "_total")
+            )
+            for name in ("vllm:ascend_p2p_pulled_bytes", "vllm:ascend_p2p_failed_pulls")
         )
         llm.reset_prefix_cache()  # the colocated run computes every prompt itself
         colocated = llm.generate(prompts, _greedy(args.max_tokens), use_tqdm=False)
@@ -127,6 +158,7 @@ def decode(args, devices: str, handoff, results) -> None:
             "text": [out.outputs[0].text for out in disaggregated],
             "colocated_text": [out.outputs[0].text for out in colocated],
             "pulled_bytes": pulled,
+            "failed_pulls": failed,
         }
     )
 
@@ -176,6 +208,11 @@ def main() -> int:
         action="store_true",
         help="one KV-cache group for every layer (vLLM's option), on both engines",
     )
+    parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="both processes get the prompts at once; decode reads each layer as it is written",
+    )
     parser.add_argument("--json", type=Path, help="write the token ids and the pulled byte count here")
     args = parser.parse_args()
     if args.model is None:
@@ -220,6 +257,9 @@ def main() -> int:
         return 1
     if not result["pulled_bytes"]:
         print("error: the decode process pulled no KV (it computed the prompts itself)", file=sys.stderr)
+        return 1
+    if args.layerwise and result["failed_pulls"]:
+        print(f"error: {result['failed_pulls']:.0f} layer-wise pulls failed", file=sys.stderr)
         return 1
     print("equal greedy outputs")
     return 0

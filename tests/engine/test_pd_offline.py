@@ -9,12 +9,19 @@ upstream's hybrid manager, each moved by its own block table). A 24-token window
 last prompt token needs on the last slot of a block, the block a sliding-window group
 frees first (kv_transfer/groups.py); 12 generated tokens outgrow the window. The same
 prompts with the hybrid manager off (one group: every layer keeps every block) move more
-bytes for the same tokens."""
+bytes for the same tokens.
+
+The hybrid Gemma 3 run moves its KV layer-wise (``--layerwise``: both processes get the
+prompts at once, the decode side reads each layer of each group as the prefill forward
+writes it; the example fails if any layer-wise pull failed), the other two pull after
+the prefill; a Qwen2 pair runs both modes in NPU-path mode in
+tests/engine/test_graph_serving.py, where they move the same bytes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -28,7 +35,7 @@ MAX_TOKENS = 12
 WINDOWED = ["--block-size", "8", "--prompt-lengths", "31,39,47"]
 RUNS = {
     "qwen2": ("qwen2", []),
-    "gemma3-hybrid": ("gemma3", WINDOWED),
+    "gemma3-hybrid": ("gemma3", [*WINDOWED, "--layerwise"]),
     "gemma3-one-group": ("gemma3", [*WINDOWED, "--disable-hybrid-kv-cache-manager"]),
 }
 
@@ -48,6 +55,10 @@ def _run_example(model, options: list[str], out) -> dict:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "equal greedy outputs" in done.stdout
     assert "Traceback" not in done.stderr, done.stderr[-4000:]  # in neither process
+    if "--layerwise" in options:  # layers were published during the forward, not only at its end
+        assert re.search(
+            r"publishes [1-9]\d* of \d+ layers as the forward writes them", done.stdout + done.stderr
+        )
     return json.loads(out.read_text())
 
 
@@ -67,6 +78,7 @@ def test_offline_example_decodes_pulled_kv_like_transformers(name, results, tiny
     assert result["disaggregated"] == expected
     assert result["colocated"] == expected
     assert result["pulled_bytes"] > 0
+    assert result["failed_pulls"] == 0
 
 
 def test_the_hybrid_manager_moves_only_the_blocks_inside_each_window(results):

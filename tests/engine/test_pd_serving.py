@@ -11,9 +11,14 @@ All instances start once, together, and serve every test:
   (``kv_load_failure_policy: recompute``), the TP1 decode fails them (the default).
 * MLA + MoE (tiny DeepSeek-V3): prefill TP2 + EP -> decode DP2 + EP.
 
-The fault cases run last: the PCP2 prefill is killed (both decode policies), then the
-TP1 decode instance is killed with requests in flight (the TP1 prefill's KV-usage gauge
-shows its blocks coming back).
+Every proxy has a layer-wise twin (``-lw``: ``--layerwise``, each request sent to both
+instances at once and the KV read layer by layer as the prefill writes it) over the same
+instances, and the end-to-end cases run through both.
+
+The fault cases run last: clients disconnect mid-stream (both modes); the PCP2 prefill is
+killed after prefilling by hand (both decode policies) and while layer-wise requests are
+in flight; then the TP1 decode instance is killed with requests of both modes in flight
+(the TP1 prefill's KV-usage gauge shows its blocks coming back).
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ PROXIES = {
     "cp": (["p_pcp2"], ["d_dcp2"]),
     "ds": (["p_ds"], ["d_ds"]),
 }
+PROXIES.update({f"{name}-lw": pair for name, pair in list(PROXIES.items())})
+PROXIES["1p1d-lw"] = (["p_tp1"], ["d_tp1"])
 
 
 def _prompts(n: int, salt: str = "") -> list[str]:
@@ -130,7 +137,7 @@ def _instance(model, name: str, spec, tmp) -> VllmServer:
 
 
 class Proxy:
-    def __init__(self, prefill: list[VllmServer], decode: list[VllmServer], log):
+    def __init__(self, prefill: list[VllmServer], decode: list[VllmServer], log, layerwise: bool = False):
         import subprocess
 
         self.port, self.log = free_port(), log
@@ -147,6 +154,8 @@ class Proxy:
             "--cooldown",
             "2",
         ]
+        if layerwise:
+            cmd += ["--layerwise", "--prefill-kv", *[f"127.0.0.1:{i.kv_port}" for i in prefill]]
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -182,7 +191,10 @@ def cluster(tiny_models, tmp_path_factory):
             server.wait(deadline)
         for name, (prefill, decode) in PROXIES.items():
             proxies[name] = Proxy(
-                [servers[n] for n in prefill], [servers[n] for n in decode], tmp / f"proxy-{name}.log"
+                [servers[n] for n in prefill],
+                [servers[n] for n in decode],
+                tmp / f"proxy-{name}.log",
+                layerwise=name.endswith("-lw"),
             )
         for proxy in proxies.values():
             proxy.wait()
@@ -270,7 +282,7 @@ def _served(server: VllmServer) -> float:
     return _metric(server, "vllm:request_success_total")
 
 
-@pytest.mark.parametrize("pair", ["2p1d", "1p2d"])
+@pytest.mark.parametrize("pair", ["2p1d", "1p2d", "2p1d-lw"])
 def test_xpyd_equals_transformers_for_16_concurrent_requests(cluster, pair):
     proxy = cluster[pair]
     prefill, decode = PROXIES[pair]
@@ -292,7 +304,7 @@ def test_each_instance_runs_the_ascend_runner_with_async_scheduling(cluster):
         assert "Ascend model runner scheduling: async\n" in text, name
 
 
-@pytest.mark.parametrize("pair", ["cp", "ds"])
+@pytest.mark.parametrize("pair", ["cp", "ds", "ds-lw"])  # cp-lw: in the dead-prefill test
 def test_context_parallel_and_deepseek_ep_pairs_equal_transformers(cluster, pair):
     proxy = cluster[pair]
     prompts = _prompts(8, salt=pair + " ")
@@ -353,6 +365,28 @@ def test_the_decode_instance_pulls_the_prompt_instead_of_computing_it(cluster, d
         time.sleep(0.5)
     assert _usage_now(prefill) == baseline, "the prefill instance still holds the pulled requests' blocks"
     assert _metric(prefill, HOLDS) == 0
+
+
+def test_layerwise_pulls_every_prompt_and_frees_the_prefill_blocks(cluster):
+    """Through the layer-wise 2P1D proxy: the decode instance's prompt tokens arrived by KV
+    transfer, no pull failed, and both prefill instances hold nothing afterwards."""
+    server, proxy = cluster["d_tp1"], cluster["2p1d-lw"]
+    prompts = _prompts(6, salt="layer by layer " * 3)
+    sources = ("external_kv_transfer", "local_compute")
+    before = {s: _by_source(server, s) for s in sources}
+    failed = _metric(server, FAILED_PULLS)
+    assert asyncio.run(_complete(proxy.url, proxy.model, prompts)) == _oracle(proxy.model, prompts)
+    pulled, computed = (_by_source(server, s) - before[s] for s in sources)
+    from transformers import AutoTokenizer
+
+    total = sum(len(AutoTokenizer.from_pretrained(server.model)(p).input_ids) for p in prompts)
+    assert pulled >= total - len(prompts) and computed <= len(prompts), (pulled, computed, total)
+    assert _metric(server, FAILED_PULLS) == failed
+    for name in ("p_tp1", "p_pcp2"):
+        deadline = time.monotonic() + LEASE / 4
+        while _metric(cluster[name], HOLDS) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _metric(cluster[name], HOLDS) == 0, name
 
 
 def test_chat_through_the_proxy_equals_the_colocated_instance(cluster):
@@ -416,11 +450,50 @@ def test_malformed_control_messages_are_refused_and_the_instance_keeps_serving(c
     assert asyncio.run(_complete(cluster["2p1d"].url, p1.model, prompts)) == _oracle(p1.model, prompts)
 
 
-def test_64_concurrent_requests_none_lost(cluster):
-    proxy = cluster["1p2d"]
+@pytest.mark.parametrize("pair", ["1p2d", "1p2d-lw"])
+def test_64_concurrent_requests_none_lost(cluster, pair):
+    proxy = cluster[pair]
     prompts = _prompts(64, salt="many ")
     got = asyncio.run(_complete(proxy.url, proxy.model, prompts, stream_every=3))
     assert got == _oracle(proxy.model, prompts)
+
+
+@pytest.mark.parametrize("pair", ["1p2d", "1p1d-lw"])
+def test_clients_that_disconnect_leave_nothing_held_or_running(cluster, pair):
+    """Streams dropped after their first token: the decode instances stop the requests
+    and the prefill instance holds no blocks; the next requests are served."""
+    proxy = cluster[pair]
+    prefill = cluster["p_tp1"]
+    decodes = [cluster[n] for n in PROXIES[pair][1]]
+
+    async def drop_after_first_token(prompt):
+        body = {
+            "model": str(proxy.model),
+            "prompt": prompt,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{proxy.url}/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return  # the connection closes here
+
+    async def main():
+        await asyncio.gather(*(drop_after_first_token(p) for p in _prompts(8, salt=f"gone {pair} ")))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + LEASE / 2
+    running = lambda: sum(_metric(d, "vllm:num_requests_running") for d in decodes)  # noqa: E731
+    while (running() or _metric(prefill, HOLDS)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert running() == 0 and _metric(prefill, HOLDS) == 0
+    prompts = _prompts(2, salt=f"after the drops {pair} ")
+    assert asyncio.run(_complete(proxy.url, proxy.model, prompts)) == _oracle(proxy.model, prompts)
 
 
 def _prefill_only(server: VllmServer, prompt: str) -> dict:
@@ -445,7 +518,18 @@ def test_a_dead_prefill_fails_or_recomputes_per_policy_and_decode_keeps_serving(
     failed_pulls = _metric(d_fail, FAILED_PULLS)
     prompts = _prompts(2, salt="the prefill dies ")
     params = [_prefill_only(p2, prompt) for prompt in prompts]
-    p2.kill()
+    # layer-wise requests in flight when it dies: the recomputing decode instance answers all
+    layerwise = _prompts(8, salt="the prefill dies mid-prefill " * 6)
+    recompute_failed = _metric(d_recompute, FAILED_PULLS)
+
+    async def in_flight_then_kill():
+        task = asyncio.ensure_future(_complete(cluster["cp-lw"].url, model, layerwise))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(p2.kill)
+        return await task
+
+    assert asyncio.run(in_flight_then_kill()) == _oracle(model, layerwise)
+    assert _metric(d_recompute, FAILED_PULLS) > recompute_failed  # some were cut off
     body = {
         "model": str(model),
         "max_tokens": MAX_TOKENS,
@@ -496,12 +580,17 @@ def test_a_dead_decode_leaves_no_blocks_held_on_prefill(cluster):
     assert _usage_now(prefill) > baseline
 
     async def in_flight_then_kill():
-        task = asyncio.ensure_future(
-            _complete(proxy.url, proxy.model, _prompts(8, salt="killed "), broken_ok=True, max_tokens=400)
-        )
+        tasks = [
+            asyncio.ensure_future(
+                _complete(
+                    url, proxy.model, _prompts(8, salt=f"killed {url} "), broken_ok=True, max_tokens=400
+                )
+            )
+            for url in (proxy.url, cluster["1p1d-lw"].url)
+        ]
         await asyncio.sleep(1.0)
         await asyncio.to_thread(decode.kill)
-        return await task
+        return [r for task in tasks for r in await task]
 
     results = asyncio.run(in_flight_then_kill())
     assert any(isinstance(r, tuple) for r in results), "the decode instance died after serving everything"

@@ -176,3 +176,44 @@ def test_a_run_never_crosses_from_one_read_into_the_next():
     assert local.tolist() == [5000 + 2 * 80, 5000 + 9 * 80 + 40]
     assert remote.tolist() == [1000, 1000 + 5 * 80 + 40]
     assert lengths.tolist() == [40, 40]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_by_layer_reads_copy_the_same_bytes_as_one_pull(name):
+    """Layer-wise transfer reads each prefill rank's layers as they are written, in any
+    order: the ranges of all those partial reads are exactly the ranges of one pull."""
+    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges, decode_rank_sources, plane_layers
+    from vllm.ascend.kv_transfer.worker_side import PeerRank
+
+    prefill, decode = CASES[name]
+    tokens, decode_dp = 45, decode.dp - 1
+    n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
+    src = _instance(prefill, 0, n_p + 3)
+    dst = _instance(decode, decode_dp, n_d + 4)
+    plan = build_plan(prefill, decode, tokens, list(range(n_p)), list(range(1, n_d + 1)), 0, decode_dp)
+    for d_rank, rank in dst.items():
+        tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
+        peers = {}
+        for p in range(prefill.ranks_per_replica):
+            theirs = src[p].regions()
+            peers[p] = PeerRank(
+                "",
+                *({0: t} for t in plane_table(rank.mine(), theirs)),
+                {0: plane_layers(rank.mine(), theirs)},
+            )
+
+        def ranges(tables, d_rank=d_rank, tp_rank=tp_rank):
+            out = set()
+            for _, local, remote, lengths in decode_rank_ranges(plan, d_rank, 3, tp_rank, tables):
+                for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
+                    out.update((lo + i, re + i) for i in range(0, n, 4))  # int32 elements
+            return out
+
+        whole = ranges(lambda p, peers=peers: (peers[p].src, peers[p].dst))
+        by_layer = set()
+        for layer in reversed(range(LAYERS)):
+            part = ranges(lambda p, layer=layer, peers=peers: peers[p].only({layer}))
+            assert not part & by_layer  # no element is read twice
+            by_layer |= part
+        assert by_layer == whole and whole
+        assert set(decode_rank_sources(plan, d_rank, 3)) <= set(peers)

@@ -82,3 +82,29 @@ def test_an_instance_that_keeps_resetting_gets_a_503(instance):
     with TestClient(build_app([prefill_url], [decode_url])) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 4})
     assert r.status_code == 503 and "no prefill instance" in r.json()["error"]["message"]
+
+
+def test_layerwise_sends_both_at_once_with_one_transfer_id(instance):
+    prefill, prefill_url = instance()
+    decode, decode_url = instance()
+    with TestClient(build_app([prefill_url], [decode_url], prefill_kv=["10.0.0.7:21100"])) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+    (first,), (second,) = prefill.seen, decode.seen
+    transfer_id = first["kv_transfer_params"]["layerwise_id"]
+    assert first["max_tokens"] == 1 and first["kv_transfer_params"]["do_remote_decode"]
+    assert second["max_tokens"] == 4 and second["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "layerwise_id": transfer_id,
+        "remote_host": "10.0.0.7",
+        "remote_port": 21100,
+    }
+
+
+@pytest.mark.parametrize(
+    "prefill_kv, error",
+    [(["h:1", "h:2"], "2 addresses for 1 prefill"), (["h"], "HOST:KV_PORT"), (["h:0"], "HOST:KV_PORT")],
+)
+def test_layerwise_refuses_prefill_kv_that_does_not_match(prefill_kv, error):
+    with pytest.raises(ValueError, match=error):
+        build_app(["http://p"], ["http://d"], prefill_kv=prefill_kv)

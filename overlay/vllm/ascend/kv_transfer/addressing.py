@@ -42,6 +42,13 @@ def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[list, list]:
     return src, dst
 
 
+def plane_layers(mine: dict, theirs: list) -> list[int]:
+    """Per row of ``plane_table(mine, theirs)``, the index of its layer in ``theirs`` (the
+    prefill rank's RankInfo layers, which layer-wise progress names by index)."""
+    index = {layer.name: i for i, layer in enumerate(theirs)}
+    return [index[name] for name, (_, layer) in mine.items() for _ in layer.planes]
+
+
 def read_ranges(
     plan,
     read_ids,
@@ -123,14 +130,17 @@ def decode_rank_ranges(
     prefill rank it reads from, ``(prefill rank in its replica, local addresses, remote
     addresses, lengths)``, every KV-cache group in one batch. Reads of tokens before
     ``first_token`` (cached here already) are skipped. ``tables(rank_in_replica)`` gives
-    that prefill rank's plane tables per group, ``(src, dst)`` (``plane_table``)."""
-    mine = plan.read_ids_of(global_rank)
-    mine = mine[plan.first_position[mine] >= first_token]
+    that prefill rank's plane tables per group, ``(src, dst)`` (``plane_table``), or None to
+    read nothing from it now; a group with no rows is skipped (layer-wise: some layers)."""
+    mine = _reads_of(plan, global_rank, first_token)
     p_base = plan.prefill_ranks.start
     d_heads = plan.decode.heads(tp_rank).start
     block_sizes = (plan.prefill.block_size, plan.decode.block_size)
     for p in np.unique(plan.prefill_rank[mine]).tolist():
-        src, dst = tables(p - p_base)
+        tabled = tables(p - p_base)
+        if tabled is None:
+            continue
+        src, dst = tabled
         p_heads = plan.prefill.heads((p - p_base) % plan.prefill.tp).start
         from_p = mine[plan.prefill_rank[mine] == p]
         parts = [
@@ -145,8 +155,22 @@ def decode_rank_ranges(
                 whole_blocks,
             )
             for g in np.unique(plan.group[from_p]).tolist()
+            if src[g]
         ]
+        if not parts:
+            continue
         yield (p - p_base, *(np.concatenate([part[k] for part in parts]) for k in range(3)))
+
+
+def _reads_of(plan, global_rank: int, first_token: int) -> np.ndarray:
+    mine = plan.read_ids_of(global_rank)
+    return mine[plan.first_position[mine] >= first_token]
+
+
+def decode_rank_sources(plan, global_rank: int, first_token: int) -> list[int]:
+    """The prefill ranks (in their replica) one decode rank reads from for ``plan``."""
+    mine = _reads_of(plan, global_rank, first_token)
+    return (np.unique(plan.prefill_rank[mine]) - plan.prefill_ranks.start).tolist()
 
 
 def whole_block_ranges(

@@ -53,7 +53,9 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> P2PConnectorMetadata:
-        return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        return self._scheduler.build_connector_meta(
+            scheduler_output, idle=scheduler_output.total_num_scheduled_tokens == 0
+        )
 
     def on_new_request(self, request) -> None:
         self._scheduler.on_new_request(request)
@@ -74,6 +76,11 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind_step(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_step(self._get_connector_metadata())
 
@@ -81,10 +88,10 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # whole requests are pulled before they are scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        return None  # decode pulls; prefill only keeps the blocks
+        self._worker.layer_saved(layer_name)  # layer-wise: decode may read this layer once written
 
     def wait_for_save(self) -> None:
-        return None
+        self._worker.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]):
         return self._worker.get_finished()

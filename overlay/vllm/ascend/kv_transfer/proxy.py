@@ -10,6 +10,12 @@ or not) is the client's. Instances are chosen least-loaded (fewest requests in f
 through this proxy); one that cannot be reached is skipped for ``--cooldown`` seconds
 and the request is tried on another. ``/health`` is 200 while at least one prefill and
 one decode instance answer; ``/v1/models`` comes from a decode instance.
+
+``--layerwise --prefill-kv HOST:KV_PORT [...]`` (one per ``--prefill``, that instance's
+connector host and ``kv_port``): each request goes to both at once, with a transfer id
+(``layerwise_id``); the decode instance reads each layer of the prompt's KV as the
+prefill forward writes it, and the client gets the decode instance's answer. A prefill
+answer that is not 200 is logged; the decode side then computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Instance:
     url: str
     in_flight: int = 0
     down_until: float = 0.0
+    kv: tuple[str, int] | None = None  # layer-wise: the prefill connector's host and kv_port
 
 
 class NoInstance(RuntimeError):
@@ -84,11 +91,31 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
+def parse_kv_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--prefill-kv wants HOST:KV_PORT, got {text!r}")
+    return host, int(port)
+
+
 def build_app(
-    prefill: list[str], decode: list[str], timeout: float = 600.0, cooldown: float = 5.0
+    prefill: list[str],
+    decode: list[str],
+    timeout: float = 600.0,
+    cooldown: float = 5.0,
+    prefill_kv: list[str] | None = None,
 ) -> FastAPI:
+    """``prefill_kv`` (one ``HOST:KV_PORT`` per prefill instance) turns on layer-wise transfer."""
     pools = {"prefill": Pool("prefill", prefill, cooldown), "decode": Pool("decode", decode, cooldown)}
-    state: dict = {}
+    if prefill_kv is not None:
+        if len(prefill_kv) != len(prefill):
+            raise ValueError(
+                f"--prefill-kv names {len(prefill_kv)} addresses for {len(prefill)} prefill instances: "
+                "give one per --prefill, in the same order"
+            )
+        for instance, text in zip(pools["prefill"].instances, prefill_kv):
+            instance.kv = parse_kv_address(text)
+    state: dict = {"background": set()}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -97,6 +124,8 @@ def build_app(
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
         yield
+        if state["background"]:  # layer-wise prefill requests still running
+            await asyncio.wait(state["background"], timeout=timeout)
         await state["client"].aclose()
 
     app = FastAPI(lifespan=lifespan)
@@ -147,6 +176,8 @@ def build_app(
         first.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         if "max_completion_tokens" in body:
             first["max_completion_tokens"] = 1
+        if prefill_kv is not None:
+            return await layerwise(path, body, first, headers, stream)
         try:
             instance, answer = await send(pools["prefill"], path, first, headers, stream=False)
         except NoInstance as e:
@@ -169,6 +200,51 @@ def build_app(
             instance, answer = await send(pools["decode"], path, second, headers, stream=stream)
         except NoInstance as e:
             return _error(503, str(e))
+        return await answer_from(instance, answer, stream)
+
+    async def layerwise(path: str, body: dict, first: dict, headers: dict, stream: bool):
+        order = pools["prefill"].order()
+        prefill_instance = next((i for i in order if i.down_until <= time.monotonic()), order[0])
+        transfer_id = f"lw-{uuid.uuid4().hex}"
+        host, port = prefill_instance.kv
+        first["kv_transfer_params"] = {"do_remote_decode": True, "layerwise_id": transfer_id}
+        task = asyncio.create_task(prefill_only(prefill_instance, path, first, headers))
+        state["background"].add(task)  # kept alive until done
+        task.add_done_callback(state["background"].discard)
+        second = dict(body)
+        second["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "layerwise_id": transfer_id,
+            "remote_host": host,
+            "remote_port": port,
+        }
+        try:
+            instance, answer = await send(pools["decode"], path, second, headers, stream=stream)
+        except NoInstance as e:
+            task.cancel()  # nobody would read what it computes
+            return _error(503, str(e))
+        return await answer_from(instance, answer, stream)
+
+    async def prefill_only(instance: Instance, path: str, body: dict, headers: dict) -> None:
+        """Layer-wise: the prefill instance's answer is not the client's; a failure is
+        logged (the decode side computes the prompt itself)."""
+        client: httpx.AsyncClient = state["client"]
+        instance.in_flight += 1
+        try:
+            answer = await client.post(instance.url + path, json=body, headers=headers)
+            if answer.status_code != 200:
+                logger.warning(
+                    "prefill instance %s answered %d: %s", instance.url, answer.status_code, answer.text[:500]
+                )
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            pools["prefill"].mark_down(instance, e)
+        except httpx.HTTPError as e:
+            logger.warning("prefill instance %s: %s: %s", instance.url, type(e).__name__, e)
+        finally:
+            instance.in_flight -= 1
+
+    async def answer_from(instance: Instance, answer, stream: bool):
+        """The decode instance's answer, relayed (streamed when asked)."""
         if not stream or answer.status_code != 200:
             try:
                 await answer.aread()
@@ -248,10 +324,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--cooldown", type=float, default=5.0, help="seconds an unreachable instance rests")
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="send each request to prefill and decode at once; decode reads each layer as it is written",
+    )
+    p.add_argument(
+        "--prefill-kv",
+        nargs="+",
+        metavar="HOST:KV_PORT",
+        help="with --layerwise: each prefill instance's connector host and kv_port, in --prefill order",
+    )
     args = p.parse_args(argv)
+    if args.layerwise != bool(args.prefill_kv):
+        p.error("--layerwise and --prefill-kv go together")
     logging.basicConfig(level=logging.INFO)
     uvicorn.run(
-        build_app(args.prefill, args.decode, args.timeout, args.cooldown),
+        build_app(
+            args.prefill,
+            args.decode,
+            args.timeout,
+            args.cooldown,
+            args.prefill_kv if args.layerwise else None,
+        ),
         host=args.host,
         port=args.port,
         log_level="warning",

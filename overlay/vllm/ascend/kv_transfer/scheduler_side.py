@@ -10,6 +10,13 @@ pull it (``worker_side.py``) after the scheduler has allocated the blocks. While
 a background thread renews its lease on the prefill ranks. A request that never gets
 its blocks (aborted, or fully cached here) releases the prefill blocks at once.
 
+Layer-wise (``kv_transfer_params.layerwise_id``, sent by the proxy's ``--layerwise`` to both
+instances at once): the prefill side publishes the request's blocks in the step that
+computes its last prompt tokens (``layerwise.py``) and the decode side, which allocated
+its blocks meanwhile, reads each layer once it is written. A published request is held
+however it ends, since a decode rank may be reading it; one that ends unpublished is
+marked failed, so the decode side computes the prompt itself.
+
 Block tables travel per KV-cache group (``groups.py``); with a sliding-window group the
 prefill side computes the prompt but its last token, which the decode side computes.
 """
@@ -29,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient
 from vllm.ascend.kv_transfer.groups import TransferGroups
+from vllm.ascend.kv_transfer.layerwise import Publish, release_messages
 from vllm.ascend.kv_transfer.settings import P2PSettings
 
 logger = logging.getLogger(__name__)
@@ -37,16 +45,37 @@ logger = logging.getLogger(__name__)
 class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
     """``kv_transfer_params`` of a decode request, as the prefill instance returned them."""
 
-    remote_engine_id: str
-    remote_request_id: str  # the prefill instance's id: its holds are keyed by it
     remote_host: str
-    remote_port: int
-    remote_ranks: int
-    remote_dp_rank: int
-    remote_block_ids: list[list[int]]  # per transferred KV-cache group
-    remote_num_tokens: int  # tokens computed there: the prompt minus ``remote_backoff``
+    remote_port: int  # layer-wise: the prefill instance's kv_port (the replica is found)
+    remote_engine_id: str = ""
+    remote_request_id: str = ""  # the key of its holds: the prefill's id, or layerwise_id
+    remote_ranks: int = 0
+    remote_dp_rank: int = 0
+    remote_block_ids: list[list[int]] = []  # per transferred KV-cache group
+    remote_num_tokens: int = 0  # tokens computed there: the prompt minus ``remote_backoff``
     remote_backoff: int = 0
     do_remote_prefill: bool = False
+    # layer-wise: the transfer's id; the blocks and token count come from the prefill rank
+    layerwise_id: str | None = None
+
+    def __post_init__(self):
+        if self.layerwise_id is None and not (
+            self.remote_engine_id and self.remote_request_id and self.remote_ranks > 0
+        ):
+            raise ValueError("remote_engine_id, remote_request_id and remote_ranks are required")
+        if self.layerwise_id is not None and not 0 < len(self.layerwise_id) <= 256:
+            raise ValueError("layerwise_id must be 1 to 256 characters")
+
+
+@dataclass
+class _Outgoing:
+    """Prefill: a layer-wise request until it is published."""
+
+    transfer_id: str
+    num_tokens: int
+    backoff: int
+    tables: list | None = None  # per KV-cache group, as scheduled so far
+    published: bool = False
 
 
 @dataclass
@@ -61,6 +90,11 @@ class RecvSpec:
 class P2PConnectorMetadata(KVConnectorMetadata):
     sends: dict[str, float] = field(default_factory=dict)  # request id -> lease seconds
     recvs: list[RecvSpec] = field(default_factory=list)
+    # layer-wise (prefill): the hold key of a send (its layerwise_id), the requests whose
+    # last prompt tokens this step computes, and transfers that ended unpublished or failed
+    send_keys: dict[str, str] = field(default_factory=dict)
+    publishes: list[Publish] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
     # the step schedules no tokens: upstream keeps stepping while blocks wait for a
     # delayed free or a pull, and the workers pace such steps (worker_side.IdlePacer)
     idle: bool = False
@@ -88,6 +122,11 @@ class P2PScheduler:
         self._recvs: list[RecvSpec] = []
         self._local_hits: dict[str, int] = {}
         self._waiting: dict[str, RemotePrefill] = {}  # decode: requests whose KV is not here yet
+        self._outgoing: dict[str, _Outgoing] = {}  # prefill: layer-wise requests
+        self._send_keys: dict[str, str] = {}
+        self._publishes: list[Publish] = []
+        self._failed: list[str] = []
+        self._layouts: dict[tuple[str, int], object] = {}  # decode: prefill kv_port -> layout
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -102,22 +141,32 @@ class P2PScheduler:
         """Prefill: leave the prompt's last ``backoff`` tokens to the decode side (groups.py).
         Once per request (a preempted request comes back already shortened)."""
         params = request.kv_transfer_params
+        if not (self.settings.producer and params and params.get("do_remote_decode")):
+            return
         backoff = self.groups.backoff
-        if not (
-            self.settings.producer
-            and backoff
-            and params
-            and params.get("do_remote_decode")
+        if (
+            backoff
             and not params.get("_ascend_backoff")
             and request.prompt_token_ids is not None
             and request.num_prompt_tokens > backoff
         ):
-            return
-        del request.prompt_token_ids[-backoff:]
-        del request._all_token_ids[-backoff:]
-        request.num_prompt_tokens -= backoff
-        request.max_tokens = 1
-        params["_ascend_backoff"] = backoff
+            del request.prompt_token_ids[-backoff:]
+            del request._all_token_ids[-backoff:]
+            request.num_prompt_tokens -= backoff
+            request.max_tokens = 1
+            params["_ascend_backoff"] = backoff
+        transfer_id = params.get("layerwise_id")
+        if isinstance(transfer_id, str) and 0 < len(transfer_id) <= 256:
+            self._outgoing.setdefault(
+                request.request_id,
+                _Outgoing(transfer_id, request.num_prompt_tokens, int(params.get("_ascend_backoff", 0))),
+            )
+        elif transfer_id is not None:
+            logger.warning(
+                "request %s: layerwise_id must be a string of 1 to 256 characters; the decode "
+                "side will not find it and computes the prompt itself",
+                request.request_id,
+            )
 
     def request_finished(self, request, block_ids: tuple[list[int], ...]):
         params = request.kv_transfer_params or {}
@@ -129,10 +178,18 @@ class P2PScheduler:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if (
-            request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-            or not block_ids
-        ):
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        outgoing = self._outgoing.pop(request.request_id, None)
+        if outgoing is not None:
+            if not (finished and block_ids and outgoing.published):
+                self._failed.append(outgoing.transfer_id)
+            if not outgoing.published:
+                return False, None
+            # a decode rank may be reading it: held until every read is done, however it ended
+            self._send_keys[request.request_id] = outgoing.transfer_id
+            self._sends[request.request_id] = self.settings.lease_seconds
+            return True, None
+        if not finished or not block_ids:
             return False, None
         self._sends[request.request_id] = self.settings.lease_seconds
         layout = self.settings.layout
@@ -155,6 +212,19 @@ class P2PScheduler:
         remote = parse_remote(request.kv_transfer_params) if self.settings.consumer else None
         if remote is None:
             return 0, False
+        if remote.layerwise_id is not None and not remote.remote_request_id:
+            # the prefill side leaves the same backoff (same config); the published token
+            # count is checked against this before anything is read
+            prompt = len(request.prompt_token_ids)
+            backoff = self.groups.backoff if self.groups.backoff and prompt > self.groups.backoff else 0
+            request.kv_transfer_params.update(
+                remote_num_tokens=prompt - backoff,
+                remote_backoff=backoff,
+                remote_request_id=remote.layerwise_id,
+                remote_engine_id=f"{remote.remote_host}:{remote.remote_port}",
+                remote_block_ids=[[] for _ in self.groups.ids],
+            )
+            remote = parse_remote(request.kv_transfer_params)
         mismatch = None
         if remote.remote_num_tokens + remote.remote_backoff != len(request.prompt_token_ids):
             mismatch = (
@@ -193,10 +263,56 @@ class P2PScheduler:
             RecvSpec(request.request_id, remote, first, [list(tables[g]) for g in self.groups.ids])
         )
 
-    def build_connector_meta(self, idle: bool = False) -> P2PConnectorMetadata:
-        meta = P2PConnectorMetadata(self._sends, self._recvs, idle)
-        self._sends, self._recvs = {}, []
+    def build_connector_meta(self, scheduler_output=None, idle: bool = False) -> P2PConnectorMetadata:
+        if self._outgoing and scheduler_output is not None:
+            self._track_outgoing(scheduler_output)
+        meta = P2PConnectorMetadata(
+            self._sends,
+            self._recvs,
+            send_keys=self._send_keys,
+            publishes=self._publishes,
+            failed=self._failed,
+            idle=idle,
+        )
+        self._sends, self._recvs, self._send_keys, self._publishes, self._failed = {}, [], {}, [], []
         return meta
+
+    def _track_outgoing(self, out) -> None:
+        """Prefill: follow the layer-wise requests' block tables; publish each in the step
+        that computes its last prompt tokens."""
+        computed = {}
+        for new in out.scheduled_new_reqs:
+            outgoing = self._outgoing.get(new.req_id)
+            if outgoing is not None:
+                outgoing.tables = [list(b) for b in new.block_ids]
+                computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            outgoing = self._outgoing.get(req_id)
+            if outgoing is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed or outgoing.tables is None:
+                outgoing.tables = [list(b) for b in new_ids] if new_ids is not None else outgoing.tables
+            elif new_ids is not None:
+                for table, more in zip(outgoing.tables, new_ids):
+                    table.extend(more)
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, before in computed.items():
+            outgoing = self._outgoing[req_id]
+            scheduled = out.num_scheduled_tokens.get(req_id, 0)
+            if outgoing.published or not scheduled or before + scheduled < outgoing.num_tokens:
+                continue
+            outgoing.published = True
+            self._publishes.append(
+                Publish(
+                    outgoing.transfer_id,
+                    [list(outgoing.tables[g]) for g in self.groups.ids],
+                    outgoing.num_tokens,
+                    outgoing.backoff,
+                )
+            )
 
     def update_connector_output(self, output) -> None:
         done = output.finished_recving or ()
@@ -211,6 +327,9 @@ class P2PScheduler:
         self._local_hits.pop(request_id, None)
         with self._lock:
             self._waiting.pop(request_id, None)
+        if remote.layerwise_id is not None:
+            self._outbox.put((None, remote))  # the messenger finds the prefill ranks first
+            return
         for rank in range(remote.remote_ranks):
             message = wire.DoneReading(
                 wire.WIRE_VERSION, remote.remote_request_id, 0, rank, [], reads_total=0, ok=False
@@ -223,7 +342,10 @@ class P2PScheduler:
         while not self._stop.is_set():
             try:
                 address, message = self._outbox.get(timeout=max(0.0, min(0.2, next_renew - time.monotonic())))
-                self._send(address, message)
+                if address is None:
+                    self._release_layerwise(message)
+                else:
+                    self._send(address, message)
             except queue.Empty:
                 pass
             if time.monotonic() >= next_renew:
@@ -245,6 +367,29 @@ class P2PScheduler:
                             wire.WIRE_VERSION, self.settings.engine_id, ids[start : start + wire.MAX_RENEW]
                         ),
                     )
+
+    def _release_layerwise(self, remote: RemotePrefill) -> None:
+        """Every rank of every replica of the prefill instance is told: which replica has
+        the request is not known here. Kept as an early message where it is not held yet."""
+        try:
+            layout = self.prefill_layout(self._client, remote.remote_host, remote.remote_port)
+        except Exception as e:
+            logger.warning("KV control: releasing layer-wise request %s failed: %s", remote.layerwise_id, e)
+            return
+        requests = release_messages(remote.remote_host, remote.remote_port, layout, remote.layerwise_id)
+        for (address, _), reply in zip(requests, self._client.request_all(requests)):
+            if isinstance(reply, Exception):
+                logger.warning("KV control: release to %s failed: %s", address, reply)
+
+    def prefill_layout(self, client: ControlClient, host: str, port: int):
+        """The layout of the prefill instance whose first control port is ``port``."""
+        layout = self._layouts.get((host, port))
+        if layout is None:
+            reply = client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, self.settings.engine_id))
+            if not isinstance(reply, wire.RankInfo):
+                raise RuntimeError(f"the prefill rank at {host}:{port} answered Hello with {reply}")
+            layout = self._layouts[(host, port)] = reply.layout.to_layout()
+        return layout
 
     def _send(self, address: str, message) -> None:
         try:

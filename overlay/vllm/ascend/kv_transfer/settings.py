@@ -9,6 +9,9 @@ serves its control plane on ``kv_port + d x ranks_per_replica + r``.
 * ``lease_seconds``: how long a prefill instance keeps a finished request's blocks
   without hearing from the decode side (default 30; renewed while decode waits);
 * ``control_timeout``: seconds to wait for a control-plane answer (default 5);
+* ``layerwise_wait_seconds``: how long a decode rank waits, without news, for a layer-wise
+  request to be published by the prefill instance and for each further layer (default
+  120); then it computes the prompt itself;
 * transport options: ``mooncake_protocol`` (``tcp`` default; ``ascend`` on NPU hosts),
   ``transfer_timeout`` (seconds, default 30), ``batch_slices`` (slices per Mooncake
   submission, default 1024), ``device_name``; for llmdatadist
@@ -28,6 +31,7 @@ KNOWN_KEYS = {
     "host",
     "lease_seconds",
     "control_timeout",
+    "layerwise_wait_seconds",
     "mooncake_protocol",
     "transfer_timeout",
     "batch_slices",
@@ -50,6 +54,7 @@ class P2PSettings:
     layout: CPLayout
     dp_rank: int
     options: dict = field(default_factory=dict)
+    layerwise_wait: float = 120.0
 
     @classmethod
     def from_config(cls, vllm_config) -> P2PSettings:
@@ -69,7 +74,13 @@ class P2PSettings:
         lease = float(extra.get("lease_seconds", 30))
         if lease <= 0:
             raise ValueError(f"kv_connector_extra_config.lease_seconds must be positive, got {lease}")
+        layerwise_wait = float(extra.get("layerwise_wait_seconds", 120))
+        if layerwise_wait <= 0:
+            raise ValueError(
+                f"kv_connector_extra_config.layerwise_wait_seconds must be positive, got {layerwise_wait}"
+            )
         return cls(
+            layerwise_wait=layerwise_wait,
             engine_id=str(kv.engine_id),
             producer=kv.is_kv_producer,
             consumer=kv.is_kv_consumer,

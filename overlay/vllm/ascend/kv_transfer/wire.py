@@ -13,6 +13,11 @@ layout, transport address and KV regions), ``Renew`` (decode still wants these
 requests: extend their leases) and ``Reply`` (the answer to anything else; to a
 ``DoneReading`` whose request's lease had already run out it says ``lease_expired``).
 
+Layer-wise transfer (``layerwise_id``): ``Progress`` (decode rank -> prefill rank: how far
+are these transfers) -> ``ProgressReply``, one ``TransferProgress`` per id: unknown yet,
+published (the prefill request's block tables, its token count and the layers written
+so far, as indices into that rank's ``RankInfo.layers``) or failed.
+
 Every message carries ``v`` (``WIRE_VERSION``). ``decode_message`` refuses, with a
 ``WireError`` naming the problem, anything over ``MAX_MESSAGE_BYTES``, not msgpack, of
 an unknown type or version, or outside the field limits below; it never unpickles.
@@ -27,7 +32,7 @@ from msgspec import Meta, Struct
 
 from vllm.ascend.context_parallel.placement import CPLayout
 
-WIRE_VERSION = 2  # 2: every layer names its KV-cache group
+WIRE_VERSION = 3  # 2: every layer names its KV-cache group; 3: layer-wise progress
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_READS = 1 << 16  # reads in one message
 
@@ -125,13 +130,38 @@ class Reply(Struct, tag="reply", forbid_unknown_fields=True):
     lease_expired: bool = False
 
 
-Message = DoneReading | Hello | RankInfo | Renew | Reply
+MAX_PROGRESS = 1024  # transfers asked about in one Progress
+UNKNOWN, PUBLISHED, FAILED = "unknown", "published", "failed"
+
+
+class Progress(Struct, tag="progress", forbid_unknown_fields=True):
+    v: int
+    transfer_ids: Annotated[list[Text], Meta(min_length=1, max_length=MAX_PROGRESS)]
+
+
+class TransferProgress(Struct, forbid_unknown_fields=True):
+    transfer_id: Text
+    state: Annotated[str, Meta(pattern="^(unknown|published|failed)$")]
+    block_ids: Annotated[list[list[Count]], Meta(max_length=64)] = []  # per KV-cache group
+    num_tokens: Count = 0
+    backoff: Count = 0
+    layers: Annotated[list[Count], Meta(max_length=MAX_LAYERS)] = []  # written so far
+
+
+class ProgressReply(Struct, tag="progress_reply", forbid_unknown_fields=True):
+    v: int
+    transfers: Annotated[list[TransferProgress], Meta(max_length=MAX_PROGRESS)]
+
+
+Message = DoneReading | Hello | RankInfo | Renew | Reply | Progress | ProgressReply
 MESSAGE_TYPES = {
     "done_reading": DoneReading,
     "hello": Hello,
     "rank_info": RankInfo,
     "renew": Renew,
     "reply": Reply,
+    "progress": Progress,
+    "progress_reply": ProgressReply,
 }
 
 

@@ -12,10 +12,17 @@ reads, then send each prefill rank it read from the done message, also after a f
 the first decode rank also tells the unread prefill ranks. Each layer is read by its own
 KV-cache group's block table (``groups.py``); both sides name every layer's group in the
 handshake, and a mismatch fails the pull.
+
+Layer-wise (``layerwise.py``): a prefill rank records when each layer of a published
+request is written and answers ``Progress``; asking renews the request's lease. A decode
+rank finds the replica that has the request, builds the plan from the published block
+tables and reads each prefill rank's layers as they are written, then sends the same
+done messages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,12 +30,22 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.kv_transfer import wire
-from vllm.ascend.kv_transfer.addressing import decode_rank_ranges, layer_regions, plane_regions, plane_table
-from vllm.ascend.kv_transfer.control import ControlClient, ControlServer
+from vllm.ascend.kv_transfer.addressing import (
+    decode_rank_ranges,
+    decode_rank_sources,
+    layer_regions,
+    plane_layers,
+    plane_regions,
+    plane_table,
+)
+from vllm.ascend.kv_transfer.control import ControlClient, ControlServer, ControlTimeout
 from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
+from vllm.ascend.kv_transfer.layerwise import Publications, release_messages
 from vllm.ascend.kv_transfer.plan import build_group_plan
 from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpec
 from vllm.ascend.kv_transfer.settings import P2PSettings
@@ -63,13 +80,56 @@ class IdlePacer:
 
 
 @dataclass(frozen=True)
-class _PeerRank:
+class PeerRank:
     """One prefill rank, connected: where to read and, per KV-cache group, both sides'
     plane tables of that group's layers."""
 
     address: str
     src: dict  # group -> plane table
     dst: dict
+    layer_of_row: dict  # group -> per table row, the index of its layer in the rank's RankInfo
+
+    def only(self, layers: set):
+        """The plane tables restricted to these layers (None: none of them is read here)."""
+        src, dst = {}, {}
+        for g, rows in self.layer_of_row.items():
+            keep = [i for i, layer in enumerate(rows) if layer in layers]
+            src[g], dst[g] = [self.src[g][i] for i in keep], [self.dst[g][i] for i in keep]
+        return (src, dst) if any(src.values()) else None
+
+    @property
+    def layers(self) -> set:
+        return {layer for rows in self.layer_of_row.values() for layer in rows}
+
+
+@dataclass
+class _Attempt:
+    """One pull as far as it got (the done messages depend on it)."""
+
+    spec: RecvSpec
+    plan: object = None
+    layout: object = None  # layer-wise: the prefill instance's, once asked
+    unreachable: bool = False  # layer-wise: no prefill replica answered (nothing to release)
+
+
+class _Waiter:
+    """Paces a layer-wise poll: short sleeps while news comes, longer ones up to 20 ms
+    without; gives up after ``patience`` seconds with no news."""
+
+    def __init__(self, patience: float, what: str):
+        self.patience, self.what = patience, what
+        self._sleep = 0.0005
+        self._last_news = time.monotonic()
+
+    def wait(self, news: bool) -> None:
+        now = time.monotonic()
+        if news:
+            self._sleep, self._last_news = 0.0005, now
+            return
+        if now - self._last_news > self.patience:
+            raise TimeoutError(f"waited {self.patience:.0f} s for {self.what} (layerwise_wait_seconds)")
+        time.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, 0.02)
 
 
 @dataclass(frozen=True)
@@ -79,7 +139,7 @@ class _Peer:
     layout: object
     host: str
     port: int
-    ranks: dict  # rank in replica -> _PeerRank (filled as they are needed)
+    ranks: dict  # rank in replica -> PeerRank (filled as they are needed)
 
 
 class P2PWorker:
@@ -106,6 +166,13 @@ class P2PWorker:
         # decode
         # a few pulls at once, so one unreachable prefill instance does not hold up the others
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-p2p-pull")
+        # a layer-wise pull waits for the prefill forward: more of them at once
+        self._layerwise_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-p2p-layerwise")
+        self._publications: Publications | None = None  # prefill
+        self._layer_index: dict[str, int] = {}
+        self._told_layerwise = False
+        self._request_of_key: dict[str, str] = {}  # prefill: hold key (layerwise_id) -> request id
+        self._bases: dict[tuple[str, int], wire.RankInfo] = {}  # decode: a prefill instance's first rank
         self._peer_lock = threading.Lock()
         self._peers: dict[tuple, _Peer] = {}
         self._finished_recving: set[str] = set()
@@ -132,6 +199,8 @@ class P2PWorker:
         options.setdefault("device_id", device.index if device.index is not None else 0)
         self._transport = open_transport(self.settings.transport, self.settings.host, options)
         regions = layer_regions(self._layers, self.groups.layer_group)
+        self._layer_index = {region.name: i for i, region in enumerate(regions)}
+        self._publications = Publications(len(regions), expiry=self.settings.lease_seconds)
         self._transport.register(plane_regions(regions))
         self._info = wire.RankInfo(
             wire.WIRE_VERSION,
@@ -183,23 +252,69 @@ class P2PWorker:
         if isinstance(message, wire.Renew):
             self._holds.renew(message.request_ids)
             return ok
+        if isinstance(message, wire.Progress):
+            self._holds.renew(message.transfer_ids)  # a decode rank is still reading them
+            return wire.ProgressReply(wire.WIRE_VERSION, self._publications.progress(message.transfer_ids))
         return wire.Reply(wire.WIRE_VERSION, False, f"a prefill rank does not take {type(message).__name__}")
 
     # -- per step -----------------------------------------------------------------------
+    def bind_step(self, meta: P2PConnectorMetadata) -> None:
+        """Before the step's forward: its layer-wise publications (``start_step`` may come
+        after the forward: upstream starts asynchronous loads there)."""
+        if (meta.publishes or meta.failed) and self._publications is not None:
+            self._publications.begin_step(meta.publishes, meta.failed)
+
     def start_step(self, meta: P2PConnectorMetadata | None) -> None:
         self._idle = meta is not None and meta.idle and not meta.sends and not meta.recvs
         if meta is None:
             return
         for request_id, lease in meta.sends.items():
-            self._holds.hold(request_id, lease)
+            key = meta.send_keys.get(request_id, request_id)
+            if key != request_id:
+                with self._lock:
+                    self._request_of_key[key] = request_id
+            self._holds.hold(key, lease)
         for spec in meta.recvs:
-            self._pool.submit(self._pull, spec)
+            pool = self._pool if spec.remote.layerwise_id is None else self._layerwise_pool
+            pool.submit(self._pull, spec)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """Prefill: ``layer_name``'s forward has queued its KV writes."""
+        index = self._layer_index.get(layer_name)
+        if index is not None and self._publications is not None and self._publications.saving:
+            self._publications.layer_saved(index, self._record_event())
+
+    def step_saved(self) -> None:
+        if self._publications is not None and self._publications.saving:
+            by_hook = self._publications.end_step(self._record_event())
+            if not self._told_layerwise:
+                self._told_layerwise = True
+                logger.info(
+                    "AscendP2PConnector rank %d: layer-wise transfer publishes %d of %d layers as the "
+                    "forward writes them, the rest at the forward's end",
+                    self.global_rank,
+                    by_hook,
+                    self._publications.num_layers,
+                )
+
+    @staticmethod
+    def _record_event():
+        from vllm.ascend import device
+
+        event = device.current().event()
+        event.record()
+        return event
 
     def get_finished(self):
         self._pacer.pace(self._idle)
         sending = self._holds.take_finished()
         with self._lock:
             recving, self._finished_recving = self._finished_recving, set()
+            if sending and self._request_of_key:
+                for key in [k for k in sending if k in self._request_of_key]:
+                    sending.discard(key)
+                    sending.add(self._request_of_key.pop(key))
+                    self._publications.retire(key)
         return sending or None, recving or None
 
     def take_stats(self) -> P2PConnectorStats | None:
@@ -240,15 +355,16 @@ class P2PWorker:
                 peer = self._peers.setdefault(key, peer)
         return peer
 
-    def _connect(self, info: wire.RankInfo) -> _PeerRank:
+    def _connect(self, info: wire.RankInfo) -> PeerRank:
         """Once per prefill rank: transport connection and the plane tables of both sides."""
         with self._peer_lock:
             self._transport.connect(info.address, plane_regions(info.layers))
-        src, dst = {}, {}
+        src, dst, rows = {}, {}, {}
         for g in range(len(self.groups.ids)):
             mine = {name: v for name, v in self._layers.items() if self.groups.layer_group[name] == g}
             src[g], dst[g] = plane_table(mine, info.layers, group=g)
-        return _PeerRank(info.address, src, dst)
+            rows[g] = plane_layers(mine, info.layers)
+        return PeerRank(info.address, src, dst, rows)
 
     def _hello(self, host: str, port: int) -> wire.RankInfo:
         reply = self._client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, self.settings.engine_id))
@@ -262,32 +378,28 @@ class P2PWorker:
         return reply
 
     def _pull(self, spec: RecvSpec) -> None:
-        remote, plan, failed, pulled = spec.remote, None, False, 0
+        attempt, failed, pulled = _Attempt(spec), False, 0
         started = time.perf_counter()
         try:
-            peer = self._peer(remote)
-            plan = build_group_plan(
-                peer.layout,
-                self.layout,
-                remote.remote_num_tokens,
-                remote.remote_block_ids,
-                spec.local_block_ids,
-                remote.remote_dp_rank,
-                self.settings.dp_rank,
-                replica_offset=zlib.crc32(spec.request_id.encode()) % 64,
-            )
-            pulled = self._execute(plan, peer, spec)
+            if spec.remote.layerwise_id is not None:
+                pulled = self._pull_layerwise(attempt)
+            else:
+                pulled = self._pull_whole(attempt)
         except Exception as e:
             failed = True
             logger.warning(
                 "request %s: pulling its KV from %s:%d failed: %s",
                 spec.request_id,
-                remote.remote_host,
-                remote.remote_port,
+                spec.remote.remote_host,
+                attempt.spec.remote.remote_port,
                 e,
             )
         finally:
-            if self._send_done(spec, plan, failed) and not failed:
+            spec, remote = attempt.spec, attempt.spec.remote
+            if remote.layerwise_id is not None and not remote.remote_ranks:
+                if attempt.layout is not None and not attempt.unreachable:  # its replica was never found
+                    self._layerwise_pool.submit(self._release_layerwise, remote, attempt.layout)
+            elif self._send_done(spec, attempt.plan, failed) and not failed:
                 failed = True
                 logger.warning(
                     "request %s: the prefill instance at %s:%d freed its blocks (lease expired) before "
@@ -309,16 +421,135 @@ class P2PWorker:
                 self._finished_recving.add(spec.request_id)
             self._pacer.news()
 
-    def _execute(self, plan, peer: _Peer, spec: RecvSpec) -> int:
-        """This rank's reads of the plan; the bytes read."""
+    def _plan(self, peer: _Peer, spec: RecvSpec):
+        remote = spec.remote
+        return build_group_plan(
+            peer.layout,
+            self.layout,
+            remote.remote_num_tokens,
+            remote.remote_block_ids,
+            spec.local_block_ids,
+            remote.remote_dp_rank,
+            self.settings.dp_rank,
+            replica_offset=zlib.crc32(spec.request_id.encode()) % 64,
+        )
 
-        def plane_tables(rank_in_replica: int):  # connects to that prefill rank the first time
-            target = peer.ranks.get(rank_in_replica)
-            if target is None:
-                target = peer.ranks[rank_in_replica] = self._connect(
-                    self._hello(peer.host, peer.port + rank_in_replica)
-                )
-            return target.src, target.dst
+    def _pull_whole(self, attempt: _Attempt) -> int:
+        peer = self._peer(attempt.spec.remote)
+        attempt.plan = self._plan(peer, attempt.spec)
+        return self._execute(attempt.plan, peer, attempt.spec)
+
+    def _pull_layerwise(self, attempt: _Attempt) -> int:
+        """Find the replica that has the request, then read each prefill rank's layers as
+        they are written."""
+        spec = attempt.spec
+        remote, transfer_id = spec.remote, spec.remote.layerwise_id
+        base = self._base_info(remote.remote_host, remote.remote_port)
+        attempt.layout = layout = base.layout.to_layout()
+        ranks = layout.ranks_per_replica
+        ports = [remote.remote_port + d * ranks for d in range(layout.dp)]
+        waiter = _Waiter(self.settings.layerwise_wait, f"request {spec.request_id} to be published")
+        while True:
+            try:
+                replies = self._progress(remote.remote_host, ports, transfer_id, tolerate=True)
+            except ControlTimeout:
+                attempt.unreachable = True
+                raise
+            found = [(d, t) for d, t in enumerate(replies) if t is not None and t.state != wire.UNKNOWN]
+            if found:
+                break
+            waiter.wait(news=False)
+        replica, entry = found[0]
+        if entry.state == wire.FAILED:
+            raise RuntimeError("the prefill instance did not compute the request (aborted or refused)")
+        if (entry.num_tokens, entry.backoff) != (remote.remote_num_tokens, remote.remote_backoff):
+            raise RuntimeError(
+                f"the prefill instance computed {entry.num_tokens} tokens (backoff {entry.backoff}), "
+                f"this one expects {remote.remote_num_tokens} (backoff {remote.remote_backoff})"
+            )
+        remote = msgspec.structs.replace(
+            remote,
+            remote_port=ports[replica],
+            remote_ranks=ranks,
+            remote_dp_rank=replica,
+            remote_block_ids=entry.block_ids,
+            remote_engine_id=base.engine_id,
+        )
+        attempt.spec = spec = dataclasses.replace(spec, remote=remote)
+        peer = self._peer(remote)
+        attempt.plan = plan = self._plan(peer, spec)
+        sources = decode_rank_sources(plan, self.global_rank, spec.first_token)
+        read = {p: set() for p in sources}
+        pulled = 0
+        waiter = _Waiter(self.settings.layerwise_wait, f"the layers of request {spec.request_id}")
+        while True:
+            todo = {p: self._rank(peer, p).layers - read[p] for p in sources}
+            todo = {p: layers for p, layers in todo.items() if layers}
+            if not todo:
+                return pulled
+            news = False
+            for p, entry in zip(
+                todo, self._progress(remote.remote_host, [remote.remote_port + p for p in todo], transfer_id)
+            ):
+                if entry.state == wire.FAILED:
+                    raise RuntimeError("the prefill instance failed the request while it was read")
+                ready = todo[p].intersection(entry.layers)
+                if ready:
+                    pulled += self._execute(plan, peer, spec, only={p: ready})
+                    read[p] |= ready
+                    news = True
+            waiter.wait(news)
+
+    def _progress(self, host: str, ports: list[int], transfer_id: str, tolerate: bool = False):
+        """Each prefill rank's progress of one transfer (``tolerate``: None for a rank that
+        did not answer, unless none did)."""
+        message = wire.Progress(wire.WIRE_VERSION, [transfer_id])
+        replies = self._client.request_all([(f"{host}:{port}", message) for port in ports])
+        out = []
+        for port, reply in zip(ports, replies):
+            if isinstance(reply, wire.ProgressReply) and len(reply.transfers) == 1:
+                out.append(reply.transfers[0])
+            elif tolerate and isinstance(reply, Exception) and len(ports) > 1:
+                out.append(None)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                raise RuntimeError(f"the prefill rank at {host}:{port} answered Progress with {reply}")
+        if all(entry is None for entry in out):
+            raise next(r for r in replies if isinstance(r, Exception))
+        return out
+
+    def _base_info(self, host: str, port: int) -> wire.RankInfo:
+        """The first rank of a prefill instance (its layout tells where the replicas are)."""
+        info = self._bases.get((host, port))
+        if info is None:
+            info = self._bases[(host, port)] = self._hello(host, port)
+        return info
+
+    def _release_layerwise(self, remote, layout) -> None:
+        requests = release_messages(remote.remote_host, remote.remote_port, layout, remote.layerwise_id)
+        for (address, _), reply in zip(requests, self._client.request_all(requests)):
+            if isinstance(reply, Exception):
+                logger.warning("request %s: release to %s failed: %s", remote.layerwise_id, address, reply)
+
+    def _rank(self, peer: _Peer, rank_in_replica: int) -> PeerRank:
+        """A prefill rank of the replica, connected the first time."""
+        target = peer.ranks.get(rank_in_replica)
+        if target is None:
+            target = peer.ranks[rank_in_replica] = self._connect(
+                self._hello(peer.host, peer.port + rank_in_replica)
+            )
+        return target
+
+    def _execute(self, plan, peer: _Peer, spec: RecvSpec, only: dict | None = None) -> int:
+        """This rank's reads of the plan (``only``: of these layers of these prefill ranks,
+        by index in their ``RankInfo``); the bytes read."""
+
+        def plane_tables(rank_in_replica: int):
+            target = self._rank(peer, rank_in_replica)
+            if only is None:
+                return target.src, target.dst
+            return target.only(only[rank_in_replica]) if rank_in_replica in only else None
 
         pulled = 0
         for p, local, remote_addr, lengths in decode_rank_ranges(
