@@ -293,7 +293,8 @@ def bench(session: nox.Session) -> None:
     (DeepSeek MTP: acceptance, accepted tokens per step, tokens/s with and without),
     `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1), `plan`
     (the P/D transfer plan: planning time, bytes needed vs. moved) or `kv-transfer` (P/D
-    pulls: raw Mooncake vs. the connector, control overhead, 1P1D vs. colocated serving) or
+    pulls: raw Mooncake vs. the connector, control overhead, pull threads, TTFT of colocated,
+    1P1D pull after prefill and 1P1D layer-wise) or
     `quant` (W8A8 checkpoints vs. float: linear and expert weight bytes, host tokens/s),
     `v2-kernels` (Model Runner V2's per-step kernels: the torch forms vs. Triton's interpreter) or
     `launches` (device ops per decoder layer per decode step in NPU-path mode, upstream's
