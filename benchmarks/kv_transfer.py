@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -211,6 +212,24 @@ def _block_ids(rng, need: int, pool: int, contiguous: bool) -> np.ndarray:
     return rng.permutation(pool - 1)[:need] + 1
 
 
+@contextlib.contextmanager
+def _prefill_peer(case: Case, ranks: list[int], num_blocks: int, control_port: int):
+    """The prefill ranks' caches in a peer process: yields (transport address, regions)."""
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    peer = ctx.Process(
+        target=prefill_peer, args=(case, ranks, num_blocks, control_port, out, stop), daemon=True
+    )
+    peer.start()
+    try:
+        yield out.get(timeout=600)
+    finally:
+        stop.set()
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+
+
 def run_case(case: Case, repeats: int) -> dict:
     from vllm.ascend.kv_transfer import wire
     from vllm.ascend.kv_transfer.addressing import (
@@ -234,12 +253,7 @@ def run_case(case: Case, repeats: int) -> dict:
     )
     ranks = sorted(set(probe.prefill_rank[probe.read_ids_of(me)].tolist()))
     port = _free_port(prefill.ranks_per_replica)
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    peer = ctx.Process(target=prefill_peer, args=(case, ranks, pool, port, out, stop), daemon=True)
-    peer.start()
-    try:
-        address, raw_regions = out.get(timeout=600)
+    with _prefill_peer(case, ranks, pool, port) as (address, raw_regions):
         theirs = {
             rank: [
                 wire.LayerRegion(n, b, nb, [wire.PlaneSpec(h, hb) for h, hb in planes])
@@ -302,11 +316,6 @@ def run_case(case: Case, repeats: int) -> dict:
             moved = sum(int(b[3].sum()) for b in batches)
         transport.close()
         del buffers
-    finally:
-        stop.set()
-        peer.join(30)
-        if peer.is_alive():
-            peer.kill()
     mib = moved / 2**20
     total = [p + a + d for p, a, d in zip(plan_ms, addr_ms, done_ms)]
     return {
@@ -347,13 +356,8 @@ def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: lis
     need = -(-tokens // BLOCK_TOKENS)
     pool = requests * need + 1
     port = _free_port(1)
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    peer = ctx.Process(target=prefill_peer, args=(case, [0], pool, port, out, stop), daemon=True)
-    peer.start()
     rows = []
-    try:
-        address, raw_regions = out.get(timeout=600)
+    with _prefill_peer(case, [0], pool, port) as (address, raw_regions):
         theirs = [
             wire.LayerRegion(n, b, nb, [wire.PlaneSpec(h, hb) for h, hb in planes])
             for n, b, nb, planes in raw_regions[0]
@@ -393,11 +397,6 @@ def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: lis
             )
         transport.close()
         del buffers
-    finally:
-        stop.set()
-        peer.join(30)
-        if peer.is_alive():
-            peer.kill()
     return rows[1:]
 
 
