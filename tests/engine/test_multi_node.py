@@ -153,11 +153,13 @@ def test_each_node_holds_one_rank_of_the_model(launcher, name, rank_1):
     assert f"({rank_1} " in other and RUNNER_LINE not in other, other[-3000:]
 
 
+@pytest.mark.extended  # the cross-node DP handshake; DP itself: test_dp_serving.py
 def test_dp_across_nodes_equals_transformers(dp_nodes):
     got = _complete_all(dp_nodes.head.url, dp_nodes.model)
     assert got == hf_greedy(dp_nodes.model, PROMPTS, MAX_TOKENS)
 
 
+@pytest.mark.extended  # the cross-node DP handshake; DP itself: test_dp_serving.py
 def test_dp_rank_1_runs_on_the_headless_node(dp_nodes):
     head, other = (log.read_text() for log in (dp_nodes.head.log, dp_nodes.other.log))
     assert "(EngineCore_DP1 " in other and "(EngineCore_DP1 " not in head, other[-3000:]

@@ -369,18 +369,21 @@ def test_the_decode_instance_pulls_the_prompt_instead_of_computing_it(cluster, d
 
 def test_layerwise_pulls_every_prompt_and_frees_the_prefill_blocks(cluster):
     """Through the layer-wise 2P1D proxy: the decode instance's prompt tokens arrived by KV
-    transfer, no pull failed, and both prefill instances hold nothing afterwards."""
+    transfer (or from its own prefix cache), no pull failed, and both prefill instances
+    hold nothing afterwards."""
     server, proxy = cluster["d_tp1"], cluster["2p1d-lw"]
     prompts = _prompts(6, salt="layer by layer " * 3)
-    sources = ("external_kv_transfer", "local_compute")
+    sources = ("external_kv_transfer", "local_compute", "local_cache_hit")
     before = {s: _by_source(server, s) for s in sources}
     failed = _metric(server, FAILED_PULLS)
     assert asyncio.run(_complete(proxy.url, proxy.model, prompts)) == _oracle(proxy.model, prompts)
-    pulled, computed = (_by_source(server, s) - before[s] for s in sources)
+    pulled, computed, hit = (_by_source(server, s) - before[s] for s in sources)
     from transformers import AutoTokenizer
 
     total = sum(len(AutoTokenizer.from_pretrained(server.model)(p).input_ids) for p in prompts)
-    assert pulled >= total - len(prompts) and computed <= len(prompts), (pulled, computed, total)
+    # the prompts share their first blocks: a later one may find them in the local prefix cache
+    assert pulled + hit >= total - len(prompts) and computed <= len(prompts), (pulled, computed, hit, total)
+    assert pulled > 0
     assert _metric(server, FAILED_PULLS) == failed
     for name in ("p_tp1", "p_pcp2"):
         deadline = time.monotonic() + LEASE / 4
