@@ -27,7 +27,7 @@ from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.models import FAMILIES
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PREFIX_PROMPTS, PROMPTS
-from tests.support.selection import selected_params
+from tests.support.selection import cases_to_start, extended_params
 
 WINDOW = 24  # make_tiny_model.py's default --sliding-window
 MAX_TOKENS = 32
@@ -62,8 +62,7 @@ USED = re.compile(r"Ascend MoE: first step with the (\w+) strategy")
 
 @pytest.fixture(scope="module")
 def served(tiny_models, request) -> dict:
-    tp2 = selected_params(request, "name")
-    tp2_runs = {n: run for n, run in TP2_RUNS.items() if n in tp2 or n not in EXTENDED_TP2}
+    tp2_runs = {n: TP2_RUNS[n] for n in cases_to_start(request, "name", TP2_RUNS, EXTENDED_TP2)}
     runs = [
         {
             "model": str(tiny_models[family]),
@@ -107,9 +106,7 @@ def test_family_matches_transformers(family, tiny_models, served):
         assert max(r["prompt_len"] for r in batches[0]) > 2 * WINDOW
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[pytest.mark.extended] if n in EXTENDED_TP2 else []) for n in TP2_RUNS]
-)
+@pytest.mark.parametrize("name", extended_params(TP2_RUNS, EXTENDED_TP2))
 def test_families_at_tensor_parallel_2(name, tiny_models, served):
     family = TP2_RUNS[name][0]
     assert _tokens(served[name][0]) == hf_greedy(tiny_models[family], PROMPTS, MAX_TOKENS)

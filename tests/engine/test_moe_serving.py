@@ -37,6 +37,7 @@ from tests.support.engines import (
 from tests.support.models import make_model, quantize_model
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import LONG_PROMPTS, PROMPTS
+from tests.support.selection import extended_params
 
 from . import dp_collectives
 from .quant_reference import compare, fake_quantized, greedy_with_gaps
@@ -177,10 +178,7 @@ DP_SERVERS = {
 EXTENDED_DP_SERVERS = ("dp2_ep_qwen3_moe",)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=[pytest.mark.extended] if n in EXTENDED_DP_SERVERS else []) for n in DP_SERVERS],
-)
+@pytest.mark.parametrize("name", extended_params(DP_SERVERS, EXTENDED_DP_SERVERS))
 def test_data_parallel_moe_serves_and_matches_its_oracle(name, tiny_models, quantized, tmp_path):
     extra, prompts, must_run = DP_SERVERS[name]
     quantized_model = "qwen3_moe" not in name

@@ -48,6 +48,7 @@ from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_s
 from tests.support.models import MLA512, QWEN3_MOE, quantize_model
 from tests.support.oracle import router_margins
 from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS
+from tests.support.selection import extended_params
 
 # Reference top-1 minus top-2 logprob below which a different pick is tolerated: two bf16
 # ulps of a logit in [4, 8) (0.0625 each). TP=2 all-reduces row-parallel partial sums in
@@ -230,13 +231,7 @@ def _compare(
 EXTENDED_ARCHS = ("llama", QWEN3_MOE, *FAMILIES)
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        pytest.param(arch, marks=[pytest.mark.extended] if arch in EXTENDED_ARCHS else [])
-        for arch in (*GQA, MLA512, QWEN3_MOE, *FAMILIES)
-    ],
-)
+@pytest.mark.parametrize("arch", extended_params((*GQA, MLA512, QWEN3_MOE, *FAMILIES), EXTENDED_ARCHS))
 def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     batches = [LONG_PROMPTS, LONG_PREFIX_PROMPTS[:1], LONG_PREFIX_PROMPTS[1:]]
     runs = {

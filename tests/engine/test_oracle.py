@@ -16,10 +16,11 @@ from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.models import ARCHS
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PREFIX_PROMPTS, PROMPTS
+from tests.support.selection import extended_params
 
 # extended (out of CI's run): Llama's layers are Qwen2's without the QKV bias, and
 # test_model_runner_v2.py compares Llama engines with transformers as well
-ARCH_PARAMS = [pytest.param(a, marks=[pytest.mark.extended] if a == "llama" else []) for a in ARCHS]
+ARCH_PARAMS = extended_params(ARCHS, ["llama"])
 BASE = {"dtype": "float32", "max_model_len": 512, "seed": 0}
 CHUNK_BUDGET = 16
 ENGINES = {  # name -> (engine settings, batches, environment)

@@ -30,7 +30,7 @@ import pytest
 from tests.support.models import ROOT
 from tests.support.oracle import hf_greedy
 from tests.support.ports import free_ports
-from tests.support.selection import selected_params
+from tests.support.selection import cases_to_start, extended_params
 
 MAX_TOKENS = 12
 WINDOWED = ["--block-size", "8", "--prompt-lengths", "31,39,47"]
@@ -42,8 +42,8 @@ RUNS = {
 
 
 # extended (out of CI's run): the example runs with Qwen2 in NPU-path mode, in both
-# transfer modes, in test_graph_serving.py, and Qwen2 P/D equals transformers in
-# test_pd_serving.py
+# transfer modes, in test_graph_serving.py, and P/D with a Qwen2 (one KV head) equals
+# transformers in test_pd_serving.py
 EXTENDED_RUNS = ("qwen2",)
 
 
@@ -72,17 +72,13 @@ def _run_example(model, options: list[str], out) -> dict:
 @pytest.fixture(scope="module")
 def results(tiny_models, tmp_path_factory, request) -> dict:
     out = tmp_path_factory.mktemp("pd-offline")
-    wanted = selected_params(request, "name")
     return {
-        name: _run_example(tiny_models[arch], options, out / f"{name}.json")
-        for name, (arch, options) in RUNS.items()
-        if name in wanted or name not in EXTENDED_RUNS
+        name: _run_example(tiny_models[RUNS[name][0]], RUNS[name][1], out / f"{name}.json")
+        for name in cases_to_start(request, "name", RUNS, EXTENDED_RUNS)
     }
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[pytest.mark.extended] if n in EXTENDED_RUNS else []) for n in RUNS]
-)
+@pytest.mark.parametrize("name", extended_params(RUNS, EXTENDED_RUNS))
 def test_offline_example_decodes_pulled_kv_like_transformers(name, results, tiny_models):
     result = results[name]
     expected = hf_greedy(tiny_models[RUNS[name][0]], result["prompts"], MAX_TOKENS)
