@@ -111,8 +111,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("via", ["decode_rank_ranges", "read_ranges"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_pulled_bytes_are_the_decode_placement(name):
+def test_pulled_bytes_are_the_decode_placement(name, via):
+    """``via``: the worker's batch over all the prefill ranks a decode rank reads from,
+    or one prefill rank at a time."""
+    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges
+
     prefill, decode = CASES[name]
     tokens, decode_dp = 45, decode.dp - 1
     n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
@@ -124,17 +129,31 @@ def test_pulled_bytes_are_the_decode_placement(name):
     plan = build_plan(prefill, decode, tokens, p_ids, d_ids, 0, decode_dp)
     for d_rank, rank in dst.items():
         ids = plan.read_ids_of(d_rank)
-        for p_rank in np.unique(plan.prefill_rank[ids]).tolist():
-            theirs = src[p_rank]
-            table = plane_table(rank.mine(), theirs.regions())
-            local, remote, lengths = read_ranges(
-                plan,
-                ids[plan.prefill_rank[ids] == p_rank],
-                *table,
-                theirs.heads.start,
-                rank.heads.start,
-                (prefill.block_size, decode.block_size),
-            )
+        if via == "decode_rank_ranges":
+            tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
+            batches = [
+                batch[1:]
+                for batch in decode_rank_ranges(
+                    plan,
+                    d_rank,
+                    0,
+                    tp_rank,
+                    lambda p, rank=rank: tuple({0: t} for t in plane_table(rank.mine(), src[p].regions())),
+                )
+            ]
+        else:
+            batches = [
+                read_ranges(
+                    plan,
+                    ids[plan.prefill_rank[ids] == p_rank],
+                    *plane_table(rank.mine(), src[p_rank].regions()),
+                    src[p_rank].heads.start,
+                    rank.heads.start,
+                    (prefill.block_size, decode.block_size),
+                )
+                for p_rank in np.unique(plan.prefill_rank[ids]).tolist()
+            ]
+        for local, remote, lengths in batches:
             for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
                 ctypes.memmove(lo, re, n)
     expected = _instance(decode, decode_dp, n_d + 4)

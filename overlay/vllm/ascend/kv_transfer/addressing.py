@@ -15,10 +15,11 @@ from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.transport import Region, TransferError
 
 
-def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[list, list]:
+def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Per layer and plane, ``(plane start, block bytes, head bytes)`` on the prefill side
     (``theirs``: RankInfo layers) and here (``mine``: name -> (base, LayerLayout), the
-    layers of KV-cache group ``group``), matched by layer name."""
+    layers of KV-cache group ``group``), matched by layer name: two int64 arrays of one
+    row per plane (built once per prefill rank; every pull indexes them)."""
     by_name = {layer.name: layer for layer in theirs}
     src, dst = [], []
     for name, (base, layer) in mine.items():
@@ -39,7 +40,7 @@ def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[list, list]:
             )
             dst.append((base + layer.plane_offset(index), plane.block_bytes, plane.head_bytes))
             offset_s += their_plane.heads * their_plane.head_bytes * their.num_blocks
-    return src, dst
+    return np.array(src, dtype=np.int64).reshape(-1, 3), np.array(dst, dtype=np.int64).reshape(-1, 3)
 
 
 def plane_layers(mine: dict, theirs: list) -> list[int]:
@@ -88,39 +89,64 @@ def read_ranges(
     if ids.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    s = np.asarray(src, dtype=np.int64)
-    d = np.asarray(dst, dtype=np.int64)
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    local, remote, lengths = _range_matrix(plan, ids, s, d, s[:, :1], src_head0, dst_head0, block_sizes)
+    return merge_ranges(local.ravel(), remote.ravel(), lengths.ravel())
+
+
+def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes):
+    """The ranges of reads ``ids`` before merging: (local, remote, lengths), each planes x
+    (read, run, head) in read order. ``src_starts``: the prefill planes' starts, planes x 1
+    or planes x columns (several prefill ranks, which differ only there); ``src_head0``:
+    the prefill rank's first KV head, or per read."""
     slot = s[:, 2] // block_sizes[0]
     if np.any(slot != d[:, 2] // block_sizes[1]):
         raise ValueError("prefill and decode store a head's token with different sizes: not the same model")
-    # the reads' runs (the plan keeps them: no per-token work here)
-    counts = plan.runs_count[ids].astype(np.int64)
-    run_read = np.repeat(np.arange(ids.size), counts)
-    before = np.r_[0, np.cumsum(counts)[:-1]]
-    run_row = np.arange(run_read.size) + np.repeat(plan.runs_start[ids] - before, counts)
-    first_token = plan.run_token[run_row]
-    run_len = plan.run_length[run_row]
-    src_first, dst_first = plan.src_offsets[first_token], plan.dst_offsets[first_token]
-    # each run once per head of its read
-    h0 = plan.head0[ids][run_read]
-    heads = plan.head1[ids][run_read] - h0
-    run = np.repeat(np.arange(run_read.size), heads)
-    head = h0[run] + np.arange(run.size) - np.repeat(np.r_[0, np.cumsum(heads)[:-1]], heads)
-    read = run_read[run]
-    remote = (
-        s[:, :1]
-        + plan.src_block[ids][read] * s[:, 1:2]
-        + (head - src_head0) * s[:, 2:3]
-        + src_first[run] * slot[:, None]
+    counts = plan.runs_count[ids]
+    h0 = plan.head0[ids]
+    heads = plan.head1[ids] - h0
+    if counts.max() == 1 and heads.max() == 1:  # one run of one head per read: no expansion
+        run_row, head, read = plan.runs_start[ids], h0, None
+    else:  # each run of a read, once per head of the read
+        counts = counts.astype(np.int64)
+        run_read = np.repeat(np.arange(ids.size), counts)
+        run_row = np.arange(run_read.size) + np.repeat(plan.runs_start[ids] - _starts(counts), counts)
+        per_run = heads[run_read]
+        run = np.repeat(np.arange(run_read.size), per_run)
+        head = h0[run_read][run] + np.arange(run.size) - np.repeat(_starts(per_run), per_run)
+        read = run_read[run]
+        run_row = run_row[run]
+    first = plan.run_token[run_row]
+    src_block, dst_block = plan.src_block[ids], plan.dst_block[ids]
+    if read is not None:
+        src_block, dst_block = src_block[read], dst_block[read]
+        if np.ndim(src_head0):
+            src_head0 = src_head0[read]
+    if src_starts.shape[1] > 1 and read is not None:  # per read (several prefill ranks)
+        src_starts = src_starts[:, read]
+    lengths = slot[:, None] * plan.run_length[run_row]
+    # in slots: block, head and slot per column, planes' block and head sizes per row
+    remote = _addresses(
+        src_starts, s, slot, block_sizes[0], src_block, head - src_head0, plan.src_offsets[first]
     )
-    local = (
-        d[:, :1]
-        + plan.dst_block[ids][read] * d[:, 1:2]
-        + (head - dst_head0) * d[:, 2:3]
-        + dst_first[run] * slot[:, None]
+    local = _addresses(
+        d[:, :1], d, slot, block_sizes[1], dst_block, head - dst_head0, plan.dst_offsets[first]
     )
-    lengths = run_len[run] * slot[:, None]
-    return merge_ranges(local.ravel(), remote.ravel(), lengths.ravel())
+    return local, remote, lengths
+
+
+def _addresses(starts, table, slot, block_size, block, head, offset):
+    """planes x columns addresses: plane start + block x block bytes + head x head bytes +
+    slot x slot bytes. When every plane has as many heads per block, one product."""
+    heads_per_block = table[:, 1] // table[:, 2]
+    if (
+        np.all(heads_per_block == heads_per_block[0])
+        and np.all(heads_per_block * table[:, 2] == table[:, 1])
+        and np.all(slot * block_size == table[:, 2])
+    ):
+        column = (block * int(heads_per_block[0]) + head) * block_size + offset
+        return starts + slot[:, None] * column
+    return starts + block * table[:, 1:2] + head * table[:, 2:3] + offset * slot[:, None]
 
 
 def decode_rank_ranges(
@@ -131,40 +157,91 @@ def decode_rank_ranges(
     addresses, lengths)``, every KV-cache group in one batch. Reads of tokens before
     ``first_token`` (cached here already) are skipped. ``tables(rank_in_replica)`` gives
     that prefill rank's plane tables per group, ``(src, dst)`` (``plane_table``), or None to
-    read nothing from it now; a group with no rows is skipped (layer-wise: some layers)."""
+    read nothing from it now; a group with no rows is skipped (layer-wise: some layers).
+
+    The same ranges as ``read_ranges`` per prefill rank, worked out for all of them at
+    once where their tables differ only in where the planes start (one rank's layout)."""
     mine = _reads_of(plan, global_rank, first_token)
+    if not mine.size:
+        return
     p_base = plan.prefill_ranks.start
     d_heads = plan.decode.heads(tp_rank).start
     block_sizes = (plan.prefill.block_size, plan.decode.block_size)
-    for p in np.unique(plan.prefill_rank[mine]).tolist():
-        tabled = tables(p - p_base)
-        if tabled is None:
-            continue
-        src, dst = tabled
-        p_heads = plan.prefill.heads((p - p_base) % plan.prefill.tp).start
-        from_p = mine[plan.prefill_rank[mine] == p]
-        parts = [
-            read_ranges(
-                plan,
-                from_p[plan.group[from_p] == g],
-                src[g],
-                dst[g],
-                p_heads,
-                d_heads,
-                block_sizes,
-                whole_blocks,
+    p_of = plan.prefill_rank[mine]
+    if (p_of == p_of[0]).all():  # one prefill rank (same layouts on both sides, say)
+        bounds = {int(p_of[0]): (0, mine.size)}
+    else:
+        order = np.argsort(p_of, kind="stable")  # by prefill rank, in read order within one
+        mine, p_of = mine[order], p_of[order]
+        ranks, starts = np.unique(p_of, return_index=True)
+        bounds = dict(zip(ranks.tolist(), zip(starts.tolist(), [*starts[1:].tolist(), mine.size])))
+    tabled = {p: tables(p - p_base) for p in bounds}
+    groups = plan.group[mine] if plan.num_groups > 1 else None
+    parts: dict[int, list] = {p: [] for p in bounds}
+    for g in range(plan.num_groups):
+        by_rank = {
+            p: (
+                mine[a:b] if groups is None else mine[a:b][groups[a:b] == g],
+                t[0][g],
+                t[1][g],
+                plan.prefill.heads((p - p_base) % plan.prefill.tp).start,
             )
-            for g in np.unique(plan.group[from_p]).tolist()
-            if src[g]
-        ]
-        if not parts:
+            for p, (a, b) in bounds.items()
+            if (t := tabled[p]) is not None and len(t[0][g])
+        }
+        by_rank = {p: v for p, v in by_rank.items() if v[0].size}
+        if whole_blocks or len(by_rank) == 1 or not _one_layout(by_rank):
+            for p, (ids, src, dst, p_heads) in by_rank.items():
+                parts[p].append(read_ranges(plan, ids, src, dst, p_heads, d_heads, block_sizes, whole_blocks))
             continue
-        yield (p - p_base, *(np.concatenate([part[k] for part in parts]) for k in range(3)))
+        for p, part in zip(by_rank, _ranges_by_rank(plan, list(by_rank.values()), d_heads, block_sizes)):
+            parts[p].append(part)
+    for p, pieces in parts.items():
+        if pieces:
+            yield (p - p_base, *(np.concatenate([piece[k] for piece in pieces]) for k in range(3)))
+
+
+def _one_layout(by_rank: dict) -> bool:
+    """The ranks' tables differ only in their plane starts (and so do their decode tables not at all)."""
+    tables = list(by_rank.values())
+    return all(
+        t[1].shape == tables[0][1].shape
+        and np.array_equal(t[1][:, 1:], tables[0][1][:, 1:])
+        and np.array_equal(t[2], tables[0][2])
+        for t in tables[1:]
+    )
+
+
+def _ranges_by_rank(plan, by_rank: list, dst_head0: int, block_sizes: tuple[int, int]) -> list:
+    """``read_ranges`` of several prefill ranks at once: ``by_rank`` lists per rank (its
+    read ids, src table, dst table, first KV head); per rank its merged ranges."""
+    ids = np.concatenate([v[0] for v in by_rank])
+    sizes = [v[0].size for v in by_rank]
+    rank_of_read = np.repeat(np.arange(len(by_rank)), sizes)
+    src_starts = np.stack([v[1][:, 0] for v in by_rank], axis=1)[:, rank_of_read]  # planes x reads
+    src_head0 = np.array([v[3] for v in by_rank], dtype=np.int64)[rank_of_read]
+    local, remote, lengths = _range_matrix(
+        plan, ids, by_rank[0][1], by_rank[0][2], src_starts, src_head0, dst_head0, block_sizes
+    )
+    # each rank's columns are one slice (reads in rank order; a read's columns together)
+    cuts = _column_cuts(plan, ids, sizes)
+    return [
+        merge_ranges(local[:, a:b].ravel(), remote[:, a:b].ravel(), lengths[:, a:b].ravel())
+        for a, b in zip(cuts, cuts[1:])
+    ]
+
+
+def _column_cuts(plan, ids, sizes) -> list[int]:
+    """Where each rank's columns start in ``_range_matrix``'s output (and the end)."""
+    reads = np.cumsum([0, *sizes])
+    counts = plan.runs_count[ids].astype(np.int64) * (plan.head1[ids] - plan.head0[ids])
+    ends = np.concatenate([[0], np.cumsum(counts)])
+    return ends[reads].tolist()
 
 
 def _reads_of(plan, global_rank: int, first_token: int) -> np.ndarray:
     mine = plan.read_ids_of(global_rank)
-    return mine[plan.first_position[mine] >= first_token]
+    return mine[plan.first_position[mine] >= first_token] if first_token > 0 else mine
 
 
 def decode_rank_sources(plan, global_rank: int, first_token: int) -> list[int]:
@@ -234,10 +311,23 @@ def plane_regions(layers) -> list[Region]:
     return list(out.values())
 
 
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Where each of consecutive groups of ``counts`` items starts (an exclusive cumsum)."""
+    starts = np.zeros(counts.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    return starts
+
+
 def merge_ranges(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray):
     if local.size == 0:
         return local, remote, lengths
-    ends_l, ends_r = local[:-1] + lengths[:-1], remote[:-1] + lengths[:-1]
-    start = np.r_[True, (ends_l != local[1:]) | (ends_r != remote[1:])]
+    start = np.empty(local.size, dtype=bool)
+    start[0] = True
+    ends = local[:-1] + lengths[:-1]
+    np.not_equal(ends, local[1:], out=start[1:])
+    ends += remote[:-1] - local[:-1]  # the remote ends
+    start[1:] |= ends != remote[1:]
     first = np.flatnonzero(start)
+    if first.size == local.size:  # nothing to merge (fragmented block ids)
+        return local, remote, lengths
     return local[first], remote[first], np.add.reduceat(lengths, first)

@@ -5,7 +5,8 @@ and its port) on a thread. Every request gets exactly one reply; a message that 
 be decoded (wrong version, malformed, too large, unknown type) is logged and answered
 with ``Reply(ok=False, error=...)``, and the server keeps serving. ``ControlClient``
 sends one request and waits at most ``timeout`` seconds for the reply (``request_all``:
-one request to each of several servers, all sent first, under one deadline).
+one request to each of several servers, all sent first, under one deadline; in two
+halves, ``post_all`` and ``gather``, for a caller with other work while they travel).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -77,6 +79,16 @@ class ControlServer:
         self._socket.close()
 
 
+@dataclass
+class Posted:
+    """Requests sent by ``ControlClient.post_all`` whose replies are not read yet."""
+
+    requests: list
+    results: list
+    sent: list  # indices of the requests sent (the rest failed to send: results says why)
+    sent_at: float
+
+
 class ControlClient:
     """Request/reply to control servers. Each thread keeps one DEALER socket per address
     (connecting costs more than the exchange); a socket whose request failed or timed out
@@ -123,19 +135,34 @@ class ControlClient:
         (a request's done messages to its prefill ranks cost one round trip, not one per
         rank); per request its reply, or the exception that request met. One deadline for
         all of them."""
-        wait = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + wait
-        results: list[wire.Message | Exception | None] = [None] * len(requests)
-        sent = []
+        return self.gather(self.post_all(requests), timeout)
+
+    def post_all(self, requests: list[tuple[str, wire.Message]]) -> Posted:
+        """``request_all``'s first half: send now, ``gather`` the replies later, on this
+        thread (the sockets are this thread's) and before its next request to the same
+        addresses."""
+        posted = Posted(requests, [None] * len(requests), [], time.monotonic())
+        last = data = None
         for i, (address, message) in enumerate(requests):
             try:
-                self._socket(address).send_multipart([b"", wire.encode_message(message)])
-                sent.append(i)
+                if message is not last:  # one message to several ranks is encoded once
+                    last, data = message, wire.encode_message(message)
+                self._socket(address).send_multipart([b"", data])
+                posted.sent.append(i)
             except Exception as e:
                 self._drop(address)
-                results[i] = e
-        for i in sent:
-            address = requests[i][0]
+                posted.results[i] = e
+        return posted
+
+    def gather(self, posted: Posted, timeout: float | None = None) -> list[wire.Message | Exception]:
+        """The replies to ``post_all``'s requests, waiting at most ``timeout`` seconds from
+        when they were sent; a request still unanswered is a ``ControlTimeout`` (its
+        socket is closed: the late reply is never read)."""
+        wait = self.timeout if timeout is None else timeout
+        deadline = posted.sent_at + wait
+        results = posted.results
+        for i in posted.sent:
+            address = posted.requests[i][0]
             try:
                 socket = self._socket(address)
                 left = max(0.0, deadline - time.monotonic())
@@ -147,6 +174,7 @@ class ControlClient:
             except Exception as e:
                 self._drop(address)
                 results[i] = e
+        posted.sent = []
         return results
 
     def close(self) -> None:

@@ -80,13 +80,21 @@ class Holds:
         if len(hold.heard) >= hold.total:
             self._release(request_id)
 
-    def renew(self, request_ids) -> None:
+    def renew(self, request_ids) -> float:
+        """Extend the leases of those held; how long from now all of them stay held at
+        least (0.0 if one is not held: not handed over yet, or already released)."""
         with self._lock:
-            deadline = self._clock() + self.lease
+            now = self._clock()
+            deadline = now + self.lease
+            remaining = float("inf")
             for request_id in request_ids:
                 hold = self._holds.get(request_id)
-                if hold is not None:
-                    hold.deadline = max(hold.deadline, deadline)
+                if hold is None:
+                    remaining = 0.0
+                    continue
+                hold.deadline = max(hold.deadline, deadline)
+                remaining = min(remaining, hold.deadline - now)
+            return 0.0 if remaining == float("inf") else remaining
 
     def _release(self, request_id: str) -> None:
         del self._holds[request_id]

@@ -106,6 +106,7 @@ class Plan:
     # booleans): it orders the readers of replicas, so a partial period is planned with
     # the full period's
     need: bytes = b""
+    num_groups: int = 1  # KV-cache groups planned (``group`` runs below it)
 
     def __post_init__(self) -> None:
         if self.group is None:
@@ -113,6 +114,16 @@ class Plan:
 
     def __len__(self) -> int:
         return int(self.decode_rank.shape[0])
+
+    def with_columns(self, **columns) -> Plan:
+        """This plan with these fields replaced (``dataclasses.replace`` without the
+        per-field checks: a request's plan is made of a cached one on every pull)."""
+        plan = object.__new__(Plan)
+        plan.__dict__.update(self.__dict__)
+        plan.__dict__.pop("reads_served", None)  # cached properties of the old columns
+        plan.__dict__.pop("unread", None)
+        plan.__dict__.update(columns)
+        return plan
 
     def subset(self, rows: np.ndarray) -> Plan:
         """The plan of the reads ``rows`` (a boolean mask or ascending indices), renumbered
@@ -134,7 +145,7 @@ class Plan:
                 "group",
             )
         }
-        return replace(self, **columns)
+        return self.with_columns(**columns)
 
     @property
     def prefill_ranks(self) -> range:
@@ -300,6 +311,9 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
     return rank, cp, h0, h1, src_tp
 
 
+_CHECKED_PAIRS: set = set()  # layout pairs check_pair passed
+
+
 def build_plan(
     prefill: CPLayout,
     decode: CPLayout,
@@ -313,7 +327,9 @@ def build_plan(
     """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
     sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
     Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
-    check_pair(prefill, decode)
+    if (prefill, decode) not in _CHECKED_PAIRS:
+        check_pair(prefill, decode)
+        _CHECKED_PAIRS.add((prefill, decode))
     if num_tokens < 0:
         raise LayoutError(f"num_tokens must be non-negative, got {num_tokens}")
     for side, dp_rank, layout in (("prefill", prefill_dp_rank, prefill), ("decode", decode_dp_rank, decode)):
@@ -330,8 +346,7 @@ def build_plan(
     shape = plan_shape(prefill, decode, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
     src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
     dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
-    return replace(
-        shape,
+    return shape.with_columns(
         replica_offset=replica_offset,
         src_block=src_ids[shape.src_block],
         dst_block=dst_ids[shape.dst_block],
@@ -373,13 +388,41 @@ def plan_shape(
     copies, rest = divmod(num_tokens, cycle)
     full = _period_plan(*args, cycle)
     steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
-    whole = _copies(full, copies, *steps)
+    whole = _whole_periods(*args, copies)
     if not rest:
         return whole
     # the last, partial period keeps the full period's readers (``need``), so its reads
     # are the full period's, cut short
     tail = _copies(_period_plan(*args, rest, need=full.need), 1, *steps, first=copies)
     return _join([whole, tail], num_tokens)
+
+
+@lru_cache(maxsize=64)
+def _whole_periods(
+    prefill: CPLayout,
+    decode: CPLayout,
+    prefill_dp_rank: int,
+    decode_dp_rank: int,
+    replica_offset: int,
+    copies: int,
+) -> Plan:
+    """The plan of ``copies`` whole periods (cached: requests of as many blocks share it)."""
+    cycle = period(prefill, decode)
+    steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
+    return _read_only(
+        _copies(
+            _period_plan(prefill, decode, prefill_dp_rank, decode_dp_rank, replica_offset, cycle),
+            copies,
+            *steps,
+        )
+    )
+
+
+def _read_only(plan: Plan) -> Plan:
+    for column in vars(plan).values():
+        if isinstance(column, np.ndarray):
+            column.flags.writeable = False  # cached: shared by every request of this shape
+    return plan
 
 
 def _copies(shape: Plan, copies: int, src_step: int, dst_step: int, first: int = 0) -> Plan:
@@ -501,10 +544,7 @@ def _period_plan(
         run_length=run_length,
         need=need,
     )
-    for column in vars(plan).values():
-        if isinstance(column, np.ndarray):
-            column.flags.writeable = False  # cached: shared by every request of this shape
-    return plan
+    return _read_only(plan)
 
 
 def build_group_plan(
@@ -540,10 +580,12 @@ def build_group_plan(
                 f"KV-cache group {g}: the prefill instance kept no block for token {first}, which "
                 "this instance needs (the two sides disagree on the group's window)"
             )
-        plan = plan.subset(needed)
-        plan.group[:] = g
+        if not needed.all():
+            plan = plan.subset(needed)
+        if g:
+            plan = plan.with_columns(group=np.full(len(plan), g, dtype=np.int64))
         parts.append(plan)
-    return _join(parts) if len(parts) != 1 else parts[0]
+    return _join(parts).with_columns(num_groups=len(parts)) if len(parts) != 1 else parts[0]
 
 
 def _join(plans: list[Plan], num_tokens: int | None = None) -> Plan:

@@ -11,7 +11,8 @@ The plan's message (``vllm.ascend.kv_transfer.plan``):
 The connector's handshake and lease messages: ``Hello`` -> ``RankInfo`` (a prefill rank's
 layout, transport address and KV regions), ``Renew`` (decode still wants these
 requests: extend their leases) and ``Reply`` (the answer to anything else; to a
-``DoneReading`` whose request's lease had already run out it says ``lease_expired``).
+``DoneReading`` whose request's lease had already run out it says ``lease_expired``, to
+a ``Renew`` for how long from then all its requests stay held: ``lease_seconds``).
 
 Layer-wise transfer (``layerwise_id``): ``Progress`` (decode rank -> prefill rank: how far
 are these transfers) -> ``ProgressReply``, one ``TransferProgress`` per id: unknown yet,
@@ -32,7 +33,7 @@ from msgspec import Meta, Struct
 
 from vllm.ascend.context_parallel.placement import CPLayout
 
-WIRE_VERSION = 3  # 2: every layer names its KV-cache group; 3: layer-wise progress
+WIRE_VERSION = 4  # 2: every layer names its KV-cache group; 3: layer-wise progress; 4: granted leases
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_READS = 1 << 16  # reads in one message
 
@@ -128,6 +129,9 @@ class Reply(Struct, tag="reply", forbid_unknown_fields=True):
     # answering DoneReading: the request's lease ran out before these reads were reported,
     # so its blocks may have been reused while they were read; the reader discards them
     lease_expired: bool = False
+    # answering Renew: every named request is held for at least this long from when the
+    # Renew was handled (0: one of them is not held)
+    lease_seconds: Annotated[float, Meta(ge=0)] = 0.0
 
 
 MAX_PROGRESS = 1024  # transfers asked about in one Progress

@@ -9,7 +9,11 @@ its reads are done or its lease has run out.
 A decode rank pulls each request it is given on a background thread: learn the prefill
 ranks (cached per prefill replica), build the plan (``plan.py``) and execute its own
 reads, then send each prefill rank it read from the done message, also after a failure;
-the first decode rank also tells the unread prefill ranks. Each layer is read by its own
+the first decode rank also tells the unread prefill ranks. Just before reading it renews
+the request on the ranks it reads from; if their answers show the read ended inside
+their leases (``lease_check.py``), the pull is reported at once and the done messages
+follow, else it waits for their answers (a lease that ran out means
+what was read is discarded). Each layer is read by its own
 KV-cache group's block table (``groups.py``); both sides name every layer's group in the
 handshake, and a mismatch fails the pull.
 
@@ -46,6 +50,7 @@ from vllm.ascend.kv_transfer.control import ControlClient, ControlServer, Contro
 from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
 from vllm.ascend.kv_transfer.layerwise import Publications, release_messages
+from vllm.ascend.kv_transfer.lease_check import LeaseCheck
 from vllm.ascend.kv_transfer.plan import build_group_plan
 from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpec
 from vllm.ascend.kv_transfer.settings import P2PSettings
@@ -53,6 +58,10 @@ from vllm.ascend.kv_transfer.stats import P2PConnectorStats
 from vllm.ascend.kv_transfer.transport import open_transport
 
 logger = logging.getLogger(__name__)
+
+LEASE_ANSWER_WAIT = (
+    1.0  # seconds from the renewals for their answers (then the done messages' answers decide)
+)
 
 
 class IdlePacer:
@@ -94,8 +103,8 @@ class PeerRank:
         src, dst = {}, {}
         for g, rows in self.layer_of_row.items():
             keep = [i for i, layer in enumerate(rows) if layer in layers]
-            src[g], dst[g] = [self.src[g][i] for i in keep], [self.dst[g][i] for i in keep]
-        return (src, dst) if any(src.values()) else None
+            src[g], dst[g] = self.src[g][keep], self.dst[g][keep]
+        return (src, dst) if any(len(rows) for rows in src.values()) else None
 
     @property
     def layers(self) -> set:
@@ -110,6 +119,8 @@ class _Attempt:
     plan: object = None
     layout: object = None  # layer-wise: the prefill instance's, once asked
     unreachable: bool = False  # layer-wise: no prefill replica answered (nothing to release)
+    lease: LeaseCheck | None = None  # whole pulls: the renewals sent before the read
+    read_end: float = 0.0
 
 
 class _Waiter:
@@ -161,6 +172,9 @@ class P2PWorker:
         self._info: wire.RankInfo | None = None  # what Hello answers (fixed once the caches are registered)
         self._layers: dict[str, tuple[int, LayerLayout]] = {}
         self._client = ControlClient(settings.control_timeout)
+        # the renewals before a read, on sockets of their own: their answers are read after
+        # the read, and a Hello on the same thread must not take one for its own
+        self._lease_client = ControlClient(settings.control_timeout)
         self._lock = threading.Lock()
         self._holds = Holds(settings.lease_seconds)  # prefill
         # decode
@@ -250,8 +264,7 @@ class P2PWorker:
                 return wire.Reply(wire.WIRE_VERSION, False, "too many done messages for unknown requests")
             return ok
         if isinstance(message, wire.Renew):
-            self._holds.renew(message.request_ids)
-            return ok
+            return wire.Reply(wire.WIRE_VERSION, True, lease_seconds=self._holds.renew(message.request_ids))
         if isinstance(message, wire.Progress):
             self._holds.renew(message.transfer_ids)  # a decode rank is still reading them
             return wire.ProgressReply(wire.WIRE_VERSION, self._publications.progress(message.transfer_ids))
@@ -396,9 +409,18 @@ class P2PWorker:
             )
         finally:
             spec, remote = attempt.spec, attempt.spec.remote
+            covered = False
+            if attempt.lease is not None and failed:
+                attempt.lease.abandon()
+            elif attempt.lease is not None:
+                covered = attempt.lease.covers(
+                    attempt.read_end, min(LEASE_ANSWER_WAIT, self.settings.control_timeout)
+                )
             if remote.layerwise_id is not None and not remote.remote_ranks:
                 if attempt.layout is not None and not attempt.unreachable:  # its replica was never found
                     self._layerwise_pool.submit(self._release_layerwise, remote, attempt.layout)
+            elif covered:  # nothing read can be stale: report the pull first, tell the prefill ranks after
+                pass
             elif self._send_done(spec, attempt.plan, failed) and not failed:
                 failed = True
                 logger.warning(
@@ -420,6 +442,8 @@ class P2PWorker:
                     self._stats.record_pull(time.perf_counter() - started, pulled)
                 self._finished_recving.add(spec.request_id)
             self._pacer.news()
+            if covered:
+                self._send_done_after(spec, attempt.plan, attempt.lease.granted)
 
     def _plan(self, peer: _Peer, spec: RecvSpec):
         remote = spec.remote
@@ -435,9 +459,22 @@ class P2PWorker:
         )
 
     def _pull_whole(self, attempt: _Attempt) -> int:
-        peer = self._peer(attempt.spec.remote)
-        attempt.plan = self._plan(peer, attempt.spec)
-        return self._execute(attempt.plan, peer, attempt.spec)
+        spec = attempt.spec
+        remote = spec.remote
+        peer = self._peer(remote)
+        attempt.plan = self._plan(peer, spec)
+
+        def renew(ranks: list[int]) -> None:  # the last thing before the read
+            attempt.lease = LeaseCheck(
+                self._lease_client,
+                [f"{remote.remote_host}:{remote.remote_port + p}" for p in ranks],
+                self.settings.engine_id,
+                remote.remote_request_id,
+            )
+
+        pulled = self._execute(attempt.plan, peer, spec, before_read=renew)
+        attempt.read_end = time.monotonic()
+        return pulled
 
     def _pull_layerwise(self, attempt: _Attempt) -> int:
         """Find the replica that has the request, then read each prefill rank's layers as
@@ -541,9 +578,10 @@ class P2PWorker:
             )
         return target
 
-    def _execute(self, plan, peer: _Peer, spec: RecvSpec, only: dict | None = None) -> int:
+    def _execute(self, plan, peer: _Peer, spec: RecvSpec, only: dict | None = None, before_read=None) -> int:
         """This rank's reads of the plan (``only``: of these layers of these prefill ranks,
-        by index in their ``RankInfo``); the bytes read."""
+        by index in their ``RankInfo``); the bytes read. ``before_read`` is called with the
+        prefill ranks (in their replica) to be read from, once the ranges are worked out."""
 
         def plane_tables(rank_in_replica: int):
             target = self._rank(peer, rank_in_replica)
@@ -551,22 +589,28 @@ class P2PWorker:
                 return target.src, target.dst
             return target.only(only[rank_in_replica]) if rank_in_replica in only else None
 
+        batches = list(
+            decode_rank_ranges(
+                plan,
+                self.global_rank,
+                spec.first_token,  # reads of tokens cached here are skipped
+                self.tp_rank,
+                plane_tables,
+                self._transport.whole_blocks,
+            )
+        )
+        if before_read is not None:
+            before_read([p for p, *_ in batches])
         pulled = 0
-        for p, local, remote_addr, lengths in decode_rank_ranges(
-            plan,
-            self.global_rank,
-            spec.first_token,  # reads of tokens cached here are skipped
-            self.tp_rank,
-            plane_tables,
-            self._transport.whole_blocks,
-        ):
+        for p, local, remote_addr, lengths in batches:
             self._transport.read(peer.ranks[p].address, local, remote_addr, lengths)
             pulled += int(lengths.sum())
         return pulled
 
-    def _send_done(self, spec: RecvSpec, plan, failed: bool) -> bool:
+    def _send_done(self, spec: RecvSpec, plan, failed: bool, inside_lease: bool = False) -> bool:
         """Send this rank's done messages; True if a prefill rank answers that the
-        request's lease had already run out (what was read may be stale)."""
+        request's lease had already run out, or (unless the read ended ``inside_lease``)
+        does not answer: what was read may be stale."""
         remote = spec.remote
         if plan is None:  # no plan (prefill unreachable): every rank asks every prefill rank to free
             messages = [
@@ -612,11 +656,25 @@ class P2PWorker:
                 if message.ok and attempt == 1:
                     retry.append((address, message))
                 else:  # unanswered: the blocks may have been freed under the read
-                    expired |= message.ok
+                    expired |= message.ok and not inside_lease
             if not retry:
                 break
             requests = retry
         return expired
+
+    def _send_done_after(self, spec: RecvSpec, plan, granted: float) -> None:
+        """The done messages of a pull already reported (its read ended inside the leases)."""
+        try:
+            if self._send_done(spec, plan, failed=False, inside_lease=True):
+                logger.error(
+                    "request %s: a prefill rank at %s reports its lease ran out although it granted "
+                    "%.1f s that had not passed: are the two hosts' clocks sound?",
+                    spec.request_id,
+                    spec.remote.remote_host,
+                    granted,
+                )
+        except Exception:
+            logger.exception("request %s: sending its done messages failed", spec.request_id)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
