@@ -202,7 +202,7 @@ def decode_rank_ranges(
 
 
 def _one_layout(by_rank: dict) -> bool:
-    """The ranks' tables differ only in their plane starts (and so do their decode tables not at all)."""
+    """The ranks' prefill tables differ only in their plane starts, and their decode tables not at all."""
     tables = list(by_rank.values())
     return all(
         t[1].shape == tables[0][1].shape

@@ -12,10 +12,9 @@ reads, then send each prefill rank it read from the done message, also after a f
 the first decode rank also tells the unread prefill ranks. Just before reading it renews
 the request on the ranks it reads from; if their answers show the read ended inside
 their leases (``lease_check.py``), the pull is reported at once and the done messages
-follow, else it waits for their answers (a lease that ran out means
-what was read is discarded). Each layer is read by its own
-KV-cache group's block table (``groups.py``); both sides name every layer's group in the
-handshake, and a mismatch fails the pull.
+follow, else it waits for their answers (a lease that ran out means what was read is
+discarded). Each layer is read by its own KV-cache group's block table (``groups.py``);
+both sides name every layer's group in the handshake, and a mismatch fails the pull.
 
 Layer-wise (``layerwise.py``): a prefill rank records when each layer of a published
 request is written and answers ``Progress``; asking renews the request's lease. A decode
@@ -59,9 +58,8 @@ from vllm.ascend.kv_transfer.transport import open_transport
 
 logger = logging.getLogger(__name__)
 
-LEASE_ANSWER_WAIT = (
-    1.0  # seconds from the renewals for their answers (then the done messages' answers decide)
-)
+# seconds from the renewals for their answers (then the done messages' answers decide)
+LEASE_ANSWER_WAIT = 1.0
 
 
 class IdlePacer:
