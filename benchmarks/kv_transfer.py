@@ -316,9 +316,8 @@ def run_case(case: Case, repeats: int) -> dict:
                 transport.read(address, local, remote, lengths)
             read_end, t4 = time.monotonic(), time.perf_counter()
             inside = check.covers(read_end, LEASE_ANSWER_WAIT)
-            t5 = (
-                time.perf_counter()
-            )  # a read inside the leases is reported here, the rest after the done messages
+            # a read inside the leases is reported here, the rest after the done messages
+            t5 = time.perf_counter()
             done = [m for m in wire.done_messages(plan, request_id, frozenset()) if m.decode_rank == me]
             replies = client.request_all([(f"127.0.0.1:{port + m.prefill_rank}", m) for m in done])
             t6 = time.perf_counter()

@@ -90,13 +90,14 @@ def read_ranges(
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-    local, remote, lengths = _range_matrix(plan, ids, s, d, s[:, :1], src_head0, dst_head0, block_sizes)
+    local, remote, lengths, _ = _range_matrix(plan, ids, s, d, s[:, :1], src_head0, dst_head0, block_sizes)
     return merge_ranges(local.ravel(), remote.ravel(), lengths.ravel())
 
 
 def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes):
     """The ranges of reads ``ids`` before merging: (local, remote, lengths), each planes x
-    (read, run, head) in read order. ``src_starts``: the prefill planes' starts, planes x 1
+    (read, run, head) in read order, and per column the index of its read in ``ids`` (None:
+    one column per read). ``src_starts``: the prefill planes' starts, planes x 1
     or planes x columns (several prefill ranks, which differ only there); ``src_head0``:
     the prefill rank's first KV head, or per read."""
     slot = s[:, 2] // block_sizes[0]
@@ -132,7 +133,7 @@ def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes
     local = _addresses(
         d[:, :1], d, slot, block_sizes[1], dst_block, head - dst_head0, plan.dst_offsets[first]
     )
-    return local, remote, lengths
+    return local, remote, lengths, read
 
 
 def _addresses(starts, table, slot, block_size, block, head, offset):
@@ -220,23 +221,16 @@ def _ranges_by_rank(plan, by_rank: list, dst_head0: int, block_sizes: tuple[int,
     rank_of_read = np.repeat(np.arange(len(by_rank)), sizes)
     src_starts = np.stack([v[1][:, 0] for v in by_rank], axis=1)[:, rank_of_read]  # planes x reads
     src_head0 = np.array([v[3] for v in by_rank], dtype=np.int64)[rank_of_read]
-    local, remote, lengths = _range_matrix(
+    local, remote, lengths, read = _range_matrix(
         plan, ids, by_rank[0][1], by_rank[0][2], src_starts, src_head0, dst_head0, block_sizes
     )
     # each rank's columns are one slice (reads in rank order; a read's columns together)
-    cuts = _column_cuts(plan, ids, sizes)
+    first_reads = np.cumsum([0, *sizes])
+    cuts = (first_reads if read is None else np.searchsorted(read, first_reads)).tolist()
     return [
         merge_ranges(local[:, a:b].ravel(), remote[:, a:b].ravel(), lengths[:, a:b].ravel())
         for a, b in zip(cuts, cuts[1:])
     ]
-
-
-def _column_cuts(plan, ids, sizes) -> list[int]:
-    """Where each rank's columns start in ``_range_matrix``'s output (and the end)."""
-    reads = np.cumsum([0, *sizes])
-    counts = plan.runs_count[ids].astype(np.int64) * (plan.head1[ids] - plan.head0[ids])
-    ends = np.concatenate([[0], np.cumsum(counts)])
-    return ends[reads].tolist()
 
 
 def _reads_of(plan, global_rank: int, first_token: int) -> np.ndarray:

@@ -120,8 +120,8 @@ class Plan:
         per-field checks: a request's plan is made of a cached one on every pull)."""
         plan = object.__new__(Plan)
         plan.__dict__.update(self.__dict__)
-        plan.__dict__.pop("reads_served", None)  # cached properties of the old columns
-        plan.__dict__.pop("unread", None)
+        for name in _CACHED_PROPERTIES:  # worked out from the old columns
+            plan.__dict__.pop(name, None)
         plan.__dict__.update(columns)
         return plan
 
@@ -311,6 +311,7 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
     return rank, cp, h0, h1, src_tp
 
 
+_CACHED_PROPERTIES = [name for name, value in vars(Plan).items() if isinstance(value, cached_property)]
 _CHECKED_PAIRS: set = set()  # layout pairs check_pair passed
 
 
@@ -386,11 +387,11 @@ def plan_shape(
     if num_tokens < cycle:
         return _period_plan(*args, num_tokens)
     copies, rest = divmod(num_tokens, cycle)
-    full = _period_plan(*args, cycle)
-    steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
     whole = _whole_periods(*args, copies)
     if not rest:
         return whole
+    full = _period_plan(*args, cycle)
+    steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
     # the last, partial period keeps the full period's readers (``need``), so its reads
     # are the full period's, cut short
     tail = _copies(_period_plan(*args, rest, need=full.need), 1, *steps, first=copies)

@@ -417,9 +417,8 @@ class P2PWorker:
             if remote.layerwise_id is not None and not remote.remote_ranks:
                 if attempt.layout is not None and not attempt.unreachable:  # its replica was never found
                     self._layerwise_pool.submit(self._release_layerwise, remote, attempt.layout)
-            elif covered:  # nothing read can be stale: report the pull first, tell the prefill ranks after
-                pass
-            elif self._send_done(spec, attempt.plan, failed) and not failed:
+            # a read inside the leases cannot be stale: its pull is reported first, the done messages after
+            elif not covered and self._send_done(spec, attempt.plan, failed) and not failed:
                 failed = True
                 logger.warning(
                     "request %s: the prefill instance at %s:%d freed its blocks (lease expired) before "
