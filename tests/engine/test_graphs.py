@@ -16,11 +16,11 @@ engine must give the eager engine's greedy tokens where vllm-ascend's graph mode
   their first block), with every batch size up to 8 captured: a padded step's padding rows
   each count a block against the fused attention's documented ``blocknum`` rule, which a
   full cache leaves no room for (docs/runtime.md);
-- the MLA + MoE DeepSeek-V3 with MTP (k = 1 and k = 2: the drafter's graphs too);
+- the MLA + MoE DeepSeek-V3 with MTP (k = 2: the drafter's graphs too; k = 1 extended);
 - a W8A8 (msModelSlim) DeepSeek-V3;
-- TP=2 with expert parallelism under AllGather and MC2 (forced, Atlas A2) and under the
-  selector on an Atlas A3 (AllToAll in eager steps, AllGather in the graphs: AllToAll's
-  split sizes are host values).
+- TP=2 with expert parallelism under MC2 (forced, Atlas A2; AllGather forced is extended)
+  and under the selector on an Atlas A3 (AllToAll in eager steps, AllGather in the graphs:
+  AllToAll's split sizes are host values).
 
 Two bf16 runs may pick different tokens only at a near-tie (test_npu_path's rule, reported
 as a warning); graph and eager run the same kernels on the same values, so none is
@@ -40,6 +40,7 @@ from tests.engine.test_npu_path import NEAR_TIE_CANDIDATES, NearTieDivergence, _
 from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.models import MLA512, quantize_model
 from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS, PROMPTS
+from tests.support.selection import cases_to_start, extended_params
 
 MAX_TOKENS = 10
 NPU = {"VLLM_ASCEND_KERNELS": "npu"}
@@ -99,6 +100,9 @@ PAIRS = {
     "tp2_ep_a3": (MLA512, TP2_EP, {"TORCH_NPU_DOUBLE_SOC": "A3"}),
 }
 DEEPSEEK_BATCHES = [PROMPTS[:5], LONG_PROMPTS[:4]]
+# out of CI's run: k = 2 captures and replays the drafter's graphs as k = 1 does, and the A3
+# selector's graphs take AllGather
+EXTENDED_PAIRS = {"mtp_k1", "tp2_ep_allgather"}
 
 
 def _spec(model: Path, engine: dict, env: dict, batches: list, log: Path, **extra) -> dict:
@@ -119,12 +123,13 @@ def _spec(model: Path, engine: dict, env: dict, batches: list, log: Path, **extr
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_models, tmp_path_factory) -> dict:
+def runs(request, tiny_models, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("graphs")
     models = {"qwen2": tiny_models["qwen2"], MLA512: tiny_models[MLA512]}
     models["w8a8"] = quantize_model(tiny_models[MLA512], root / "w8a8", "w8a8_dynamic")
     specs, names = [], []
-    for name, (model, engine, env) in PAIRS.items():
+    for name in cases_to_start(request, "name", PAIRS, EXTENDED_PAIRS):
+        model, engine, env = PAIRS[name]
         batches = _batches(name)
         for mode, change in (("eager", {"enforce_eager": True}), ("graph", {})):
             specs.append(_spec(models[model], {**engine, **change}, env, batches, root / f"{name}-{mode}"))
@@ -158,7 +163,7 @@ def _replays(runs: dict, name: str, mode: str) -> int:
     return runs[(name, mode)]["graphs"].get("replays", 0)
 
 
-@pytest.mark.parametrize("name", list(PAIRS))
+@pytest.mark.parametrize("name", extended_params(PAIRS, EXTENDED_PAIRS))
 def test_graphs_decode_like_eager(runs, name):
     eager, graph = runs[(name, "eager")], runs[(name, "graph")]
     assert _replays(runs, name, "graph") > 0, f"{name}: no decode graph replayed"

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.forked_cli import run_forked
 from tests.support.processes import run_concurrently
 
 from .test_cli import _vllm_command
@@ -45,9 +46,9 @@ def _python(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="module")
 def refusals(tiny_models, tmp_path_factory) -> dict:
-    """Every start-up refusal below, each a `vllm serve` that must stop before serving,
-    run two at a time (each is one CLI process whose import dominates; the tests read the
-    results)."""
+    """Every start-up refusal below, each a `vllm serve` that must stop before serving
+    (each one CLI run whose import dominates: those of one environment share an import,
+    tests/support/forked_cli.py; the tests read the results)."""
     qwen2 = str(tiny_models["qwen2"])
     jobs = {}
     for i, (args, extra_env, _) in enumerate(NPU_START_UP_ERRORS):
@@ -100,7 +101,32 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
         jobs[("context_parallel", i)] = _vllm_command(
             "serve", qwen2, "--dtype", "float32", "--port", "1", *args, emulate="1"
         )
-    return run_concurrently(jobs, workers=2, timeout=600)
+    return run_forked(jobs, workers=2, timeout=600)
+
+
+def test_forked_runs_end_as_their_own_processes_would():
+    """The refusals' harness against plain processes: exit status, output, traceback."""
+    env = dict(os.environ, VLLM_ASCEND_EMULATE="1")
+    jobs = {
+        "exit": ([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], env),
+        "raise": (
+            [sys.executable, "-c", "import sys; print('err', file=sys.stderr); raise KeyError(7)"],
+            env,
+        ),
+        "message": ([sys.executable, "-c", "import sys; sys.exit('stopped: a message')"], env),
+        "cli": _vllm_command("serve", "--no-such-flag", emulate="1"),
+    }
+    forked, plain = run_forked(jobs, workers=2, timeout=300), run_concurrently(jobs, workers=2, timeout=300)
+    for key in jobs:
+        a, b = forked[key], plain[key]
+        assert (a.returncode, a.stdout) == (b.returncode, b.stdout), (key, a, b)
+        assert a.stderr.strip().splitlines()[-1:] == b.stderr.strip().splitlines()[-1:], (
+            key,
+            a.stderr,
+            b.stderr,
+        )
+        assert ("Traceback" in a.stderr) == ("Traceback" in b.stderr), key
+    assert forked["exit"].returncode == 3 and forked["raise"].returncode == 1
 
 
 def _with_config(model: Path, out: Path, **changes) -> Path:
