@@ -101,6 +101,7 @@ def default_cases(long: bool) -> list[Case]:
         Case("64kib", 256 * 128, tp1, tp1),
         Case("deepseek-v3", 4096, tp1, tp1),
         Case("deepseek-v3", 4096, tp1, tp1, contiguous=True),
+        Case("deepseek-v3", 4000, tp1, tp1),  # ends inside a block: the last period is cut per request
         Case("qwen3-moe", 4096, tp1, tp1),
         Case("qwen3-moe", 4096, tp1, tp1, contiguous=True),
         Case("gqa8", 4096, tp1, tp1),
@@ -739,10 +740,10 @@ def pulls(args) -> None:
             + " | ".join(f"{r[k][0]:.2f} / {r[k][1]:.2f}" for k in keys)
             + f" | {r['covered'][0]}/{r['covered'][1]} | {r['done'][0]:.2f} / {r['done'][1]:.2f} |"
         )
-    goal = [r for r in rows if r["case"].shape == "deepseek-v3" and r["case"].tokens == 4096]
+    goal = [r for r in rows if r["case"].shape == "deepseek-v3" and r["case"].tokens in (4000, 4096)]
     worst = max(r["total"][0] for r in goal)
     print(
-        f"goal: total p50 <= 1 ms for DeepSeek-V3 at 4k tokens: worst {worst:.2f} ms,",
+        f"goal: total p50 <= 1 ms for DeepSeek-V3 at 4k tokens (4096 and 4000): worst {worst:.2f} ms,",
         "met" if worst <= 1 else "NOT met",
     )
     if args.concurrent:

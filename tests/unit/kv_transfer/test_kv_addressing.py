@@ -14,6 +14,8 @@ import ctypes
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.context_parallel.placement import CPLayout, place
@@ -236,3 +238,83 @@ def test_layer_by_layer_reads_copy_the_same_bytes_as_one_pull(name):
             by_layer |= part
         assert by_layer == whole and whole
         assert set(decode_rank_sources(plan, d_rank, 3)) <= set(peers)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_kv_cache_group_with_no_layer_ready_yet_is_skipped(name):
+    """Layer-wise, with two KV-cache groups: while only the first group's layers are
+    written, a read of the ready layers is the first group's ranges (the other group has
+    no rows yet), on every decode rank and however many prefill ranks it reads from."""
+    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges
+    from vllm.ascend.kv_transfer.plan import build_group_plan
+
+    prefill, decode = CASES[name]
+    tokens, decode_dp = 45, decode.dp - 1
+    n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
+    src = _instance(prefill, 0, n_p + 3)
+    dst = _instance(decode, decode_dp, n_d + 4)
+    tables = (list(range(1, n_p + 1)), list(range(1, n_d + 1)))
+    one = build_plan(prefill, decode, tokens, *tables, 0, decode_dp)
+    two = build_group_plan(prefill, decode, tokens, [tables[0]] * 2, [tables[1]] * 2, 0, decode_dp)
+    for d_rank, rank in dst.items():
+        tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
+        table = {p: plane_table(rank.mine(), src[p].regions()) for p in range(prefill.ranks_per_replica)}
+
+        def first_group_only(p, table=table):
+            s, d = table[p]
+            return {0: s, 1: s[:0]}, {0: d, 1: d[:0]}
+
+        def as_lists(batches):
+            return [(p, *(a.tolist() for a in arrays)) for p, *arrays in batches]
+
+        expected = as_lists(
+            decode_rank_ranges(
+                one, d_rank, 0, tp_rank, lambda p, table=table: tuple({0: t} for t in table[p])
+            )
+        )
+        assert as_lists(decode_rank_ranges(two, d_rank, 0, tp_rank, first_group_only)) == expected
+        assert expected or not one.read_ids_of(d_rank).size
+
+
+def _merged_one_by_one(local, remote, lengths):
+    """The brute-force oracle: extend the last range while the next one continues it on both sides."""
+    out = []
+    for lo, re, n in zip(local, remote, lengths):
+        if out and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == re:
+            out[-1][2] += n
+        else:
+            out.append([lo, re, n])
+    return out
+
+
+@given(
+    st.lists(
+        st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(1, 4)), min_size=1, max_size=12),
+        min_size=1,
+        max_size=5,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_ranges_of_several_prefill_ranks_merge_within_a_rank_only(parts):
+    """Per part (a prefill rank's ranges, one after another in one pass), each range either
+    continues the previous one locally and remotely or jumps; a part may start exactly where
+    the previous part ended on both sides, and still stays apart."""
+    from vllm.ascend.kv_transfer.addressing import _merged, merge_ranges
+
+    local, remote, lengths, bounds = [], [], [], [0]
+    lo = re = 0
+    for part in parts:
+        for jump_local, jump_remote, n in part:
+            lo, re = lo + 8 * jump_local, re + 16 * jump_remote
+            local.append(lo), remote.append(re), lengths.append(n)
+            lo, re = lo + n, re + n
+        bounds.append(len(local))
+    arrays = [np.array(x, dtype=np.int64) for x in (local, remote, lengths)]
+    merged, edges = _merged(*arrays, np.array(bounds))
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        expected = _merged_one_by_one(local[a:b], remote[a:b], lengths[a:b])
+        got = [list(r) for r in zip(*(x[edges[i] : edges[i + 1]].tolist() for x in merged))]
+        assert got == expected
+    assert [list(r) for r in zip(*(x.tolist() for x in merge_ranges(*arrays)))] == _merged_one_by_one(
+        local, remote, lengths
+    )

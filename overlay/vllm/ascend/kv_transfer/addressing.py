@@ -9,6 +9,8 @@ plane, one range per head; ranges contiguous on both sides are merged.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from vllm.ascend.kv_transfer import wire
@@ -18,8 +20,8 @@ from vllm.ascend.kv_transfer.transport import Region, TransferError
 def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Per layer and plane, ``(plane start, block bytes, head bytes)`` on the prefill side
     (``theirs``: RankInfo layers) and here (``mine``: name -> (base, LayerLayout), the
-    layers of KV-cache group ``group``), matched by layer name: two int64 arrays of one
-    row per plane (built once per prefill rank; every pull indexes them)."""
+    layers of KV-cache group ``group``), matched by layer name: two read-only int64 arrays
+    of one row per plane (built once per prefill rank; every pull indexes them)."""
     by_name = {layer.name: layer for layer in theirs}
     src, dst = [], []
     for name, (base, layer) in mine.items():
@@ -40,7 +42,33 @@ def plane_table(mine: dict, theirs: list, group: int = 0) -> tuple[np.ndarray, n
             )
             dst.append((base + layer.plane_offset(index), plane.block_bytes, plane.head_bytes))
             offset_s += their_plane.heads * their_plane.head_bytes * their.num_blocks
-    return np.array(src, dtype=np.int64).reshape(-1, 3), np.array(dst, dtype=np.int64).reshape(-1, 3)
+    src_table, dst_table = (np.array(rows, dtype=np.int64).reshape(-1, 3) for rows in (src, dst))
+    return _frozen(src_table), _frozen(dst_table)
+
+
+def _frozen(table: np.ndarray) -> np.ndarray:
+    table.setflags(write=False)  # read-only: what is worked out from it once stays true
+    return table
+
+
+# Facts about read-only plane tables (one prefill rank's, built once per connection), by
+# the tables' identity. Each entry holds its tables, so no id is reused while it lives.
+_TABLE_FACTS: dict = {}
+
+
+def _of_tables(fact, tables: tuple, *args):
+    """``fact(*tables, *args)``, worked out once per set of read-only tables."""
+    if any(t.flags.writeable for t in tables):  # a table that may change: no memo
+        return fact(*tables, *args)
+    key = (fact, *map(id, tables), *args)
+    hit = _TABLE_FACTS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], tables)):
+        return hit[1]
+    value = fact(*tables, *args)
+    if len(_TABLE_FACTS) >= 1024:  # layer-wise subsets are new tables each time
+        _TABLE_FACTS.clear()
+    _TABLE_FACTS[key] = (tables, value)
+    return value
 
 
 def plane_layers(mine: dict, theirs: list) -> list[int]:
@@ -100,9 +128,7 @@ def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes
     one column per read). ``src_starts``: the prefill planes' starts, planes x 1
     or planes x columns (several prefill ranks, which differ only there); ``src_head0``:
     the prefill rank's first KV head, or per read."""
-    slot = s[:, 2] // block_sizes[0]
-    if np.any(slot != d[:, 2] // block_sizes[1]):
-        raise ValueError("prefill and decode store a head's token with different sizes: not the same model")
+    slot, src_heads, dst_heads = _of_tables(_pair_facts, (s, d), block_sizes)
     counts = plan.runs_count[ids]
     h0 = plan.head0[ids]
     heads = plan.head1[ids] - h0
@@ -128,24 +154,37 @@ def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes
     lengths = slot[:, None] * plan.run_length[run_row]
     # in slots: block, head and slot per column, planes' block and head sizes per row
     remote = _addresses(
-        src_starts, s, slot, block_sizes[0], src_block, head - src_head0, plan.src_offsets[first]
+        src_starts, s, slot, block_sizes[0], src_heads, src_block, head - src_head0, plan.src_offsets[first]
     )
     local = _addresses(
-        d[:, :1], d, slot, block_sizes[1], dst_block, head - dst_head0, plan.dst_offsets[first]
+        d[:, :1], d, slot, block_sizes[1], dst_heads, dst_block, head - dst_head0, plan.dst_offsets[first]
     )
     return local, remote, lengths, read
 
 
-def _addresses(starts, table, slot, block_size, block, head, offset):
+def _pair_facts(s, d, block_sizes):
+    """(bytes per slot per plane, heads per block of every src plane, of every dst plane):
+    a count is 0 where the planes differ in it or a block is not heads x block size slots."""
+    slot = s[:, 2] // block_sizes[0]
+    if np.any(slot != d[:, 2] // block_sizes[1]):
+        raise ValueError("prefill and decode store a head's token with different sizes: not the same model")
+
+    def common_heads(table, block_size):
+        if not len(table):
+            return 0
+        heads = table[:, 1] // table[:, 2]
+        uniform = (heads == heads[0]).all() and (heads * table[:, 2] == table[:, 1]).all()
+        return int(heads[0]) if uniform and (slot * block_size == table[:, 2]).all() else 0
+
+    slot.setflags(write=False)
+    return slot, common_heads(s, block_sizes[0]), common_heads(d, block_sizes[1])
+
+
+def _addresses(starts, table, slot, block_size, heads_per_block, block, head, offset):
     """planes x columns addresses: plane start + block x block bytes + head x head bytes +
     slot x slot bytes. When every plane has as many heads per block, one product."""
-    heads_per_block = table[:, 1] // table[:, 2]
-    if (
-        np.all(heads_per_block == heads_per_block[0])
-        and np.all(heads_per_block * table[:, 2] == table[:, 1])
-        and np.all(slot * block_size == table[:, 2])
-    ):
-        column = (block * int(heads_per_block[0]) + head) * block_size + offset
+    if heads_per_block:
+        column = (block * heads_per_block + head) * block_size + offset
         return starts + slot[:, None] * column
     return starts + block * table[:, 1:2] + head * table[:, 2:3] + offset * slot[:, None]
 
@@ -169,13 +208,11 @@ def decode_rank_ranges(
     d_heads = plan.decode.heads(tp_rank).start
     block_sizes = (plan.prefill.block_size, plan.decode.block_size)
     p_of = plan.prefill_rank[mine]
-    if (p_of == p_of[0]).all():  # one prefill rank (same layouts on both sides, say)
-        bounds = {int(p_of[0]): (0, mine.size)}
-    else:
+    if (p_of[1:] < p_of[:-1]).any():
         order = np.argsort(p_of, kind="stable")  # by prefill rank, in read order within one
         mine, p_of = mine[order], p_of[order]
-        ranks, starts = np.unique(p_of, return_index=True)
-        bounds = dict(zip(ranks.tolist(), zip(starts.tolist(), [*starts[1:].tolist(), mine.size])))
+    starts = [0, *(np.flatnonzero(p_of[1:] != p_of[:-1]) + 1).tolist()]
+    bounds = {int(p_of[a]): (a, b) for a, b in zip(starts, [*starts[1:], mine.size])}
     tabled = {p: tables(p - p_base) for p in bounds}
     groups = plan.group[mine] if plan.num_groups > 1 else None
     parts: dict[int, list] = {p: [] for p in bounds}
@@ -191,46 +228,73 @@ def decode_rank_ranges(
             if (t := tabled[p]) is not None and len(t[0][g])
         }
         by_rank = {p: v for p, v in by_rank.items() if v[0].size}
-        if whole_blocks or len(by_rank) == 1 or not _one_layout(by_rank):
+        if not by_rank:  # layer-wise: none of this group's layers is ready yet
+            continue
+        if whole_blocks or len(by_rank) == 1:
+            starts = None
+        else:
+            starts = _of_tables(_one_layout_starts, tuple(t for v in by_rank.values() for t in v[1:3]))
+        if starts is None:
             for p, (ids, src, dst, p_heads) in by_rank.items():
                 parts[p].append(read_ranges(plan, ids, src, dst, p_heads, d_heads, block_sizes, whole_blocks))
             continue
-        for p, part in zip(by_rank, _ranges_by_rank(plan, list(by_rank.values()), d_heads, block_sizes)):
+        for p, part in zip(
+            by_rank, _ranges_by_rank(plan, list(by_rank.values()), starts, d_heads, block_sizes)
+        ):
             parts[p].append(part)
     for p, pieces in parts.items():
-        if pieces:
+        if len(pieces) == 1:
+            yield (p - p_base, *pieces[0])
+        elif pieces:
             yield (p - p_base, *(np.concatenate([piece[k] for piece in pieces]) for k in range(3)))
 
 
-def _one_layout(by_rank: dict) -> bool:
-    """The ranks' prefill tables differ only in their plane starts, and their decode tables not at all."""
-    tables = list(by_rank.values())
-    return all(
-        t[1].shape == tables[0][1].shape
-        and np.array_equal(t[1][:, 1:], tables[0][1][:, 1:])
-        and np.array_equal(t[2], tables[0][2])
-        for t in tables[1:]
+def _one_layout_starts(*tables) -> np.ndarray | None:
+    """``tables``: src, dst of each of several prefill ranks in turn. Where the ranks' prefill
+    tables differ only in their plane starts and their decode tables not at all, those
+    starts as planes x ranks; else None."""
+    src, dst = tables[0::2], tables[1::2]
+    one = all(
+        t.shape == src[0].shape and np.array_equal(t[:, 1:], src[0][:, 1:]) and np.array_equal(u, dst[0])
+        for t, u in zip(src[1:], dst[1:])
     )
+    return _frozen(np.stack([t[:, 0] for t in src], axis=1)) if one else None
 
 
-def _ranges_by_rank(plan, by_rank: list, dst_head0: int, block_sizes: tuple[int, int]) -> list:
+def _ranges_by_rank(plan, by_rank: list, rank_starts, dst_head0: int, block_sizes: tuple[int, int]) -> list:
     """``read_ranges`` of several prefill ranks at once: ``by_rank`` lists per rank (its
-    read ids, src table, dst table, first KV head); per rank its merged ranges."""
+    read ids, src table, dst table, first KV head), ``rank_starts`` their planes' starts
+    (planes x ranks); per rank its merged ranges."""
     ids = np.concatenate([v[0] for v in by_rank])
     sizes = [v[0].size for v in by_rank]
     rank_of_read = np.repeat(np.arange(len(by_rank)), sizes)
-    src_starts = np.stack([v[1][:, 0] for v in by_rank], axis=1)[:, rank_of_read]  # planes x reads
     src_head0 = np.array([v[3] for v in by_rank], dtype=np.int64)[rank_of_read]
     local, remote, lengths, read = _range_matrix(
-        plan, ids, by_rank[0][1], by_rank[0][2], src_starts, src_head0, dst_head0, block_sizes
+        plan,
+        ids,
+        by_rank[0][1],
+        by_rank[0][2],
+        rank_starts[:, rank_of_read],
+        src_head0,
+        dst_head0,
+        block_sizes,
     )
-    # each rank's columns are one slice (reads in rank order; a read's columns together)
+    # each rank's columns are one slice (reads in rank order; a read's columns together):
+    # the ranks' ranges rank after rank, merged in one pass that never joins two ranks
     first_reads = np.cumsum([0, *sizes])
-    cuts = (first_reads if read is None else np.searchsorted(read, first_reads)).tolist()
-    return [
-        merge_ranges(local[:, a:b].ravel(), remote[:, a:b].ravel(), lengths[:, a:b].ravel())
-        for a, b in zip(cuts, cuts[1:])
-    ]
+    cuts = tuple((first_reads if read is None else np.searchsorted(read, first_reads)).tolist())
+    order, bounds = _rank_major(*local.shape, cuts)
+    merged, edges = _merged(local.ravel()[order], remote.ravel()[order], lengths.ravel()[order], bounds)
+    return [tuple(x[a:b] for x in merged) for a, b in zip(edges, edges[1:])]
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_major(planes: int, columns: int, cuts: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """The planes x columns matrix's flat indices with the column slices ``cuts`` one
+    after another (each plane-major), and where each slice starts in that order."""
+    grid = np.arange(planes * columns).reshape(planes, columns)
+    order = _frozen(np.concatenate([grid[:, a:b].ravel() for a, b in zip(cuts, cuts[1:])]))
+    return order, _frozen(planes * np.asarray(cuts, dtype=np.int64))
 
 
 def _reads_of(plan, global_rank: int, first_token: int) -> np.ndarray:
@@ -313,15 +377,24 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 
 
 def merge_ranges(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray):
+    """Neighbouring ranges contiguous on both sides as one."""
     if local.size == 0:
         return local, remote, lengths
+    return _merged(local, remote, lengths, np.array([0, local.size]))[0]
+
+
+def _merged(local, remote, lengths, bounds: np.ndarray):
+    """``merge_ranges`` over ranges in consecutive parts that start at ``bounds`` (ending with
+    the total), never joining two parts: the merged ranges and where each part starts in them."""
     start = np.empty(local.size, dtype=bool)
     start[0] = True
     ends = local[:-1] + lengths[:-1]
     np.not_equal(ends, local[1:], out=start[1:])
     ends += remote[:-1] - local[:-1]  # the remote ends
     start[1:] |= ends != remote[1:]
+    start[bounds[:-1]] = True
     first = np.flatnonzero(start)
     if first.size == local.size:  # nothing to merge (fragmented block ids)
-        return local, remote, lengths
-    return local[first], remote[first], np.add.reduceat(lengths, first)
+        return (local, remote, lengths), bounds.tolist()
+    merged = local[first], remote[first], np.add.reduceat(lengths, first)
+    return merged, np.searchsorted(first, bounds).tolist()

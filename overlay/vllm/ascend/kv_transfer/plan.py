@@ -37,7 +37,7 @@ Run ``python -m vllm.ascend.kv_transfer.inspector --help`` to inspect a plan (do
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -434,30 +434,34 @@ def _copies(shape: Plan, copies: int, src_step: int, dst_step: int, first: int =
     cycle = src_step * shape.prefill.virtual_block_size
 
     def shifted(column, step):  # a column of ids or positions, ``step`` further per period
+        if copies == 1:
+            return column + first * step
         return (column[None, :] + k[:, None] * step).ravel()
 
     def rows(column, size):  # row indices into columns ``size`` rows longer per copy
-        return (column[None, :] + (k - first)[:, None] * size).ravel()
+        return column if copies == 1 else (column[None, :] + (k - first)[:, None] * size).ravel()
 
-    return replace(
-        shape,
+    def tile(column):  # one copy (a request's last, partial period): the column itself
+        return column if copies == 1 else np.tile(column, copies)
+
+    return shape.with_columns(
         num_tokens=(first + copies - 1) * cycle + shape.num_tokens,
-        decode_rank=np.tile(shape.decode_rank, copies),
-        prefill_rank=np.tile(shape.prefill_rank, copies),
+        decode_rank=tile(shape.decode_rank),
+        prefill_rank=tile(shape.prefill_rank),
         src_block=shifted(shape.src_block, src_step),
         dst_block=shifted(shape.dst_block, dst_step),
-        head0=np.tile(shape.head0, copies),
-        head1=np.tile(shape.head1, copies),
+        head0=tile(shape.head0),
+        head1=tile(shape.head1),
         token_start=rows(shape.token_start, tokens),
-        token_count=np.tile(shape.token_count, copies),
+        token_count=tile(shape.token_count),
         positions=shifted(shape.positions, cycle),
-        src_offsets=np.tile(shape.src_offsets, copies),
-        dst_offsets=np.tile(shape.dst_offsets, copies),
+        src_offsets=tile(shape.src_offsets),
+        dst_offsets=tile(shape.dst_offsets),
         runs_start=rows(shape.runs_start, runs),
-        runs_count=np.tile(shape.runs_count, copies),
+        runs_count=tile(shape.runs_count),
         run_token=rows(shape.run_token, tokens),
-        run_length=np.tile(shape.run_length, copies),
-        group=np.tile(shape.group, copies),
+        run_length=tile(shape.run_length),
+        group=tile(shape.group),
     )
 
 
@@ -573,20 +577,28 @@ def build_group_plan(
         plan = build_plan(
             prefill, decode, num_tokens, src, dst, prefill_dp_rank, decode_dp_rank, replica_offset
         )
-        needed = plan.dst_block != NULL_BLOCK
-        lost = needed & (plan.src_block == NULL_BLOCK)
-        if lost.any():
-            first = int(plan.first_position[lost].min())
-            raise LayoutError(
-                f"KV-cache group {g}: the prefill instance kept no block for token {first}, which "
-                "this instance needs (the two sides disagree on the group's window)"
-            )
-        if not needed.all():
-            plan = plan.subset(needed)
+        if _holds_null(src) or _holds_null(dst):  # a windowed group's tables (else nothing to drop)
+            needed = plan.dst_block != NULL_BLOCK
+            lost = needed & (plan.src_block == NULL_BLOCK)
+            if lost.any():
+                first = int(plan.first_position[lost].min())
+                raise LayoutError(
+                    f"KV-cache group {g}: the prefill instance kept no block for token {first}, which "
+                    "this instance needs (the two sides disagree on the group's window)"
+                )
+            if not needed.all():
+                plan = plan.subset(needed)
         if g:
             plan = plan.with_columns(group=np.full(len(plan), g, dtype=np.int64))
         parts.append(plan)
     return _join(parts).with_columns(num_groups=len(parts)) if len(parts) != 1 else parts[0]
+
+
+def _holds_null(block_ids) -> bool:
+    """A block table (a list, as the wire carries it, or an array) with the null block in it."""
+    if isinstance(block_ids, np.ndarray):
+        return bool((block_ids == NULL_BLOCK).any())
+    return NULL_BLOCK in block_ids
 
 
 def _join(plans: list[Plan], num_tokens: int | None = None) -> Plan:
@@ -603,8 +615,7 @@ def _join(plans: list[Plan], num_tokens: int | None = None) -> Plan:
             columns = [c + b for c, b in zip(columns, bases)]
         return np.concatenate(columns)
 
-    return replace(
-        plans[0],
+    return plans[0].with_columns(
         num_tokens=plans[0].num_tokens if num_tokens is None else num_tokens,
         decode_rank=cat("decode_rank"),
         prefill_rank=cat("prefill_rank"),

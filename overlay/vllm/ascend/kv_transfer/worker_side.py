@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import msgspec
 
 from vllm.ascend.attention.kv_layout import LayerLayout
+from vllm.ascend.context_parallel.placement import LayoutError
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.addressing import (
     decode_rank_ranges,
@@ -404,6 +405,9 @@ class P2PWorker:
                 spec.remote.remote_host,
                 attempt.spec.remote.remote_port,
                 e,
+                # what a peer, the network or a layout can cause is one line; anything else is a
+                # bug here, and its traceback says where
+                exc_info=not isinstance(e, (RuntimeError, OSError, LayoutError, msgspec.MsgspecError)),
             )
         finally:
             spec, remote = attempt.spec, attempt.spec.remote
