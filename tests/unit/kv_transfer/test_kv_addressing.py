@@ -110,6 +110,7 @@ CASES = {
         CPLayout(tp=2, dcp=2, block_size=8),
     ),
     "mla tp1 -> tp1": (CPLayout(tp=1, block_size=4), CPLayout(tp=1, block_size=4)),
+    "gqa4 tp2 -> tp2": (CPLayout(tp=2, kv_heads=4, block_size=4), CPLayout(tp=2, kv_heads=4, block_size=4)),
 }
 
 
@@ -223,20 +224,26 @@ def test_layer_by_layer_reads_copy_the_same_bytes_as_one_pull(name):
                 {0: plane_layers(rank.mine(), theirs)},
             )
 
-        def ranges(tables, d_rank=d_rank, tp_rank=tp_rank):
+        def ranges(tables, d_rank=d_rank, tp_rank=tp_rank, whole_blocks=False):
             out = set()
-            for _, local, remote, lengths in decode_rank_ranges(plan, d_rank, 3, tp_rank, tables):
+            for _, local, remote, lengths in decode_rank_ranges(
+                plan, d_rank, 3, tp_rank, tables, whole_blocks
+            ):
                 for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
                     out.update((lo + i, re + i) for i in range(0, n, 4))  # int32 elements
             return out
 
-        whole = ranges(lambda p, peers=peers: (peers[p].src, peers[p].dst))
-        by_layer = set()
-        for layer in reversed(range(LAYERS)):
-            part = ranges(lambda p, layer=layer, peers=peers: peers[p].only({layer}))
-            assert not part & by_layer  # no element is read twice
-            by_layer |= part
-        assert by_layer == whole and whole
+        # whole blocks (LLM-DataDist) where both sides store blocks alike
+        for whole_blocks in (False, True) if prefill == decode else (False,):
+            whole = ranges(lambda p, peers=peers: (peers[p].src, peers[p].dst), whole_blocks=whole_blocks)
+            by_layer = set()
+            for layer in reversed(range(LAYERS)):
+                part = ranges(
+                    lambda p, layer=layer, peers=peers: peers[p].only({layer}), whole_blocks=whole_blocks
+                )
+                assert not part & by_layer  # no element is read twice
+                by_layer |= part
+            assert by_layer == whole and whole
         assert set(decode_rank_sources(plan, d_rank, 3)) <= set(peers)
 
 
