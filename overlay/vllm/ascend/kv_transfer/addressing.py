@@ -231,15 +231,15 @@ def decode_rank_ranges(
         if not by_rank:  # layer-wise: none of this group's layers is ready yet
             continue
         if whole_blocks or len(by_rank) == 1:
-            starts = None
-        else:
-            starts = _of_tables(_one_layout_starts, tuple(t for v in by_rank.values() for t in v[1:3]))
-        if starts is None:
+            rank_starts = None
+        else:  # the ranks' plane starts when they share one layout
+            rank_starts = _of_tables(_one_layout_starts, tuple(t for v in by_rank.values() for t in v[1:3]))
+        if rank_starts is None:
             for p, (ids, src, dst, p_heads) in by_rank.items():
                 parts[p].append(read_ranges(plan, ids, src, dst, p_heads, d_heads, block_sizes, whole_blocks))
             continue
         for p, part in zip(
-            by_rank, _ranges_by_rank(plan, list(by_rank.values()), starts, d_heads, block_sizes)
+            by_rank, _ranges_by_rank(plan, list(by_rank.values()), rank_starts, d_heads, block_sizes)
         ):
             parts[p].append(part)
     for p, pieces in parts.items():
