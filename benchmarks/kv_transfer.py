@@ -101,7 +101,9 @@ def default_cases(long: bool) -> list[Case]:
         Case("64kib", 256 * 128, tp1, tp1),
         Case("deepseek-v3", 4096, tp1, tp1),
         Case("deepseek-v3", 4096, tp1, tp1, contiguous=True),
-        Case("deepseek-v3", 4000, tp1, tp1),  # ends inside a block: the last period is cut per request
+        Case(
+            "deepseek-v3", 4000, tp1, tp1
+        ),  # ends inside a block: its last, partial period is built per request
         Case("qwen3-moe", 4096, tp1, tp1),
         Case("qwen3-moe", 4096, tp1, tp1, contiguous=True),
         Case("gqa8", 4096, tp1, tp1),

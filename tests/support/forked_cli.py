@@ -23,6 +23,8 @@ from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.support.processes import run_job
+
 Job = tuple[list[str], dict]
 
 
@@ -39,8 +41,7 @@ def run_forked(
 
     def run(keys: list[Hashable]) -> dict[Hashable, subprocess.CompletedProcess]:
         if len(keys) == 1:
-            argv, env = jobs[keys[0]]
-            return {keys[0]: subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)}
+            return {keys[0]: run_job(jobs[keys[0]], timeout)}
         return _run_group({key: jobs[key] for key in keys}, timeout)
 
     results: dict[Hashable, subprocess.CompletedProcess] = {}
@@ -90,13 +91,14 @@ def _child(run: dict, main) -> None:
     for fd, path in ((1, run["stdout"]), (2, run["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     argv = run["argv"]
-    sys.argv = ["-c", *argv[2:]] if argv[1] == "-c" else list(argv)
+    source = argv[2] if argv[1] == "-c" else None  # `python -c SOURCE ARGS...`
+    sys.argv = list(argv) if source is None else ["-c", *argv[3:]]
     code = 0
     try:
-        if argv[1] == "-c":
-            exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})
-        else:
+        if source is None:
             main()
+        else:
+            exec(compile(source, "<string>", "exec"), {"__name__": "__main__"})
     except SystemExit as stop:
         if isinstance(stop.code, int) or stop.code is None:
             code = stop.code or 0

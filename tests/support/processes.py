@@ -13,18 +13,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
+def run_job(job: tuple[list[str], dict], timeout: float) -> subprocess.CompletedProcess:
+    """One (argv, environment) job to completion, its output captured (its timeout raises)."""
+    argv, env = job
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run_concurrently(
     jobs: dict[Hashable, tuple[list[str], dict]], workers: int, timeout: float
 ) -> dict[Hashable, subprocess.CompletedProcess]:
     """Each job is (argv, environment); every command runs to completion (or its timeout,
     which raises) with at most ``workers`` at once."""
-
-    def run(job):
-        argv, env = job
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(jobs, pool.map(run, jobs.values())))
+        return dict(zip(jobs, pool.map(lambda job: run_job(job, timeout), jobs.values())))
 
 
 # -- processes a test run left behind ---------------------------------------------------

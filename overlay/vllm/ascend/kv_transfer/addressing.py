@@ -176,8 +176,7 @@ def _pair_facts(s, d, block_sizes):
         uniform = (heads == heads[0]).all() and (heads * table[:, 2] == table[:, 1]).all()
         return int(heads[0]) if uniform and (slot * block_size == table[:, 2]).all() else 0
 
-    slot.setflags(write=False)
-    return slot, common_heads(s, block_sizes[0]), common_heads(d, block_sizes[1])
+    return _frozen(slot), common_heads(s, block_sizes[0]), common_heads(d, block_sizes[1])
 
 
 def _addresses(starts, table, slot, block_size, heads_per_block, block, head, offset):
