@@ -283,6 +283,79 @@ def test_a_kv_cache_group_with_no_layer_ready_yet_is_skipped(name):
         assert expected or not one.read_ids_of(d_rank).size
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_address_templates_give_every_request_its_own_bytes(name):
+    """A whole pull with stable plane tables takes its ranges from templates kept per plan
+    piece: requests of one shape but other block ids, aligned to the period or not, still
+    copy exactly their own placement, the second request reuses the first one's templates,
+    and with a prefix cached here the ranges are those of the path without templates."""
+    from vllm.ascend.kv_transfer import addressing
+    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges
+    from vllm.ascend.kv_transfer.plan import period
+
+    prefill, decode = CASES[name]
+    decode_dp, cycle = decode.dp - 1, period(prefill, decode)
+    rng = np.random.default_rng(7)
+    for tokens in (cycle - 1, 3 * cycle, 3 * cycle + 5):
+        n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
+        src = _instance(prefill, 0, n_p + 6)
+        dst = _instance(decode, decode_dp, n_d + 6)
+        tables = {
+            d_rank: {p: tuple({0: t} for t in plane_table(rank.mine(), src[p].regions())) for p in src}
+            for d_rank, rank in dst.items()
+        }
+        addressing._TEMPLATES.clear()
+        kept = []
+        for _ in range(2):  # two requests
+            p_ids = (rng.permutation(n_p + 5)[:n_p] + 1).tolist()
+            d_ids = (rng.permutation(n_d + 5)[:n_d] + 1).tolist()
+            for rank in [*src.values(), *dst.values()]:
+                for buffer in rank.buffers:
+                    buffer[:] = 0
+            _store(src, prefill, 0, p_ids, tokens)
+            plan = build_plan(prefill, decode, tokens, p_ids, d_ids, 0, decode_dp)
+            for d_rank in dst:
+                tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
+                for _, local, remote, lengths in decode_rank_ranges(
+                    plan, d_rank, 0, tp_rank, tables[d_rank].__getitem__, stable_tables=True
+                ):
+                    for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
+                        ctypes.memmove(lo, re, n)
+            # a plan ending inside a period is made of two pieces: its columns are worked out
+            # only when first read (its done messages), not for its ranges
+            assert ("_deferred" in plan.__dict__) == (tokens > cycle and tokens % cycle != 0)
+            assert not hasattr(plan, "no_such_column")
+            expected = _instance(decode, decode_dp, n_d + 6)
+            _store(expected, decode, decode_dp, d_ids, tokens)
+            for d_rank, rank in dst.items():
+                for layer in range(LAYERS):
+                    assert np.array_equal(rank.buffers[layer], expected[d_rank].buffers[layer]), (
+                        tokens,
+                        d_rank,
+                    )
+            kept.append(dict(addressing._TEMPLATES))
+        assert kept[0] and kept[1].keys() == kept[0].keys()  # made once, for the first request
+        assert all(kept[1][k][1] is kept[0][k][1] for k in kept[0])
+
+        def elements(batches):
+            return sorted(
+                (lo + i, re + i)
+                for _, local, remote, lengths in batches
+                for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist())
+                for i in range(0, n, 4)
+            )
+
+        for first_token in (3, cycle, cycle + 1, tokens - 1):
+            for d_rank in dst:
+                tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
+                table = tables[d_rank].__getitem__
+                with_templates = decode_rank_ranges(
+                    plan, d_rank, first_token, tp_rank, table, stable_tables=True
+                )
+                without = decode_rank_ranges(plan, d_rank, first_token, tp_rank, table)
+                assert elements(with_templates) == elements(without), (tokens, first_token, d_rank)
+
+
 def _merged_one_by_one(local, remote, lengths):
     """The brute-force oracle: extend the last range while the next one continues it on both sides."""
     out = []

@@ -8,6 +8,7 @@ every element written once, read counts and done messages as the plan says.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,9 +19,17 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, place
+from vllm.ascend.kv_transfer import plan as plan_module
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.inspector import main as inspect_main
-from vllm.ascend.kv_transfer.plan import NULL_BLOCK, _period_plan, build_group_plan, build_plan, period
+from vllm.ascend.kv_transfer.plan import (
+    NULL_BLOCK,
+    _period_plan,
+    build_group_plan,
+    build_plan,
+    clear_plan_caches,
+    period,
+)
 
 UNSET = -7  # prefill slots that hold no token of the request
 
@@ -221,9 +230,10 @@ def test_a_request_on_another_dp_replica_is_read_there():
     ],
 )
 def test_unsupported_combinations_fail_with_one_line(prefill, decode, tokens, blocks, message):
-    with pytest.raises(LayoutError) as caught:
-        build_plan(prefill, decode, tokens, list(range(blocks[0])), list(range(blocks[1])))
-    assert message in str(caught.value) and "\n" not in str(caught.value)
+    for _ in range(2):  # a refused pair is not remembered as checked
+        with pytest.raises(LayoutError) as caught:
+            build_plan(prefill, decode, tokens, list(range(blocks[0])), list(range(blocks[1])))
+        assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_a_dp_rank_outside_the_layout_is_refused():
@@ -362,13 +372,39 @@ def test_plans_of_one_shape_share_their_period_and_keep_their_block_ids():
     prefill, decode = NAMED["mla tp8/pcp2 -> tp4/dcp2"]
     tokens = 5 * period(prefill, decode) + 7
     blocks = -(-tokens // 16)
-    _period_plan.cache_clear()
+    clear_plan_caches()
     first = build_plan(prefill, decode, tokens, list(range(blocks)), list(range(blocks)))
     again = build_plan(prefill, decode, tokens, list(range(100, 100 + blocks)), list(range(blocks)))
-    assert _period_plan.cache_info().hits >= 2  # the full and the partial period, planned once
+    # layouts equal to these but new objects (as a peer's handshake is decoded) share the plans
+    rebuilt = build_plan(
+        dataclasses.replace(prefill),
+        dataclasses.replace(decode),
+        tokens,
+        list(range(blocks)),
+        list(range(blocks)),
+    )
+    assert _period_plan.cache_info().misses == 2  # the full and the partial period, planned once
     assert (again.src_block == first.src_block + 100).all() and (again.dst_block == first.dst_block).all()
+    assert _reads(rebuilt) == _reads(first)
     with pytest.raises(ValueError, match="read-only"):
         _period_plan(prefill, decode, 0, 0, 0, period(prefill, decode)).src_block[0] = 1
+
+
+def test_kept_plans_are_bounded_and_a_dropped_one_is_made_again(monkeypatch):
+    prefill, decode = NAMED["mla tp8/pcp2 -> tp4/dcp2"]
+    cycle = period(prefill, decode)
+    monkeypatch.setattr(plan_module._Pair, "WHOLES_KEPT", 2)
+    monkeypatch.setattr(plan_module._Pair, "PARTS_KEPT", 2)
+    clear_plan_caches()
+    lengths = [cycle * k + extra for k in (1, 2, 3) for extra in (0, 5, 9)] * 2
+    for tokens in lengths:
+        blocks = -(-tokens // 16)
+        ids = (np.arange(blocks) * 7 + 3).tolist()
+        plan = build_plan(prefill, decode, tokens, ids, ids)
+        direct = _period_plan(prefill, decode, 0, 0, 0, tokens)
+        assert _reads(plan) == sorted((r[0], r[1], ids[r[2]], ids[r[3]], *r[4:]) for r in _reads(direct))
+    pair = plan_module._pair(prefill, decode)
+    assert len(pair.wholes) <= 2 and len(pair.parts) <= 2
 
 
 # -- wire types -----------------------------------------------------------------------

@@ -4,12 +4,16 @@ prefill rank for the reads of a plan, given both ranks' KV planes.
 A plane (attention/kv_layout.py) is ``num_blocks`` blocks, each ``heads`` x ``head_bytes``
 (head-major: one head's slots of a block are contiguous, ``head_bytes / block_size``
 bytes per slot). A read of heads ``[h0, h1)`` and a run of slots becomes, per layer and
-plane, one range per head; ranges contiguous on both sides are merged.
+plane, one range per head; ranges contiguous on both sides are merged. A whole pull's
+ranges come from templates kept per plan piece (see ``_TEMPLATES``): only the block ids
+are put in per request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 
 import numpy as np
 
@@ -189,7 +193,13 @@ def _addresses(starts, table, slot, block_size, heads_per_block, block, head, of
 
 
 def decode_rank_ranges(
-    plan, global_rank: int, first_token: int, tp_rank: int, tables, whole_blocks: bool = False
+    plan,
+    global_rank: int,
+    first_token: int,
+    tp_rank: int,
+    tables,
+    whole_blocks: bool = False,
+    stable_tables: bool = False,
 ):
     """What one decode rank (``global_rank``, TP rank ``tp_rank``) copies for ``plan``: per
     prefill rank it reads from, ``(prefill rank in its replica, local addresses, remote
@@ -199,7 +209,14 @@ def decode_rank_ranges(
     read nothing from it now; a group with no rows is skipped (layer-wise: some layers).
 
     The same ranges as ``read_ranges`` per prefill rank, worked out for all of them at
-    once where their tables differ only in where the planes start (one rank's layout)."""
+    once where their tables differ only in where the planes start (one rank's layout).
+    ``stable_tables``: ``tables`` gives the same read-only arrays on every call (a whole
+    pull, not layer-wise), so the ranges come from templates kept per plan shape (below)."""
+    if stable_tables and not whole_blocks:
+        batches = _from_templates(plan, global_rank, first_token, tp_rank, tables)
+        if batches is not None:
+            yield from batches
+            return
     mine = _reads_of(plan, global_rank, first_token)
     if not mine.size:
         return
@@ -280,8 +297,8 @@ def _ranges_by_rank(plan, by_rank: list, rank_starts, dst_head0: int, block_size
     )
     # each rank's columns are one slice (reads in rank order; a read's columns together):
     # the ranks' ranges rank after rank, merged in one pass that never joins two ranks
-    first_reads = np.cumsum([0, *sizes])
-    cuts = tuple((first_reads if read is None else np.searchsorted(read, first_reads)).tolist())
+    first_reads = list(itertools.accumulate(sizes, initial=0))
+    cuts = tuple(first_reads if read is None else np.searchsorted(read, first_reads).tolist())
     order, bounds = _rank_major(*local.shape, cuts)
     merged, edges = _merged(local.ravel()[order], remote.ravel()[order], lengths.ravel()[order], bounds)
     return [tuple(x[a:b] for x in merged) for a, b in zip(edges, edges[1:])]
@@ -294,6 +311,157 @@ def _rank_major(planes: int, columns: int, cuts: tuple) -> tuple[np.ndarray, np.
     grid = np.arange(planes * columns).reshape(planes, columns)
     order = _frozen(np.concatenate([grid[:, a:b].ravel() for a, b in zip(cuts, cuts[1:])]))
     return order, _frozen(planes * np.asarray(cuts, dtype=np.int64))
+
+
+# Address templates. A request's plan is made of cached pieces (plan.py: the plan of its
+# whole periods, and of its partial last period shifted on), whose reads name block-table
+# indices; for a decode rank and stable plane tables, a piece's ranges are worked out once
+# with every block at 0 (a template), and a request's are each range's template address
+# plus its block id times its plane's block bytes: gathers and one multiply-add per side,
+# whatever the layouts, instead of planning the ranges again.
+_TEMPLATES: dict = {}
+TEMPLATE_BYTES = 256 * 2**20  # kept at most (a 32k-token GQA prompt's is about 1.4 MiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+    """One piece's unmerged ranges for one decode rank, rank after rank (plane-major within
+    a rank): addresses with every block at 0, and per range its block-table index and its
+    plane's block bytes on each side."""
+
+    ranks: tuple  # prefill ranks (global) read from, ascending
+    bounds: tuple  # where each rank's ranges start, then the total
+    tables: tuple  # the (src, dst) tables of each rank the template was made from
+    local: np.ndarray
+    remote: np.ndarray
+    lengths: np.ndarray
+    src_index: np.ndarray
+    dst_index: np.ndarray
+    src_bytes: np.ndarray
+    dst_bytes: np.ndarray
+
+
+_TEMPLATE_ARRAYS = ("local", "remote", "lengths", "src_index", "dst_index", "src_bytes", "dst_bytes")
+
+
+def _from_templates(plan, global_rank: int, first_token: int, tp_rank: int, tables):
+    """``decode_rank_ranges`` of a plan made of cached pieces, from their templates; None
+    where templates do not apply (several KV-cache groups, a plan cut down, a prefix cached
+    here that ends inside the partial last period, a rank with nothing to read now)."""
+    made = plan.__dict__.get("_pieces")
+    if made is None or plan.num_groups != 1:
+        return None
+    pieces, src_ids, dst_ids = made
+    parts = []
+    for piece, src_shift, dst_shift, piece_first in pieces:
+        if piece_first and first_token > piece_first:
+            return None  # the prefix cached here ends inside this (shifted) piece
+        # a shifted piece's positions start at 0: every token of it is at or after first_token
+        template = _template(piece, global_rank, 0 if piece_first else first_token, tp_rank, tables)
+        if template is None:
+            return None
+        if template.ranks:
+            parts.append((template, src_shift, dst_shift))
+    p_base = plan.prefill_ranks.start
+    ranks = sorted({p for template, *_ in parts for p in template.ranks})
+    if not ranks:
+        return []
+    # each piece's ranges at once, then rank after rank (a rank's: each piece's, in order)
+    addressed = []
+    for template, src_shift, dst_shift in parts:
+        src_index = template.src_index + src_shift if src_shift else template.src_index
+        dst_index = template.dst_index + dst_shift if dst_shift else template.dst_index
+        local = template.local + template.dst_bytes * dst_ids[dst_index]
+        remote = template.remote + template.src_bytes * src_ids[src_index]
+        addressed.append((template, local, remote))
+    if len(addressed) == 1:
+        template, local, remote = addressed[0]
+        lengths, bounds = template.lengths, template.bounds
+    else:
+        columns, bounds = ([], [], []), [0]
+        for p in ranks:
+            size = 0
+            for template, local, remote in addressed:
+                if p in template.ranks:
+                    i = template.ranks.index(p)
+                    a, b = template.bounds[i], template.bounds[i + 1]
+                    for column, values in zip(columns, (local, remote, template.lengths)):
+                        column.append(values[a:b])
+                    size += b - a
+            bounds.append(bounds[-1] + size)
+        local, remote, lengths = (np.concatenate(c) for c in columns)
+    merged, edges = _merged(local, remote, lengths, np.asarray(bounds))
+    return [(p - p_base, *(x[a:b] for x in merged)) for p, a, b in zip(ranks, edges, edges[1:])]
+
+
+def _template(piece, global_rank: int, first_token: int, tp_rank: int, tables) -> _Template | None:
+    """The piece's template for this decode rank, kept while the tables it was made from
+    are the ones ``tables`` gives; None if some rank has nothing to give now."""
+    key = (id(piece), global_rank, first_token, tp_rank)
+    hit = _TEMPLATES.get(key)
+    if hit is not None and hit[0] is piece:
+        template = hit[1]
+        current = []
+        for p in template.ranks:
+            t = tables(p - piece.prefill_ranks.start)
+            if t is None or len(t[0]) != 1:
+                return None
+            current.append((t[0][0], t[1][0]))
+        if all(a is c for pair, now in zip(template.tables, current) for a, c in zip(pair, now)):
+            return template
+    template = _make_template(piece, global_rank, first_token, tp_rank, tables)
+    if template is not None:
+        size = sum(getattr(template, f).nbytes for f in _TEMPLATE_ARRAYS)
+        if len(_TEMPLATES) >= 256 or size + sum(entry[2] for entry in _TEMPLATES.values()) > TEMPLATE_BYTES:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = (piece, template, size)  # holds the piece: its id is not reused meanwhile
+    return template
+
+
+def _make_template(piece, global_rank: int, first_token: int, tp_rank: int, tables) -> _Template | None:
+    mine = _reads_of(piece, global_rank, first_token)
+    p_base = piece.prefill_ranks.start
+    d_heads = piece.decode.heads(tp_rank).start
+    block_sizes = (piece.prefill.block_size, piece.decode.block_size)
+    at_zero = piece.with_columns(
+        src_block=np.zeros_like(piece.src_block), dst_block=np.zeros_like(piece.dst_block)
+    )
+    p_of = piece.prefill_rank[mine]
+    ranks, used, fields = [], [], [[] for _ in range(7)]
+    bounds = [0]
+    for p in np.unique(p_of).tolist():
+        t = tables(p - p_base)
+        if t is None or len(t[0]) != 1 or len(t[1]) != 1:
+            return None
+        src, dst = t[0][0], t[1][0]
+        if not len(src):
+            return None
+        ids = mine[p_of == p]
+        s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        p_heads = piece.prefill.heads((p - p_base) % piece.prefill.tp).start
+        local, remote, lengths, read = _range_matrix(
+            at_zero, ids, s, d, s[:, :1], p_heads, d_heads, block_sizes
+        )
+        column = ids if read is None else ids[read]
+        planes = s.shape[0]
+        for field, value in zip(
+            fields,
+            (
+                local.ravel(),
+                remote.ravel(),
+                lengths.ravel(),
+                np.tile(piece.src_block[column], planes),
+                np.tile(piece.dst_block[column], planes),
+                np.repeat(s[:, 1], column.size),
+                np.repeat(d[:, 1], column.size),
+            ),
+        ):
+            field.append(value)
+        ranks.append(p)
+        used.append((src, dst))
+        bounds.append(bounds[-1] + local.size)
+    arrays = [_frozen(np.concatenate(f)) if f else np.zeros(0, dtype=np.int64) for f in fields]
+    return _Template(tuple(ranks), tuple(bounds), tuple(used), *arrays)
 
 
 def _reads_of(plan, global_rank: int, first_token: int) -> np.ndarray:

@@ -37,6 +37,7 @@ Run ``python -m vllm.ascend.kv_transfer.inspector --help`` to inspect a plan (do
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -115,13 +116,37 @@ class Plan:
     def __len__(self) -> int:
         return int(self.decode_rank.shape[0])
 
+    def __getattr__(self, name: str):
+        # called only for what is not set: a deferred plan's columns, worked out when first read
+        make = self.__dict__.get("_deferred")
+        if make is None or name not in _STACKED_NAMES:
+            raise AttributeError(f"'Plan' object has no attribute {name!r}")
+        self.__dict__.update(make())
+        self.__dict__.pop("_deferred", None)
+        return self.__dict__[name]
+
+    def deferred(self, make, **fields) -> Plan:
+        """This plan with these fields, and columns that ``make()`` (a dict) works out when
+        one is first read: a pull's ranges come from its pieces (``_pieces``), so the columns
+        are first needed by its done messages, after the pull is reported."""
+        plan = self.with_columns(**fields)
+        for name in (*_STACKED_NAMES, "_stacked", "_pieces"):
+            plan.__dict__.pop(name, None)
+        plan.__dict__["_deferred"] = make
+        return plan
+
     def with_columns(self, **columns) -> Plan:
         """This plan with these fields replaced (``dataclasses.replace`` without the
         per-field checks: a request's plan is made of a cached one on every pull)."""
+        if "_deferred" in self.__dict__ and columns.keys() & _STACKED_NAMES:
+            getattr(self, next(iter(_STACKED_NAMES)))  # the other columns, worked out now
         plan = object.__new__(Plan)
         plan.__dict__.update(self.__dict__)
         for name in _CACHED_PROPERTIES:  # worked out from the old columns
             plan.__dict__.pop(name, None)
+        if columns.keys() & _STACKED_NAMES:  # no longer its rows, nor made of those pieces
+            plan.__dict__.pop("_stacked", None)
+            plan.__dict__.pop("_pieces", None)
         plan.__dict__.update(columns)
         return plan
 
@@ -129,22 +154,7 @@ class Plan:
         """The plan of the reads ``rows`` (a boolean mask or ascending indices), renumbered
         from 0; token columns are shared, not copied."""
         rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, dtype=np.int64)
-        columns = {
-            name: getattr(self, name)[rows]
-            for name in (
-                "decode_rank",
-                "prefill_rank",
-                "src_block",
-                "dst_block",
-                "head0",
-                "head1",
-                "token_start",
-                "token_count",
-                "runs_start",
-                "runs_count",
-                "group",
-            )
-        }
+        columns = {name: getattr(self, name)[rows] for name in _READ_ROWS}
         return self.with_columns(**columns)
 
     @property
@@ -312,7 +322,6 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
 
 
 _CACHED_PROPERTIES = [name for name, value in vars(Plan).items() if isinstance(value, cached_property)]
-_CHECKED_PAIRS: set = set()  # layout pairs check_pair passed
 
 
 def build_plan(
@@ -328,30 +337,42 @@ def build_plan(
     """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
     sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
     Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
-    if (prefill, decode) not in _CHECKED_PAIRS:
-        check_pair(prefill, decode)
-        _CHECKED_PAIRS.add((prefill, decode))
+    pair = _pair(prefill, decode)
     if num_tokens < 0:
         raise LayoutError(f"num_tokens must be non-negative, got {num_tokens}")
     for side, dp_rank, layout in (("prefill", prefill_dp_rank, prefill), ("decode", decode_dp_rank, decode)):
         if not 0 <= dp_rank < layout.dp:
             raise LayoutError(f"{side} dp_rank {dp_rank} is outside data_parallel_size {layout.dp}")
-    need_p = -(-num_tokens // prefill.virtual_block_size)
-    need_d = -(-num_tokens // decode.virtual_block_size)
+    (size_p, size_d) = pair.virtual_block_sizes
+    need_p, need_d = -(-num_tokens // size_p), -(-num_tokens // size_d)
     if len(prefill_block_ids) < need_p or len(decode_block_ids) < need_d:
         raise LayoutError(
-            f"{num_tokens} tokens need {need_p} prefill blocks ({prefill.virtual_block_size} tokens each) "
-            f"and {need_d} decode blocks ({decode.virtual_block_size} tokens each), got "
+            f"{num_tokens} tokens need {need_p} prefill blocks ({size_p} tokens each) "
+            f"and {need_d} decode blocks ({size_d} tokens each), got "
             f"{len(prefill_block_ids)} and {len(decode_block_ids)}"
         )
-    shape = plan_shape(prefill, decode, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
+    shape = _shape(pair, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
     src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
     dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
-    return shape.with_columns(
-        replica_offset=replica_offset,
-        src_block=src_ids[shape.src_block],
-        dst_block=dst_ids[shape.dst_block],
-    )
+    pieces = shape.__dict__.get("_pieces") or ((shape, 0, 0, 0),)
+    if "_deferred" in shape.__dict__:  # a partial last period: its columns when first read
+
+        def columns(shape=shape) -> dict:
+            out = {name: getattr(shape, name) for name in _STACKED_NAMES}
+            out.update(src_block=src_ids[out["src_block"]], dst_block=dst_ids[out["dst_block"]])
+            return out
+
+        plan = shape.deferred(columns, replica_offset=replica_offset)
+    else:
+        plan = shape.with_columns(
+            replica_offset=replica_offset,
+            src_block=src_ids[shape.src_block],
+            dst_block=dst_ids[shape.dst_block],
+        )
+    # what the plan is made of, for address templates (addressing.py); cut or joined plans
+    # drop it (``with_columns`` of read columns)
+    plan.__dict__["_pieces"] = (pieces, src_ids, dst_ids)
+    return plan
 
 
 def period(prefill: CPLayout, decode: CPLayout) -> int:
@@ -360,7 +381,6 @@ def period(prefill: CPLayout, decode: CPLayout) -> int:
     return math.lcm(prefill.virtual_block_size, decode.virtual_block_size)
 
 
-@lru_cache(maxsize=64)
 def _replica_period(prefill: CPLayout) -> int:
     """Replica offsets that choose the same replicas repeat with this period."""
     counts = {
@@ -369,6 +389,64 @@ def _replica_period(prefill: CPLayout) -> int:
         for head in range(prefill.kv_heads or 1)
     }
     return math.lcm(*(c for c in counts if c))
+
+
+class _Pair:
+    """A layout pair that ``check_pair`` passed, with what all its plans share: the period,
+    virtual block sizes, how replica offsets repeat, and the plans of whole periods and of
+    partial last periods made so far (the oldest dropped past their limit)."""
+
+    WHOLES_KEPT = 64  # period counts: prompt lengths in blocks
+    PARTS_KEPT = 512  # partial periods: up to a period's tokens - 1 of them
+
+    def __init__(self, prefill: CPLayout, decode: CPLayout):
+        check_pair(prefill, decode)
+        self.prefill, self.decode = prefill, decode
+        self.cycle = period(prefill, decode)
+        self.virtual_block_sizes = (prefill.virtual_block_size, decode.virtual_block_size)
+        self.replica_period = _replica_period(prefill)
+        self.wholes: dict = {}  # (dp ranks, replica offset, periods) -> plan
+        self.parts: dict = {}  # (dp ranks, replica offset, tokens) -> (matrices, period steps)
+        self._making = threading.Lock()  # pull threads plan at once; hits take no lock
+
+    def kept(self, cache: dict, key, make, limit: int):
+        value = cache.get(key)
+        if value is None:
+            with self._making:
+                value = cache.get(key)
+                if value is None:
+                    if len(cache) >= limit:
+                        del cache[next(iter(cache))]  # the oldest
+                    value = cache[key] = make()
+        return value
+
+
+# By the layouts' identity (a worker keeps one layout per peer: no hashing of two
+# dataclasses per request); each entry holds its layouts, so no id is reused while it lives
+_PAIRS: dict = {}
+
+
+def _pair(prefill: CPLayout, decode: CPLayout) -> _Pair:
+    hit = _PAIRS.get((id(prefill), id(decode)))
+    if hit is not None and hit[0] is prefill and hit[1] is decode:
+        return hit[2]
+    pair = _pair_by_value(prefill, decode)
+    if len(_PAIRS) >= 256:
+        _PAIRS.clear()
+    _PAIRS[(id(prefill), id(decode))] = (prefill, decode, pair)
+    return pair
+
+
+@lru_cache(maxsize=64)
+def _pair_by_value(prefill: CPLayout, decode: CPLayout) -> _Pair:
+    return _Pair(prefill, decode)
+
+
+def clear_plan_caches() -> None:
+    """Forget every cached plan and layout pair (tests; memory)."""
+    _PAIRS.clear()
+    _pair_by_value.cache_clear()
+    _period_plan.cache_clear()
 
 
 def plan_shape(
@@ -382,87 +460,146 @@ def plan_shape(
     """The plan of ``num_tokens`` tokens with block-table indices where the block ids go
     (``src_block``/``dst_block``), made of cached per-period plans. Its arrays may be the
     cache's (read-only): copy before changing them."""
-    args = (prefill, decode, prefill_dp_rank, decode_dp_rank, replica_offset % _replica_period(prefill))
-    cycle = period(prefill, decode)
-    if num_tokens < cycle:
-        return _period_plan(*args, num_tokens)
-    copies, rest = divmod(num_tokens, cycle)
-    whole = _whole_periods(*args, copies)
+    return _shape(_pair(prefill, decode), num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
+
+
+def _shape(
+    pair: _Pair, num_tokens: int, prefill_dp_rank: int, decode_dp_rank: int, replica_offset: int
+) -> Plan:
+    replicas = (prefill_dp_rank, decode_dp_rank, replica_offset % pair.replica_period)
+    if num_tokens < pair.cycle:
+        return _period_plan(pair.prefill, pair.decode, *replicas, num_tokens)
+    copies, rest = divmod(num_tokens, pair.cycle)
+    whole = pair.kept(
+        pair.wholes, (*replicas, copies), lambda: _whole_periods(pair, replicas, copies), pair.WHOLES_KEPT
+    )
     if not rest:
         return whole
-    full = _period_plan(*args, cycle)
-    steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
-    # the last, partial period keeps the full period's readers (``need``), so its reads
-    # are the full period's, cut short
-    tail = _copies(_period_plan(*args, rest, need=full.need), 1, *steps, first=copies)
-    return _join([whole, tail], num_tokens)
-
-
-@lru_cache(maxsize=64)
-def _whole_periods(
-    prefill: CPLayout,
-    decode: CPLayout,
-    prefill_dp_rank: int,
-    decode_dp_rank: int,
-    replica_offset: int,
-    copies: int,
-) -> Plan:
-    """The plan of ``copies`` whole periods (cached: requests of as many blocks share it)."""
-    cycle = period(prefill, decode)
-    steps = (cycle // prefill.virtual_block_size, cycle // decode.virtual_block_size)
-    return _read_only(
-        _copies(
-            _period_plan(prefill, decode, prefill_dp_rank, decode_dp_rank, replica_offset, cycle),
-            copies,
-            *steps,
-        )
+    # the last, partial period, moved ``copies`` periods on and appended in one numpy call
+    # per stacked matrix (no per-request plan of it), when a column is first read
+    part, steps, part_plan = pair.kept(
+        pair.parts, (*replicas, rest), lambda: _partial_period(pair, replicas, rest), pair.PARTS_KEPT
     )
 
+    def columns() -> dict:  # the partial period moved ``copies`` periods on and appended
+        stacked = [
+            np.concatenate([w, p + copies * step], axis=1) for w, p, step in zip(_stacks(whole), part, steps)
+        ]
+        return _columns_of(*stacked)
 
-def _read_only(plan: Plan) -> Plan:
-    for column in vars(plan).values():
-        if isinstance(column, np.ndarray):
-            column.flags.writeable = False  # cached: shared by every request of this shape
+    plan = whole.deferred(columns, num_tokens=num_tokens)
+    shift = steps[0][_READ_ROWS.index("src_block"), 0], steps[0][_READ_ROWS.index("dst_block"), 0]
+    plan.__dict__["_pieces"] = (
+        (whole, 0, 0, 0),
+        (part_plan, int(copies * shift[0]), int(copies * shift[1]), copies * pair.cycle),
+    )
     return plan
 
 
-def _copies(shape: Plan, copies: int, src_step: int, dst_step: int, first: int = 0) -> Plan:
-    """``shape`` (the plan of one period, or less) repeated for periods ``first ..
-    first + copies - 1``: block-table indices, positions and rows shifted per period."""
-    k = np.arange(first, first + copies, dtype=np.int64)
-    tokens, runs = shape.positions.size, shape.run_token.size
-    cycle = src_step * shape.prefill.virtual_block_size
+# A plan's columns as the rows of three matrices (per read, per token, per run): cached
+# plans keep them, so copying and joining them costs a numpy call per matrix, not per column
+_READ_ROWS = (
+    "decode_rank",
+    "prefill_rank",
+    "src_block",
+    "dst_block",
+    "head0",
+    "head1",
+    "token_start",
+    "token_count",
+    "runs_start",
+    "runs_count",
+    "group",
+)
+_TOKEN_ROWS = ("positions", "src_offsets", "dst_offsets")
+_RUN_ROWS = ("run_token", "run_length")
+_STACKED_NAMES = frozenset(_READ_ROWS + _TOKEN_ROWS + _RUN_ROWS)
 
-    def shifted(column, step):  # a column of ids or positions, ``step`` further per period
-        if copies == 1:
-            return column + first * step
-        return (column[None, :] + k[:, None] * step).ravel()
 
-    def rows(column, size):  # row indices into columns ``size`` rows longer per copy
-        return column if copies == 1 else (column[None, :] + (k - first)[:, None] * size).ravel()
+def _stacks(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The plan's (read, token, run) matrices: kept ones, else stacked from its columns."""
+    stacked = plan.__dict__.get("_stacked")
+    if stacked is None:
+        stacked = tuple(
+            np.stack([getattr(plan, name) for name in rows], dtype=np.int64)
+            for rows in (_READ_ROWS, _TOKEN_ROWS, _RUN_ROWS)
+        )
+    return stacked
 
-    def tile(column):  # one copy (a request's last, partial period): the column itself
-        return column if copies == 1 else np.tile(column, copies)
 
-    return shape.with_columns(
-        num_tokens=(first + copies - 1) * cycle + shape.num_tokens,
-        decode_rank=tile(shape.decode_rank),
-        prefill_rank=tile(shape.prefill_rank),
-        src_block=shifted(shape.src_block, src_step),
-        dst_block=shifted(shape.dst_block, dst_step),
-        head0=tile(shape.head0),
-        head1=tile(shape.head1),
-        token_start=rows(shape.token_start, tokens),
-        token_count=tile(shape.token_count),
-        positions=shifted(shape.positions, cycle),
-        src_offsets=tile(shape.src_offsets),
-        dst_offsets=tile(shape.dst_offsets),
-        runs_start=rows(shape.runs_start, runs),
-        runs_count=tile(shape.runs_count),
-        run_token=rows(shape.run_token, tokens),
-        run_length=tile(shape.run_length),
-        group=tile(shape.group),
+def _stacked_plan(template: Plan, reads: np.ndarray, tokens: np.ndarray, runs: np.ndarray, **fields) -> Plan:
+    """``template`` with its columns taken from the rows of these matrices (kept with it)."""
+    columns = _columns_of(reads, tokens, runs)
+    stacked = columns.pop("_stacked")
+    plan = template.with_columns(**columns, **fields)
+    plan.__dict__["_stacked"] = stacked
+    return plan
+
+
+def _columns_of(reads: np.ndarray, tokens: np.ndarray, runs: np.ndarray) -> dict:
+    """The columns that are these matrices' rows, and the matrices (``_stacked``)."""
+    columns = dict(zip(_READ_ROWS, reads))
+    columns.update(zip(_TOKEN_ROWS, tokens))
+    columns.update(zip(_RUN_ROWS, runs))
+    columns["_stacked"] = (reads, tokens, runs)
+    return columns
+
+
+def _row_vector(rows: tuple[str, ...], **values: int) -> np.ndarray:
+    vector = np.zeros((len(rows), 1), dtype=np.int64)
+    for name, value in values.items():
+        vector[rows.index(name)] = value
+    vector.flags.writeable = False
+    return vector
+
+
+def _period_step(pair: _Pair, replicas: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """How far each row of the stacked matrices moves from one period to the next: block-table
+    indices by the blocks of a period, positions by the period, row indices by the full
+    period's tokens and runs (column vectors, one per matrix)."""
+    full = _period_plan(pair.prefill, pair.decode, *replicas, pair.cycle)
+    tokens, runs = full.positions.size, full.run_token.size
+    return (
+        _row_vector(
+            _READ_ROWS,
+            src_block=pair.cycle // pair.virtual_block_sizes[0],
+            dst_block=pair.cycle // pair.virtual_block_sizes[1],
+            token_start=tokens,
+            runs_start=runs,
+        ),
+        _row_vector(_TOKEN_ROWS, positions=pair.cycle),
+        _row_vector(_RUN_ROWS, run_token=tokens),
     )
+
+
+def _whole_periods(pair: _Pair, replicas: tuple, copies: int) -> Plan:
+    """The plan of ``copies`` whole periods (kept: requests of as many blocks share it)."""
+    shape = _period_plan(pair.prefill, pair.decode, *replicas, pair.cycle)
+    if copies == 1:
+        return shape
+    k = np.arange(copies, dtype=np.int64)
+    stacked = [
+        (matrix[:, None, :] + step[:, :, None] * k[None, :, None]).reshape(matrix.shape[0], -1)
+        for matrix, step in zip(_stacks(shape), _period_step(pair, replicas))
+    ]
+    return _read_only(_stacked_plan(shape, *stacked, num_tokens=copies * shape.num_tokens))
+
+
+def _partial_period(pair: _Pair, replicas: tuple, tokens: int) -> tuple:
+    """A last period of ``tokens`` tokens: its plan's matrices, the period steps, and the
+    plan itself. It keeps the full period's readers (``need``), so its reads are the full
+    period's, cut short."""
+    full = _period_plan(pair.prefill, pair.decode, *replicas, pair.cycle)
+    part = _period_plan(pair.prefill, pair.decode, *replicas, tokens, need=full.need)
+    return _stacks(part), _period_step(pair, replicas), part
+
+
+def _read_only(plan: Plan) -> Plan:
+    """Cached: shared by every request of this shape."""
+    for column in [*vars(plan).values(), *plan.__dict__.get("_stacked", ())]:
+        if isinstance(column, np.ndarray):
+            column.flags.writeable = False
+    return plan
 
 
 @lru_cache(maxsize=512)
@@ -549,7 +686,7 @@ def _period_plan(
         run_length=run_length,
         need=need,
     )
-    return _read_only(plan)
+    return _read_only(_stacked_plan(plan, *_stacks(plan)))
 
 
 def build_group_plan(
@@ -597,42 +734,27 @@ def build_group_plan(
 def _holds_null(block_ids) -> bool:
     """A block table (a list, as the wire carries it, or an array) with the null block in it."""
     if isinstance(block_ids, np.ndarray):
-        return bool((block_ids == NULL_BLOCK).any())
+        return not block_ids.all()  # one reduction: the null block, 0, is the only falsy id
     return NULL_BLOCK in block_ids
 
 
 def _join(plans: list[Plan], num_tokens: int | None = None) -> Plan:
-    """The reads of several plans of one request (one per KV-cache group, or consecutive
-    periods) as one plan; ``num_tokens``: the request's (default: the first plan's)."""
+    """The reads of several plans of one request (one per KV-cache group) as one plan;
+    ``num_tokens``: the request's (default: the first plan's)."""
     if not plans:
         raise LayoutError("a request with no KV-cache group has nothing to transfer")
-    token_base = np.cumsum([0] + [p.positions.size for p in plans[:-1]])
-    run_base = np.cumsum([0] + [p.run_token.size for p in plans[:-1]])
-
-    def cat(name, bases=None):
-        columns = [getattr(p, name) for p in plans]
-        if bases is not None:
-            columns = [c + b for c, b in zip(columns, bases)]
-        return np.concatenate(columns)
-
-    return plans[0].with_columns(
-        num_tokens=plans[0].num_tokens if num_tokens is None else num_tokens,
-        decode_rank=cat("decode_rank"),
-        prefill_rank=cat("prefill_rank"),
-        src_block=cat("src_block"),
-        dst_block=cat("dst_block"),
-        head0=cat("head0"),
-        head1=cat("head1"),
-        token_start=cat("token_start", token_base),
-        token_count=cat("token_count"),
-        positions=cat("positions"),
-        src_offsets=cat("src_offsets"),
-        dst_offsets=cat("dst_offsets"),
-        runs_start=cat("runs_start", run_base),
-        runs_count=cat("runs_count"),
-        run_token=cat("run_token", token_base),
-        run_length=cat("run_length"),
-        group=cat("group"),
+    stacks = [_stacks(p) for p in plans]
+    token_base = run_base = 0
+    parts: tuple[list, list, list] = ([], [], [])
+    for reads, tokens, runs in stacks:  # each plan's row indices moved past the plans before it
+        parts[0].append(reads + _row_vector(_READ_ROWS, token_start=token_base, runs_start=run_base))
+        parts[1].append(tokens)
+        parts[2].append(runs + _row_vector(_RUN_ROWS, run_token=token_base))
+        token_base += tokens.shape[1]
+        run_base += runs.shape[1]
+    stacked = [np.concatenate(matrices, axis=1) for matrices in parts]
+    return _stacked_plan(
+        plans[0], *stacked, num_tokens=plans[0].num_tokens if num_tokens is None else num_tokens
     )
 
 

@@ -598,6 +598,7 @@ class P2PWorker:
                 self.tp_rank,
                 plane_tables,
                 self._transport.whole_blocks,
+                stable_tables=only is None,  # a whole pull: the peer's tables, built once
             )
         )
         if before_read is not None:
