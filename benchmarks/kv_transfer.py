@@ -345,8 +345,8 @@ def run_case(case: Case, repeats: int) -> dict:
                 dst_ids,
             )
             filled = {}
-            # both sides in turns, each after the buffers are zeroed (caches cold, as after a
-            # forward pass), so neither gains from going first or second
+            # both sides in turns, each after the buffers are zeroed (caches cold), so neither
+            # gains from going first or second
             for side in ("raw", "connector") if rep % 2 else ("connector", "raw"):
                 for buf in buffers:
                     buf[:] = 0
@@ -702,7 +702,12 @@ def serving_rows(num_prompts: int, max_tokens: int, lengths: list[int], repeats:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=20, help="pulls per case (after one warm-up)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=20,
+        help="pulls per case after one warm-up (more where they move under 2 GiB, a third at 32k)",
+    )
     p.add_argument("--no-long", action="store_true", help="leave out the 32k-token cases (about 5 GB of RAM)")
     p.add_argument("--prompts", type=int, default=16, help="concurrent requests in the serving part")
     p.add_argument("--max-tokens", type=int, default=32)

@@ -118,12 +118,15 @@ class Plan:
 
     def __getattr__(self, name: str):
         # called only for what is not set: a deferred plan's columns, worked out when first read
-        make = self.__dict__.get("_deferred")
-        if make is None or name not in _STACKED_NAMES:
+        if name not in _STACKED_NAMES or "_deferred" not in self.__dict__:
             raise AttributeError(f"'Plan' object has no attribute {name!r}")
-        self.__dict__.update(make())
-        self.__dict__.pop("_deferred", None)
+        self._work_out_columns()
         return self.__dict__[name]
+
+    def _work_out_columns(self) -> None:
+        make = self.__dict__.pop("_deferred", None)
+        if make is not None:
+            self.__dict__.update(make())
 
     def deferred(self, make, **fields) -> Plan:
         """This plan with these fields, and columns that ``make()`` (a dict) works out when
@@ -138,8 +141,8 @@ class Plan:
     def with_columns(self, **columns) -> Plan:
         """This plan with these fields replaced (``dataclasses.replace`` without the
         per-field checks: a request's plan is made of a cached one on every pull)."""
-        if "_deferred" in self.__dict__ and columns.keys() & _STACKED_NAMES:
-            getattr(self, next(iter(_STACKED_NAMES)))  # the other columns, worked out now
+        if columns.keys() & _STACKED_NAMES:
+            self._work_out_columns()  # the columns not replaced come from here
         plan = object.__new__(Plan)
         plan.__dict__.update(self.__dict__)
         for name in _CACHED_PROPERTIES:  # worked out from the old columns
@@ -449,23 +452,12 @@ def clear_plan_caches() -> None:
     _period_plan.cache_clear()
 
 
-def plan_shape(
-    prefill: CPLayout,
-    decode: CPLayout,
-    num_tokens: int,
-    prefill_dp_rank: int = 0,
-    decode_dp_rank: int = 0,
-    replica_offset: int = 0,
-) -> Plan:
-    """The plan of ``num_tokens`` tokens with block-table indices where the block ids go
-    (``src_block``/``dst_block``), made of cached per-period plans. Its arrays may be the
-    cache's (read-only): copy before changing them."""
-    return _shape(_pair(prefill, decode), num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
-
-
 def _shape(
     pair: _Pair, num_tokens: int, prefill_dp_rank: int, decode_dp_rank: int, replica_offset: int
 ) -> Plan:
+    """The plan of ``num_tokens`` tokens with block-table indices where the block ids go
+    (``src_block``/``dst_block``), made of kept per-period plans. Its arrays may be the
+    cache's (read-only): copy before changing them."""
     replicas = (prefill_dp_rank, decode_dp_rank, replica_offset % pair.replica_period)
     if num_tokens < pair.cycle:
         return _period_plan(pair.prefill, pair.decode, *replicas, num_tokens)
@@ -488,10 +480,11 @@ def _shape(
         return _columns_of(*stacked)
 
     plan = whole.deferred(columns, num_tokens=num_tokens)
-    shift = steps[0][_READ_ROWS.index("src_block"), 0], steps[0][_READ_ROWS.index("dst_block"), 0]
+    # the partial piece's block-table indices, ``copies`` periods of blocks further on
+    size_p, size_d = pair.virtual_block_sizes
     plan.__dict__["_pieces"] = (
         (whole, 0, 0, 0),
-        (part_plan, int(copies * shift[0]), int(copies * shift[1]), copies * pair.cycle),
+        (part_plan, copies * pair.cycle // size_p, copies * pair.cycle // size_d, copies * pair.cycle),
     )
     return plan
 
