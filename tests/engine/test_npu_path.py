@@ -106,7 +106,9 @@ EXPECTED_OPS = {
     # (gpt-oss's YaRN tables carry its attention factor, outside the op's range: plain torch)
     "npu::npu_rotary_mul": (*GQA_LIKE, QWEN3_MOE),
     # DeepSeek's grouped sigmoid top-k; Qwen3-MoE's and gpt-oss's renormalised softmax top-k
-    "npu::npu_moe_gating_top_k": MOE_ARCHS,
+    # (the softmax of the top k logits: the softmax op's _v2 with renorm 1)
+    "npu::npu_moe_gating_top_k": (MLA512,),
+    "npu::npu_moe_gating_top_k_softmax_v2": (QWEN3_MOE, GPT_OSS),
     "npu::npu_moe_init_routing_v2": MOE_ARCHS,
     "npu::npu_moe_finalize_routing": MOE_ARCHS,
 }

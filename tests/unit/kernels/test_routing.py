@@ -20,6 +20,7 @@ from vllm.ascend.kernels import routing as R
 torch_npu = pytest.importorskip("torch_npu")
 DOUBLE = getattr(torch_npu, "IS_CONTRACT_DOUBLE", False)
 GTKS = "npu::npu_moe_gating_top_k_softmax"
+GTKS2 = "npu::npu_moe_gating_top_k_softmax_v2"
 GTK = "npu::npu_moe_gating_top_k"
 
 
@@ -89,8 +90,8 @@ def test_route_equals_brute_force(form, scoring, renormalize, grouping, with_bia
         before = dict(_contract.calls)
         got = R.npu_route(logits, routing, bias)
         plain_softmax = scoring == "softmax" and bias is None and groups == 1
-        # renormalised weights come from the gating op, which renormalises and scales itself
-        fused = GTKS if plain_softmax and not renormalize else GTK
+        # plain softmax (renormalised or not) takes the softmax op's _v2, the rest the gating op
+        fused = GTKS2 if plain_softmax else GTK
         assert _contract.calls[fused] == before.get(fused, 0) + 1  # the fused op did the routing
     else:
         got = R.reference_route(logits, routing, bias)
@@ -227,8 +228,10 @@ needs_double = pytest.mark.skipif(not DOUBLE, reason="the contract double's own 
 
 @needs_double
 def test_double_gating_top_k_semantics():
-    """y_out = chosen scores / (sum + eps) * routed_scaling_factor (CANN aclnnMoeGatingTopK);
-    norm_out is the norm function's result."""
+    """Sigmoid (norm_type 1): y_out = chosen scores / (sum + eps) * routed_scaling_factor; softmax
+    (norm_type 0, renorm 0): y_out = chosen scores * routed_scaling_factor, not renormalised (CANN
+    aclnnMoeGatingTopK, Step 5); norm_out is the norm function's result. The softmax op's _v2:
+    renorm 0 the softmax's top k, renorm 1 the softmax of the top k logits."""
     torch.manual_seed(1)
     x, bias = torch.randn(6, 16), torch.randn(16) * 0.3
     y, idx, norm = torch_npu.npu_moe_gating_top_k(
@@ -245,6 +248,24 @@ def test_double_gating_top_k_semantics():
     expected = brute_route(x, 3, "sigmoid", True, 4, 2, 2.0, bias)
     _assert_same(_as_dicts(y, idx), expected)
     torch.testing.assert_close(norm, torch.sigmoid(x))
+    y, idx, norm = torch_npu.npu_moe_gating_top_k(
+        x,
+        3,
+        bias=bias,
+        k_group=2,
+        group_count=4,
+        group_select_mode=1,
+        norm_type=0,
+        out_flag=True,
+        routed_scaling_factor=2.0,
+    )
+    _assert_same(_as_dicts(y, idx), brute_route(x, 3, "softmax", False, 4, 2, 2.0, bias))
+    assert (y.sum(dim=-1) < 2.0 - 1e-3).all()  # 3 of 16 softmax scores: well short of 1 before scaling
+    torch.testing.assert_close(norm, torch.softmax(x, dim=-1))
+    for renorm in (0, 1):
+        y, idx, soft = torch_npu.npu_moe_gating_top_k_softmax_v2(x, k=4, renorm=renorm, output_softmax=True)
+        _assert_same(_as_dicts(y, idx), brute_route(x, 4, "softmax", bool(renorm), 1, 1, 1.0, None))
+        assert soft.shape == ((6, 16) if renorm == 0 else (0,))
     y, idx, row = torch_npu.npu_moe_gating_top_k_softmax(x.to(torch.bfloat16), None, 4)
     assert y.dtype == torch.bfloat16 and row.tolist()[1] == [1, 7, 13, 19]  # row + slot * rows
     _assert_same(
@@ -266,6 +287,10 @@ VIOLATIONS = {
     ),
     "GTKS.k": lambda: torch_npu.npu_moe_gating_top_k_softmax(torch.randn(4, 8), None, 9),
     "GTKS.k 1024": lambda: torch_npu.npu_moe_gating_top_k_softmax(torch.randn(1, 1100), None, 1025),
+    "GTKS2.x": lambda: torch_npu.npu_moe_gating_top_k_softmax_v2(torch.randn(2, 3, 4, 8), k=2),
+    "GTKS2.x dtype": lambda: torch_npu.npu_moe_gating_top_k_softmax_v2(torch.randn(4, 8).double(), k=2),
+    "GTKS2.k": lambda: torch_npu.npu_moe_gating_top_k_softmax_v2(torch.randn(4, 8), k=9),
+    "GTKS2.renorm": lambda: torch_npu.npu_moe_gating_top_k_softmax_v2(torch.randn(4, 8), k=2, renorm=2),
     "GTK.x": lambda: _gtk(torch.randn(2, 4, 16)),
     "GTK.x experts": lambda: _gtk(torch.randn(2, 2304)),
     "GTK.bias": lambda: _gtk(bias=torch.randn(16, dtype=torch.bfloat16)),
@@ -299,7 +324,7 @@ def test_documented_routing_violation_is_refused(case):
 def test_routing_rules_quote_the_wheel_and_each_has_a_failing_case():
     from torch_npu import _rules
 
-    ids = {r for r in _rules.RULES if r.startswith(("GTKS.", "GTK."))}
+    ids = {r for r in _rules.RULES if r.startswith(("GTKS.", "GTKS2.", "GTK."))}
     assert ids == {case.split()[0] for case in VIOLATIONS}
 
 
@@ -309,3 +334,7 @@ def test_unmodelled_routing_arguments_are_refused():
         _gtk(input_ids=torch.zeros(4, dtype=torch.int64), tid2eid=torch.zeros(10, 2, dtype=torch.int64))
     with pytest.raises(NotImplementedError, match="finished"):
         torch_npu.npu_moe_gating_top_k_softmax(torch.randn(4, 8), torch.zeros(4, dtype=torch.bool), 2)
+    with pytest.raises(NotImplementedError, match="finished"):
+        torch_npu.npu_moe_gating_top_k_softmax_v2(
+            torch.randn(4, 8), k=2, finished=torch.zeros(4, dtype=torch.bool)
+        )

@@ -16,17 +16,21 @@ The formula is upstream vLLM 0.33's routers' (``FusedTopKRouter``, ``FusedTopKBi
 4. ``ids = topk(choice, k)`` among the eligible experts; ``weights = scores[ids]``;
 5. ``renormalize``: ``weights / sum(weights)``; then ``weights * routed_scaling_factor``.
 
-``npu_route`` calls ``npu_moe_gating_top_k_softmax`` for plain softmax top-k without
-renormalisation and ``npu_moe_gating_top_k`` for everything else (renormalised softmax,
-sigmoid, bias, groups); where the expert count or grouping is outside what the fused op
-documents, it computes the same formula with plain torch ops. With renormalisation the
-gating op's weights are used as they come (``y / (sum(y) + eps) * routed_scaling_factor``,
-eps 1e-20: below float32's resolution next to a sum of top-k scores); without it the
-weights are gathered from the op's scores.
+``npu_route`` calls ``npu_moe_gating_top_k_softmax_v2`` for plain softmax top-k (``renorm=1``
+when the layer renormalises: the softmax of the top k logits, which equals the renormalised
+top-k softmax) and ``npu_moe_gating_top_k`` for the rest (sigmoid, bias, groups); where the
+expert count or grouping is outside what the fused op documents, it computes the same formula
+with plain torch ops. The gating op renormalises sigmoid weights itself and never softmax ones
+(CANN's aclnnMoeGatingTopK, Step 5: only "normType = 1 or (normType = 0 and renorm = 1)", and
+renorm must be 0): a renormalised sigmoid layer takes its weights as they come (``y / (sum(y) +
+eps) * routed_scaling_factor``, eps 1e-20: below float32's resolution next to a sum of top-k
+scores), a softmax layer divides by their sum itself, and a sigmoid layer without
+renormalisation gathers its weights from the op's scores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +38,7 @@ import torch
 from vllm.ascend.kernels import pick, torch_npu
 
 SCORING = ("softmax", "sigmoid")
-# npu_moe_gating_top_k_softmax: "k<=1024"; npu_moe_gating_top_k: experts "不大于2048", a
+# npu_moe_gating_top_k_softmax_v2: "k<=1024"; npu_moe_gating_top_k: experts "不大于2048", a
 # group's size "大于2" and "按照32个数对齐后乘group_count的结果不大于2048".
 SOFTMAX_OP_MAX_K = 1024
 GATING_OP_MAX_EXPERTS = 2048
@@ -120,12 +124,12 @@ def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None 
     x = logits.to(torch.float32)  # scores in float32, as the reference computes them
     num_experts = x.shape[-1]
     plain_softmax = routing.scoring_func == "softmax" and bias is None and routing.num_expert_group == 1
-    if plain_softmax and not routing.renormalize and routing.top_k <= SOFTMAX_OP_MAX_K:
-        y, ids, _ = npu.npu_moe_gating_top_k_softmax(x, None, routing.top_k)
-        return _finish(y, ids, routing)
+    if plain_softmax and routing.top_k <= SOFTMAX_OP_MAX_K:
+        # the _v2 op (Atlas A2 and A3; the first one lists A2 only)
+        y, ids, _ = npu.npu_moe_gating_top_k_softmax_v2(x, k=routing.top_k, renorm=int(routing.renormalize))
+        return _finish(y, ids, dataclasses.replace(routing, renormalize=False))
     if _gating_op_takes(num_experts, routing):
-        # The op's own weights are renormalised and scaled (y / (sum(y) + eps) * scale): one
-        # launch when the layer renormalises; otherwise the weights are gathered from its scores.
+        sigmoid = routing.scoring_func == "sigmoid"
         y, ids, norm = npu.npu_moe_gating_top_k(
             x,
             routing.top_k,
@@ -134,11 +138,14 @@ def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None 
             group_count=routing.num_expert_group,
             group_select_mode=0 if bias is None else 1,  # group max, or the sum of its top two
             renorm=0,
-            norm_type=0 if routing.scoring_func == "softmax" else 1,
-            out_flag=not routing.renormalize,
-            routed_scaling_factor=routing.routed_scaling_factor,
+            norm_type=int(sigmoid),
+            out_flag=sigmoid and not routing.renormalize,
+            # softmax weights come out unnormalised: renormalised and scaled here instead
+            routed_scaling_factor=routing.routed_scaling_factor if sigmoid else 1.0,
         )
-        if routing.renormalize:
+        if not sigmoid:
+            return _finish(y, ids, routing)
+        if routing.renormalize:  # the op's own renormalised, scaled weights
             return y, ids
         return _finish(norm.gather(1, ids.to(torch.int64)), ids, routing)
     return reference_route(logits, routing, bias)

@@ -1499,13 +1499,19 @@ def npu_quantize(input, scales, zero_points, dtype, axis, div_mode):
     return torch.round(y).clamp(-128, 127).to(torch.int8)
 
 
-# -- npu_moe_gating_top_k_softmax / npu_moe_gating_top_k (MoE routing) ------------------------------
+# -- npu_moe_gating_top_k_softmax(_v2) / npu_moe_gating_top_k (MoE routing) ---------------------------
 # Semantics beyond the wheel's parameter tables are CANN's aclnn docs (aclnnMoeGatingTopKSoftmax:
 # "softmaxOut=softmax(x,axis=-1) yOut,expertIdxOut=topK(softmaxOut,k=k)" and the rowIdxOut formula;
-# aclnnMoeGatingTopK (CANN 8.3 / ops-transformer): normOut = SoftMax(x) or Sigmoid(x); normValue =
+# aclnnMoeGatingTopKSoftmaxV2: "renorm = 0 ... yOut,expertIdxOut=topK(softmaxOut,k=k); renorm = 1
+# topkOut,expertIdxOut=topK(x, k=k) yOut = softmax(topkOut,axis=-1)", and its outputSoftmaxResultFlag
+# "当renorm=1时,该参数不生效,不输出Softmax的结果"; aclnnMoeGatingTopK (ops-transformer
+# moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md): normOut = SoftMax(x) or Sigmoid(x); normValue =
 # normOut + bias; groups scored by ReduceMax or the sum of the top two, the kGroup best kept, the
-# rest set to -inf; expertIdxOut = TopK(normValue, k); yOut = y / (ReduceSum(y)+eps) *
-# routedScalingFactor with y the chosen experts' normOut).
+# rest set to -inf; expertIdxOut = TopK(normValue, k); y the chosen experts' normOut; Step 5: "if
+# (normType = 1) or (normType = 0 and renorm = 1): yOut = normOut/(ReduceSum(normOut)+eps)", then
+# yOut * routedScalingFactor. The kernel agrees (moe_gating_top_k_without_group*.h: "bool needRenorm =
+# (normType_ == 1) || (normType_ == 0 && renorm_ == 1);" before the Muls by routedScalingFactor_):
+# a softmax router's weights are *not* renormalised (renorm must be 0), only scaled.
 GTKS = "npu_moe_gating_top_k_softmax"
 GTK = "npu_moe_gating_top_k"
 
@@ -1532,6 +1538,36 @@ def npu_moe_gating_top_k_softmax(x, finished, k):
     row_idx = torch.arange(n * k, dtype=torch.int32).view(k, n).t()
     shape = (*x.shape[:-1], k)
     return y.to(x.dtype).view(shape), idx.to(torch.int32).view(shape), row_idx.contiguous().view(shape)
+
+
+GTKS2 = "npu_moe_gating_top_k_softmax_v2"
+
+
+def npu_moe_gating_top_k_softmax_v2(x, k, finished, renorm, output_softmax):
+    require(
+        x.dim() in (2, 3) and x.dtype in (*HALF_TYPES, torch.float32),
+        GTKS2,
+        "GTKS2.x",
+        f"x {x.dtype} rank {x.dim()}",
+    )
+    if finished is not None:
+        raise unmodelled(GTKS2, "finished")
+    require(0 < k <= x.shape[-1] and k <= 1024, GTKS2, "GTKS2.k", f"k={k} for {x.shape[-1]} experts")
+    require(renorm in (0, 1), GTKS2, "GTKS2.renorm", f"renorm={renorm}")
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if renorm == 0:
+        softmax = torch.softmax(rows, dim=-1)
+        y, idx = softmax.topk(k, dim=-1)
+    else:  # the top k of x, then a softmax over them: the renormalised top-k softmax
+        top, idx = rows.topk(k, dim=-1)
+        y, softmax = torch.softmax(top, dim=-1), None
+    shape = (*x.shape[:-1], k)
+    # the softmax output only for renorm 0 with output_softmax (the wheel's meta: [0] otherwise)
+    if renorm == 0 and output_softmax:
+        softmax_out = softmax.view(x.shape)
+    else:
+        softmax_out = torch.empty(0, dtype=torch.float32)
+    return y.to(x.dtype).view(shape), idx.to(torch.int32).view(shape), softmax_out
 
 
 def npu_moe_gating_top_k(**a):
@@ -1582,7 +1618,9 @@ def npu_moe_gating_top_k(**a):
         value = value.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
     idx = value.topk(k, dim=-1).indices
     y = norm.gather(1, idx)
-    y = y / (y.sum(dim=-1, keepdim=True) + a["eps"]) * a["routed_scaling_factor"]
+    if a["norm_type"] == 1 or (a["norm_type"] == 0 and a["renorm"] == 1):  # Step 5's condition
+        y = y / (y.sum(dim=-1, keepdim=True) + a["eps"])
+    y = y * a["routed_scaling_factor"]
     # norm_out: the norm function's result when out_flag asks for it (undefined otherwise: NaN here)
     norm_out = norm if a["out_flag"] else torch.full_like(norm, float("nan"))
     return y.to(x.dtype), idx.to(torch.int32), norm_out
@@ -1758,6 +1796,7 @@ def fia_v2_infer_output(
 KERNELS = {
     "npu": {
         GTKS: npu_moe_gating_top_k_softmax,
+        GTKS2: npu_moe_gating_top_k_softmax_v2,
         GTK: npu_moe_gating_top_k,
         FIA: npu_fused_infer_attention_score,
         FIA + ".out": npu_fused_infer_attention_score_out,

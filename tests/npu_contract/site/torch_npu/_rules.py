@@ -614,6 +614,20 @@ RULES: dict[str, Rule] = {
             "数据类型支持bool, shape为x[:-1], 数据格式要求为ND.",
         ),
         Rule("GTKS.k", DOCS, "k: Host侧的int类型, 表示topk的k值, 大小为0<k<=x的-1轴大小, k<=1024."),
+        # -- npu_moe_gating_top_k_softmax_v2 (softmax top-k, or the top k's softmax: renorm 1) ---------
+        Rule(
+            "GTKS2.x",
+            DOCS,
+            "x: Tensor类型, 必选输入, 表示待计算的输入要求是一个2D/3D的Tensor, 数据类型支持float16、"
+            "bfloat16、float32, 数据格式要求为ND.",
+        ),
+        Rule("GTKS2.k", DOCS, "k: Host侧的int类型, 表示topk的k值, 大小为0<k<=x的-1轴大小, k<=1024."),
+        Rule(
+            "GTKS2.renorm",
+            DOCS,
+            "当renorm参数设置为0时，对输入x做softmax操作，再做topk操作；当renorm参数设置为1时，对x做topk操作，"
+            "后做softmax操作。",
+        ),
         # -- npu_moe_gating_top_k (MoE routing: sigmoid/softmax, bias, groups) ---------------------------
         Rule(
             "GTK.x",
