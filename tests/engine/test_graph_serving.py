@@ -12,7 +12,9 @@ two must be equal (test_graphs.py's rule).
 - The offline P/D example (a prefill and a decode ``LLM``, KV over Mooncake TCP) with the
   Qwen2: the decode instance decodes the pulled KV in graphs (that run moves it layer-wise,
   so the prefill's per-layer events go through the double), like the eager decode of a
-  pull after prefill.
+  pull after prefill. The same with the MLA DeepSeek-V3 at 16-token blocks and 24 requests
+  at once: the prefill instance writes the rope plane through the latent prolog, the
+  decode instance reads it in graphs of more tokens than a block (upstream's forward).
 """
 
 from __future__ import annotations
@@ -126,29 +128,65 @@ def test_idle_ranks_replay_the_same_graphs_and_collectives(dp):
 
 
 # -- a P/D decode instance ---------------------------------------------------------------------
-def _offline_example(model: Path, out: Path, calls: Path, *options: str) -> dict:
+COLOCATED_DIFFER = "error: the disaggregated and colocated outputs differ"
+
+
+def _offline_example(model: Path, out: Path, calls: Path, *options: str, near_ties: bool = False) -> dict:
+    """The example's JSON. ``near_ties``: the example's own check that the disaggregated tokens
+    equal the colocated ones may fail (bf16 random-token prompts: the decode instance computes a
+    prompt's last token in another kernel than the colocated prefill, and a near-tie then picks
+    another token; seen with the reference kernels as well, 2 of 24 prompts)."""
     calls.mkdir(parents=True)
     command = [
         sys.executable,
         str(ROOT / "examples" / "disaggregated_prefill" / "offline.py"),
         *("--model", str(model), "--dtype", "bfloat16", "--max-tokens", str(MAX_TOKENS)),
-        *("--max-num-seqs", "4", "--block-size", "128"),
+        *("--max-num-seqs", "4", "--block-size", "128"),  # (options may repeat these: the last wins)
         *("--prefill-kv-port", str(free_ports(1)), "--decode-kv-port", str(free_ports(1))),
         *("--json", str(out), *options),
     ]
     env = dict(os.environ, VLLM_ASCEND_EMULATE="1", **NPU, TORCH_NPU_DOUBLE_CALL_LOG=str(calls))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    tolerated = near_ties and done.stderr.rstrip().endswith(COLOCATED_DIFFER) and out.exists()
+    assert done.returncode == 0 or tolerated, (done.stdout + done.stderr)[-4000:]
     return json.loads(out.read_text())
 
 
-def test_a_pd_decode_instance_decodes_in_graphs_like_eager(tiny_models, tmp_path):
-    model = tiny_models["qwen2"]
+# 24 requests of 17 to 40 random tokens decoding together over 16-token blocks
+MLA_BLOCK16 = (
+    "--block-size",
+    "16",
+    "--max-num-seqs",
+    "32",
+    "--prompt-lengths",
+    ",".join(map(str, range(17, 41))),
+)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "mla_block16"])
+def test_a_pd_decode_instance_decodes_in_graphs_like_eager(tiny_models, tmp_path, case):
+    qwen2 = case == "qwen2"
+    model = tiny_models["qwen2" if qwen2 else MLA512]
+    options = () if qwen2 else MLA_BLOCK16
     # the graph run moves the KV layer-wise: the prefill's per-layer events pass the contract
-    graph = _offline_example(model, tmp_path / "graph.json", tmp_path / "graph-calls", "--layerwise")
-    eager = _offline_example(model, tmp_path / "eager.json", tmp_path / "eager-calls", "--enforce-eager")
+    graph = _offline_example(
+        model, tmp_path / "graph.json", tmp_path / "graph-calls", "--layerwise", *options, near_ties=not qwen2
+    )
+    eager = _offline_example(
+        model,
+        tmp_path / "eager.json",
+        tmp_path / "eager-calls",
+        "--enforce-eager",
+        *options,
+        near_ties=not qwen2,
+    )
     assert graph["pulled_bytes"] == eager["pulled_bytes"] > 0 and graph["failed_pulls"] == 0
-    assert graph["disaggregated"] == eager["disaggregated"] == eager["colocated"]
+    # the decode instance's graphs give the eager tokens, for the pulled KV and for its own
+    # eager prefills (the colocated run)
+    assert graph["disaggregated"] == eager["disaggregated"]
+    assert graph["colocated"] == eager["colocated"]
+    if qwen2:  # text prompts: no near-tie between the prefill and the decode instance's kernels
+        assert eager["disaggregated"] == eager["colocated"]
     replays = [log.get("graph::replay", 0) for log in _call_logs(tmp_path / "graph-calls")]
     # the decode process replayed graphs (its disaggregated and its colocated runs share the
     # engine, so this counts both; the prefill process decodes one token per request)

@@ -74,6 +74,16 @@ QWEN2_BATCHES = [PROMPTS[:5], LONG_PROMPTS + PROMPTS[:4], LONG_PREFIX_PROMPTS[:1
 PREEMPTED_BATCHES = [[f"{LONG_PROMPTS[3]} {i}" for i in range(8)]]
 PREEMPTED_SAMPLING = [{"max_tokens": 40}]
 DEEPSEEK = {**BASE, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+# MLA with 16-token blocks and 32 requests decoding together: graphs of 8 tokens (the latent
+# prolog inside the graph) and of 32 (more tokens than a block: upstream's forward), after
+# eager prefills that wrote the rope plane through the prolog
+MLA_BLOCK16 = {
+    **BASE,
+    "block_size": 16,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 256,
+    "compilation_config": {"cudagraph_capture_sizes": [8, 32]},
+}
 TP2_EP = {
     **DEEPSEEK,
     "tensor_parallel_size": 2,
@@ -95,11 +105,13 @@ PAIRS = {
         {},
     ),
     "w8a8": ("w8a8", DEEPSEEK, {}),
+    "mla_block16": (MLA512, MLA_BLOCK16, {}),
     "tp2_ep_allgather": (MLA512, {**TP2_EP, "additional_config": {"moe_comm_method": "allgather"}}, {}),
     "tp2_ep_mc2": (MLA512, {**TP2_EP, "additional_config": {"moe_comm_method": "mc2"}}, {}),
     "tp2_ep_a3": (MLA512, TP2_EP, {"TORCH_NPU_DOUBLE_SOC": "A3"}),
 }
 DEEPSEEK_BATCHES = [PROMPTS[:5], LONG_PROMPTS[:4]]
+MLA_BLOCK16_BATCHES = [[f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]]
 # out of CI's run: k = 2 captures and replays the drafter's graphs as k = 1 does, and the A3
 # selector's graphs take AllGather
 EXTENDED_PAIRS = {"mtp_k1", "tp2_ep_allgather"}
@@ -150,6 +162,8 @@ def _flat(run: dict) -> list[dict]:
 def _batches(name: str) -> list[list[str]]:
     if name == "qwen2_preempted":
         return PREEMPTED_BATCHES
+    if name == "mla_block16":
+        return MLA_BLOCK16_BATCHES
     return QWEN2_BATCHES if PAIRS[name][0] == "qwen2" else DEEPSEEK_BATCHES
 
 
@@ -201,5 +215,7 @@ def test_start_up_reports_graphs(runs):
     assert "Ascend platform: decode graphs (FULL_DECODE_ONLY)" in output
     assert "Ascend graphs: " in output and " captured in " in output
     assert "of graph memory estimated before the KV cache is sized" in output
+    # the 16-token-block MLA engine captured a graph of more tokens than a block
+    assert "Ascend MLA latent prolog not used in decode graphs of more than 16 tokens" in output
     # the A3 selector's AllToAll steps ran eagerly, its graphs took AllGather
     assert "first step with the alltoall strategy" in output

@@ -742,6 +742,16 @@ def test_mla_latent_prolog_and_query_rope_equal_reference(data, heads, block_siz
         q_nope, q_pe, *planes["ref"], table, seq_lens, 0.04, q_rope=outs["ref"][0]
     )
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    # A key or query rotated in GPT-J order elsewhere (upstream's forward: dummy and padded
+    # steps, graphs of more tokens than a block) and put in the prolog's order by rope_order
+    # meets the prolog's plane alike; left in GPT-J order it would not.
+    torch.testing.assert_close(mla.npu_rope_order(pe_ref).float(), pe_npu.float(), **TOL)
+    assert torch.equal(mla.reference_rope_order(pe_ref), pe_ref)
+    q_gptj = mla.reference_rope_query(q_pe, outs["ref"][0])
+    out_upstream = mla.npu_mla_decode(
+        q_nope, mla.npu_rope_order(q_gptj), *planes["npu"], table, seq_lens, 0.04
+    )
+    torch.testing.assert_close(out_upstream.float(), out_ref.float(), **TOL)
     # Prefill: rope_query gives the same rotation in the same order as the rope plane.
     rotated = mla.npu_rope_query(q_pe, outs["npu"][0])
     torch.testing.assert_close(

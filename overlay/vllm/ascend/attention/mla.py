@@ -17,6 +17,14 @@ Draft verification (1 + k query tokens per decode request) runs the decode kerne
 k + 1 query rows per request (``decode_q_len``); under context parallelism every query
 token is a decode row of its own instead (``decode_rows``).
 
+The rope plane has one element order whatever wrote a token: with the NPU kernels the
+latent prolog (``ops/mla.py``) writes the rotated key de-interleaved (even elements, then
+odd) and rotates the query to match; a step that runs upstream's forward instead (a dummy
+or padded step, a decode graph of more tokens than a block, a layer without the prolog)
+brings its GPT-J-ordered key and query parts into that order here (``kernels.rope_order``)
+before the cache write and the attention, so an eager prefill and a graph decode, or a P/D
+prefill and decode instance, read the same plane alike.
+
 Decode graphs (``vllm/ascend/graph``): as the GQA builder, the MLA builder completes a
 padded graph step's host lists and publishes the decode requests' KV lengths for the
 replay's update.
@@ -261,6 +269,7 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
                 ("mla-write-slots", slot_mapping.data_ptr(), tokens),
                 lambda: kernels.write_slots(slot_mapping, tokens),
             )
+            k_pe = kernels.rope_order(k_pe)  # rotated by upstream's forward: the prolog's order
             kernels.write_latent_cache(kv_c_normed, k_pe, latent, rope, slot_mapping, slots)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
@@ -270,10 +279,12 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         rows, lens = attn_metadata.decode_block_rows, attn_metadata.decode_row_lens
         step = attn_metadata.cp_step
+        q_rope = None
+        if self.prolog_rows is not None:  # decode tokens come first
+            q_rope = tuple(r[:, : q_pe.shape[0]] for r in self.prolog_rows)
+        else:  # rotated by upstream's forward: the prolog's order
+            q_pe = kernels.rope_order(q_pe)
         if step is None:
-            q_rope = None
-            if self.prolog_rows is not None:  # decode tokens come first
-                q_rope = tuple(r[:, : q_pe.shape[0]] for r in self.prolog_rows)
             out = kernels.mla_decode(
                 q_nope,
                 q_pe,
@@ -299,10 +310,13 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
             raise NotImplementedError("fused output quantization is not supported on Ascend")
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         out = output.view(-1, self.num_heads, self.v_head_dim)
+        q_pe = q[..., self.qk_nope_head_dim :]
         if self.prolog_rows is not None:  # the prefill rows follow the decode rows
             start = attn_metadata.num_decode_tokens
             rows = tuple(r[:, start : start + q.shape[0]] for r in self.prolog_rows)
-            q[..., self.qk_nope_head_dim :] = kernels.rope_query(q[..., self.qk_nope_head_dim :], rows)
+            q[..., self.qk_nope_head_dim :] = kernels.rope_query(q_pe, rows)
+        elif (ordered := kernels.rope_order(q_pe)) is not q_pe:  # upstream rotated it: the prolog's order
+            q[..., self.qk_nope_head_dim :] = ordered
         if attn_metadata.cp_step is not None:
             return self._context_parallel_prefill(q, latent, rope, attn_metadata, out)
         table = attn_metadata.request_block_table

@@ -15,6 +15,10 @@ its rotary key ``k_pe``.
   then the odd: their docs' reshape-transpose before a rotate-half rotation), so the rope
   plane and the query's rope part are both in that order; their dot product, the only
   place the two meet, is unchanged. The reference forms keep the GPT-J order.
+* ``rope_order``: a rope part rotated elsewhere (upstream's rotary, GPT-J order) put in the
+  order the prolog forms write, so the rope plane has one layout whichever path wrote a
+  token (the backend applies it to every key and query that did not pass the prolog; the
+  identity with the reference kernels).
 * ``mla_decode``: absorbed decode. ``q_nope [B, H, L]`` is already multiplied by
   ``W_UK``; scores are ``q_nope . c + q_pe . k_pe``, output ``[B, H, L]`` is
   ``softmax . c`` (the caller applies ``W_UV``). ``seq_lens`` is a host list. With
@@ -72,6 +76,10 @@ def prolog_neox_tables() -> bool:
 
 def reference_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
     return rotary.reference_rotate(x, *rows, neox=False)
+
+
+def reference_rope_order(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def reference_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
@@ -185,6 +193,13 @@ def npu_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
     """``npu_interleave_rope`` on ``[T, N, 1, R]`` (it takes contiguous input only)."""
     cos, sin = _rows_bnsd(rows, x.shape[0])
     return torch_npu().npu_interleave_rope(x.unsqueeze(2).contiguous(), cos, sin)[:, :, 0]
+
+
+def npu_rope_order(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., R]`` in GPT-J order -> its even elements, then its odd ones: the order
+    ``npu_kv_rmsnorm_rope_cache`` writes the rope plane in and ``npu_interleave_rope`` rotates
+    the query into (one copy)."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
 
 
 def npu_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
@@ -394,6 +409,7 @@ def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:
 
 latent_prolog = pick(reference_latent_prolog, npu_latent_prolog)
 rope_query = pick(reference_rope_query, npu_rope_query)
+rope_order = pick(reference_rope_order, npu_rope_order)
 write_slots = pick(reference_write_slots, npu_write_slots)
 write_latent_cache = pick(reference_write_latent_cache, npu_write_latent_cache)
 mla_decode = pick(reference_mla_decode, npu_mla_decode)

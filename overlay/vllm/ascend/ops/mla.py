@@ -13,7 +13,9 @@ the Ascend MLA one, context parallelism, a runner's dummy run (memory profile, a
 rank) or a step whose token count is padded (their slots are -1, and the NPU op leaves
 repeated cache indices undefined). A decode graph of at most a block's tokens runs the
 fused prolog with its padding rows on null-block slots of their own
-(``kernels.mla.graph_padding_slots``); larger graphs capture upstream's forward.
+(``kernels.mla.graph_padding_slots``); larger graphs capture upstream's forward. Where
+upstream's forward runs, the backend brings its rotated key and query into the prolog's
+rope order (``attention/mla.py``), so the cache has one layout whichever path wrote it.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
             if num_tokens > block_size:
                 logger.info_once(
                     "Ascend MLA latent prolog not used in decode graphs of more than %d tokens (a "
-                    "graph's padding rows need null-block slots of their own)",
+                    "graph's padding rows need null-block slots of their own): upstream's forward "
+                    "runs there, its rope part put in the prolog's order",
                     block_size,
                 )
                 return None
