@@ -275,18 +275,11 @@ VIOLATIONS = {
         "FIA.band_rows",
         lambda: _fia(**_gqa_args(sparse_mode=4, pre_tokens=200, next_tokens=-130)),
     ),
-    "a defaultMask of two batches in 3-D": (
-        "FIA.mask_shape",
-        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.zeros(2, 4, 256, dtype=torch.bool))),
+    "a defaultMask in TND": (  # vllm-ascend #15503: ignored past KV position 512 in paged decode
+        "FIA.tnd_sparse",
+        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.zeros(2, 1, 4, 256, dtype=torch.bool))),
     ),
-    "a defaultMask narrower than the block table": (
-        "FIA.pa_mask_width",
-        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.zeros(2, 1, 4, 200, dtype=torch.bool))),
-    ),
-    "a defaultMask hiding every key of a row": (
-        "PROJECT.mask_rows",
-        lambda: _fia(**_gqa_args(sparse_mode=0, atten_mask=torch.ones(2, 1, 4, 256, dtype=torch.bool))),
-    ),
+    "the causal mode without a mask in TND": ("FIA.tnd_sparse", lambda: _fia(**_gqa_args(sparse_mode=1))),
     "block size 16 in prefill": (
         "FIA.pa_block_size",
         lambda: _fia(
@@ -679,9 +672,11 @@ def _check_rows(out, seqs, query, keys, vals, window, sinks=None):
 
 def test_sliding_window_forms_semantics():
     """Band (sparse_mode 4) aligns query row i with key KV_S - Q_S + i and keeps
-    [that - pre_tokens, that + next_tokens]; with one query row per request the op takes
-    its incremental branch, where sparse_mode and the band do nothing (FIA.incremental_sparse),
-    so a decode step's window has to come as a defaultMask [B, 1, 1, >= blocks x block size]."""
+    [that - pre_tokens, that + next_tokens], with one query row per request too (the
+    incumbent's hardware fixes, vllm-ascend #8508: the doc's "Q_S为1...该参数无效" does not
+    hold for the band in TND decode); a decode step's window as a defaultMask with sparse 0
+    is refused (vllm-ascend #15503: ignored past KV position 512). One row per request without
+    a mask (sparse 0) sees every key."""
     window = 7
     common = dict(num_heads=4, num_key_value_heads=2, input_layout="TND", block_size=128, scale=0.3)
 
@@ -703,7 +698,7 @@ def test_sliding_window_forms_semantics():
     )
     _check_rows(out, mixed, query, keys, vals, window)
 
-    decode = [(130, 1), (5, 1), (257, 1)]
+    decode = [(130, 1), (5, 1), (700, 1)]  # past window + 512 keys too
     query, kc, vc, table, keys, vals = _paged_batch(decode)
     lens = dict(
         block_table=table, actual_seq_lengths=[1, 2, 3], actual_seq_lengths_kv=[kv for kv, _ in decode]
@@ -711,13 +706,15 @@ def test_sliding_window_forms_semantics():
     banded, _ = torch_npu.npu_fused_infer_attention_score(
         query, kc, vc, atten_mask=MASK, sparse_mode=4, pre_tokens=window - 1, next_tokens=0, **lens, **common
     )
-    _check_rows(banded, decode, query, keys, vals, None)  # the band did nothing
+    _check_rows(banded, decode, query, keys, vals, window)
+    plain, _ = torch_npu.npu_fused_infer_attention_score(query, kc, vc, sparse_mode=0, **lens, **common)
+    _check_rows(plain, decode, query, keys, vals, None)
     width = table.shape[1] * 128
     before = torch.arange(width).unsqueeze(0) < torch.tensor([kv - window for kv, _ in decode]).unsqueeze(1)
-    masked, _ = torch_npu.npu_fused_infer_attention_score(
-        query, kc, vc, atten_mask=before.view(3, 1, 1, width), sparse_mode=0, **lens, **common
-    )
-    _check_rows(masked, decode, query, keys, vals, window)
+    with pytest.raises(ContractViolation, match="FIA.tnd_sparse"):
+        torch_npu.npu_fused_infer_attention_score(
+            query, kc, vc, atten_mask=before.view(3, 1, 1, width), sparse_mode=0, **lens, **common
+        )
 
 
 def test_v2_learnable_sink_semantics():

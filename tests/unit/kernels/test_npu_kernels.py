@@ -4,6 +4,7 @@ equal the reference kernels (bf16, the dtype the NPU kernels take)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -54,9 +55,10 @@ def _slots(table, kv_len, q_len, block_size):
     block_size=st.sampled_from([128, 256]),
 )
 def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_size, block_size):
-    """With a sliding window too: the band (some request with several query rows) or the
-    decode mask (every request one row); blocks before every window of a request are
-    vLLM's null block in its table row, as upstream's sliding-window manager leaves them."""
+    """With a sliding window too: the band, in decode-only steps as well (contexts up to 768
+    keys: past window + 512, where a sparse-0 mask would be ignored on the device); blocks
+    before every window of a request are vLLM's null block in its table row, as upstream's
+    sliding-window manager leaves them."""
     torch.manual_seed(data.draw(st.integers(0, 1000)))
     max_blocks = 3
     window = data.draw(st.sampled_from([None, 1, 5, 130]))
@@ -95,15 +97,8 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
     scale = head_size**-0.5
     # gpt-oss's sinks: the fused op's v2 (bfloat16 learnable_sink)
     sinks = (torch.randn(kv_heads * group) * 2).to(BF16) if data.draw(st.booleans()) else None
-    mask = None
-    if window is not None and attention.one_row_per_request(qsl):  # as the backend builds it
-        mask = attention.npu_window_mask(torch.tensor(seq_lens), window, max_blocks * block_size)
-        # key j is hidden exactly when it lies before the window ending at position kv - 1
-        assert mask.shape == (len(reqs), 1, 1, max_blocks * block_size)
-        for r, kv in enumerate(seq_lens):
-            assert mask[r, 0, 0].tolist() == [j <= kv - 1 - window for j in range(max_blocks * block_size)]
     attention.npu_paged_attention(
-        query, *planes["npu"], table, qsl, seq_lens, scale, out_npu, window, mask, sinks=sinks
+        query, *planes["npu"], table, qsl, seq_lens, scale, out_npu, window, sinks=sinks
     )
     attention.reference_paged_attention(
         query, *planes["ref"], table, qsl, seq_lens, scale, out_ref, window, sinks=sinks
@@ -111,14 +106,35 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
 
 
-def test_a_decode_step_with_a_window_needs_the_window_mask():
-    """One query row per request: the fused op ignores the band there, so without
-    npu_window_mask's mask the window would be lost."""
-    planes = [torch.zeros(2, 1, 128, 16, dtype=BF16) for _ in range(2)]
-    table = torch.ones(1, 1, dtype=torch.int32)
-    query, out = torch.randn(1, 2, 16, dtype=BF16), torch.zeros(1, 2, 16, dtype=BF16)
-    with pytest.raises(ValueError, match="npu_window_mask"):
-        attention.npu_paged_attention(query, *planes, table, [0, 1], [40], 0.25, out, 8)
+@pytest.mark.parametrize(
+    "q_lens,window,expected",
+    [
+        ([1, 1], None, {"sparse_mode": 0, "atten_mask": False}),  # plain decode: no mask to read
+        ([1, 1], 8, {"sparse_mode": 4, "atten_mask": True, "pre_tokens": 7, "next_tokens": 0}),
+        ([3, 1], None, {"sparse_mode": 3, "atten_mask": True}),
+        ([3, 1], 8, {"sparse_mode": 4, "atten_mask": True, "pre_tokens": 7, "next_tokens": 0}),
+    ],
+)
+def test_fused_attention_mask_by_step(monkeypatch, q_lens, window, expected):
+    """The mask the fused attention gets: none for one query row per request, the band for a
+    window (decode too), rightDownCausal otherwise."""
+    npu = attention.torch_npu()
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    real = npu.npu_fused_infer_attention_score
+    monkeypatch.setattr(npu, "npu_fused_infer_attention_score", spy)
+    planes = [torch.randn(3, 1, 128, 16, dtype=BF16) for _ in range(2)]
+    table = torch.tensor([[1], [2]], dtype=torch.int32)
+    qsl = [0, *itertools.accumulate(q_lens)]
+    query, out = torch.randn(qsl[-1], 2, 16, dtype=BF16), torch.zeros(qsl[-1], 2, 16, dtype=BF16)
+    attention.npu_paged_attention(query, *planes, table, qsl, [40, 100], 0.25, out, window)
+    got = {k: seen[k] for k in expected}
+    got["atten_mask"] = seen["atten_mask"] is not None
+    assert got == expected
 
 
 @settings(max_examples=8, deadline=None)

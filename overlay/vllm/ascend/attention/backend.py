@@ -247,14 +247,6 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if attn_metadata.cp_step is not None:
             return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
-        window_mask = None
-        if self.sliding_window is not None and kernels.one_row_per_request(attn_metadata.query_start_loc):
-            # one mask per step and window for every layer of the group (npu_window_mask)
-            width = attn_metadata.block_table.shape[1] * k_plane.shape[2]
-            window_mask = once_per_step(
-                ("window-mask", id(attn_metadata), self.sliding_window),
-                lambda: kernels.window_mask(attn_metadata.seq_lens_device, self.sliding_window, width),
-            )
         kernels.paged_attention(
             query[:n],
             k_plane,
@@ -265,7 +257,6 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             self.scale,
             output[:n],
             self.sliding_window,
-            window_mask,
             self.soft_cap,
             self.sinks,
         )

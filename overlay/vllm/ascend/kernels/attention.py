@@ -109,14 +109,12 @@ def reference_paged_attention(
     scale,
     out,
     window: int | None = None,
-    window_mask: None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """With a sliding ``window``, only the blocks that hold keys inside some query's window
     are read: upstream's sliding-window KV manager hands the blocks before them back to
-    the pool (the block table then names its null block there). ``window_mask`` is the
-    NPU kernels' (``npu_window_mask``); the window alone decides here. ``soft_cap`` and
+    the pool (the block table then names its null block there). ``soft_cap`` and
     ``sinks``: ``causal_attention``'s."""
     group = query.shape[1] // k_plane.shape[1]
     for r, seq_len in enumerate(seq_lens):
@@ -206,21 +204,6 @@ def one_row_per_request(query_start_loc: list[int]) -> bool:
     return all(b - a <= 1 for a, b in zip(query_start_loc, query_start_loc[1:]))
 
 
-def npu_window_mask(seq_lens: torch.Tensor, window: int, width: int) -> torch.Tensor:
-    """The window of a decode-only step as a defaultMask ``[B, 1, 1, width]`` (1: a key
-    before the request's window), from the device sequence lengths (a graph replays it on
-    each step's values). One query row per request takes the fused op's incremental
-    branch, where sparse_mode and the band's pre_tokens do nothing, so the window has to
-    travel in the mask; it is the same for every layer with that window."""
-    starts = (seq_lens.to(torch.int64) - window).clamp(min=0)
-    columns = torch.arange(width, device=seq_lens.device)
-    return (columns < starts.unsqueeze(1)).view(seq_lens.shape[0], 1, 1, width)
-
-
-def reference_window_mask(seq_lens: torch.Tensor, window: int, width: int) -> None:
-    return None  # the reference attention applies the window itself
-
-
 # the fused attention's query heads, scale and cumulative query / KV lengths, by op version
 _FIA_NAMES = ("num_heads", "scale", "actual_seq_lengths", "actual_seq_lengths_kv")
 _FIA_V2_NAMES = ("num_query_heads", "softmax_scale", "actual_seq_qlen", "actual_seq_kvlen")
@@ -236,30 +219,35 @@ def npu_paged_attention(
     scale,
     out,
     window: int | None = None,
-    window_mask: torch.Tensor | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``npu_fused_infer_attention_score``: TND queries, the planes as
-    ``(blocknum, KV_N, blocksize, D)`` page-attention caches, rightDownCausal mask. A
-    sliding ``window`` is the band (sparse_mode 4: each query sees itself and the
-    ``window - 1`` keys before it) when some request has several query rows, and
-    ``window_mask`` (``npu_window_mask``, required then) when every request has one
-    (``one_row_per_request``). ``sinks``: the op's v2 with ``learnable_sink`` (bfloat16,
-    one per query head; the same masks and page attention). The op takes no logit
-    soft-cap (the platform refuses such models with these kernels at start-up)."""
+    ``(blocknum, KV_N, blocksize, D)`` page-attention caches. The mask, by step: a sliding
+    ``window`` is the band (sparse_mode 4 with the 2048² mask: each query sees itself and the
+    ``window - 1`` keys before it, as vLLM's CUDA backends set ``(window - 1, 0)``), in
+    decode-only steps too; a step whose every request has one query row
+    (``one_row_per_request``) takes no mask (sparse_mode 0: its one row sees every key);
+    otherwise rightDownCausal (sparse_mode 3). In a decode graph the choice is the capture's.
+    ``sinks``: the op's v2 with ``learnable_sink`` (bfloat16, one per query head; the same
+    masks and page attention). The op takes no logit soft-cap (the platform refuses such
+    models with these kernels at start-up)."""
     if soft_cap is not None:
         raise NotImplementedError("torch_npu's fused attention applies no logit soft-cap")
     num_tokens = query_start_loc[-1]
     if num_tokens == 0:
         return out
-    mask_args = {"atten_mask": causal_mask(query.device), "sparse_mode": 3}
-    if window is not None and not one_row_per_request(query_start_loc):
-        mask_args.update(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
-    elif window is not None:
-        if window_mask is None:
-            raise ValueError("a decode-only step with a sliding window needs npu_window_mask's mask")
-        mask_args = {"atten_mask": window_mask, "sparse_mode": 0}
+    if window is not None:
+        # The band in decode too: the incumbent's hardware runs (vllm-ascend #8508, #8387) show
+        # it applied with one query row, where the docs call sparse_mode "无效"; the other route,
+        # a sparse-0 defaultMask, is ignored past KV position 512 (vllm-ascend #15503).
+        mask_args = {"atten_mask": causal_mask(query.device), "sparse_mode": 4}
+        mask_args.update(pre_tokens=window - 1, next_tokens=0)
+    elif one_row_per_request(query_start_loc):
+        # no mask to read (vllm-ascend #10302, #11266: about 10 % end to end in decode)
+        mask_args = {"atten_mask": None, "sparse_mode": 0}
+    else:
+        mask_args = {"atten_mask": causal_mask(query.device), "sparse_mode": 3}
     common = dict(
         num_key_value_heads=k_plane.shape[1],
         input_layout="TND",
@@ -314,7 +302,6 @@ write_index = pick(reference_write_index, npu_write_index)
 write_kv_cache = pick(reference_write_kv_cache, npu_write_kv_cache)
 paged_decode = pick(reference_paged_decode, npu_paged_decode)
 paged_attention = pick(reference_paged_attention, npu_paged_attention)
-window_mask = pick(reference_window_mask, npu_window_mask)
 
 
 def supported_block_sizes() -> list:

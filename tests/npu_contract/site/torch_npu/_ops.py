@@ -93,15 +93,14 @@ def _check_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
         )
 
 
-def _visible_keys(sparse_mode, q_len, kv_len, pre_tokens, next_tokens, mask_rows=None):
+def _visible_keys(sparse_mode, q_len, kv_len, pre_tokens, next_tokens):
     """[q_len, kv_len] bool, the keys each query row attends to (None: all of them).
 
     The optimised masks align query row i with key ``kv_len - q_len + i`` (rightDown): the
     doc's rows that are "not computed" under band are those with pre_tokens < 0 or
-    next_tokens + KV_S - Q_S < 0 (FIA.band_rows). ``mask_rows``: a defaultMask's
-    [Q_S, >= kv_len] rows for this batch (1 = not computed)."""
+    next_tokens + KV_S - Q_S < 0 (FIA.band_rows)."""
     if sparse_mode == 0:
-        return None if mask_rows is None else ~mask_rows[:q_len, :kv_len].to(torch.bool)
+        return None
     diagonal = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
     keys = torch.arange(kv_len).unsqueeze(0)
     if sparse_mode == 3:
@@ -109,30 +108,6 @@ def _visible_keys(sparse_mode, q_len, kv_len, pre_tokens, next_tokens, mask_rows
     if sparse_mode == 4:
         return (keys >= diagonal - pre_tokens) & (keys <= diagonal + next_tokens)
     raise unmodelled(FIA, f"sparse_mode={sparse_mode}")
-
-
-def _default_mask_rows(mask, batch, q_s, kv_lens, block_table, block_size):
-    """A defaultMask as [batch, Q_S, width] (FIA.mask_shape, FIA.pa_mask_width)."""
-    shaped = (mask.dim() == 3 and mask.shape[0] == 1) or (
-        mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[1] == 1
-    )
-    require(
-        shaped and mask.shape[-2] >= q_s,
-        FIA,
-        "FIA.mask_shape",
-        f"atten_mask {tuple(mask.shape)} for batch {batch} and Q_S {q_s}",
-    )
-    if block_table is not None:
-        width = block_table.shape[1] * block_size
-        require(
-            mask.shape[-1] >= width,
-            FIA,
-            "FIA.pa_mask_width",
-            f"atten_mask's last dim {mask.shape[-1]} < block_table's {block_table.shape[1]} x {block_size}",
-        )
-    else:
-        require(mask.shape[-1] >= max(kv_lens, default=0), FIA, "FIA.mask_shape", f"{tuple(mask.shape)}")
-    return mask.reshape(-1, mask.shape[-2], mask.shape[-1]).expand(batch, -1, -1)
 
 
 def _attend(q, k, v, scale, visible, q_rope=None, k_rope=None, sink=None):
@@ -348,6 +323,15 @@ def npu_fused_infer_attention_score(**a):
     require(num_heads <= 256 and d <= 512, FIA, "FIA.n_d_limits", f"N={num_heads}, D={d}")
     if dense_tnd:
         _check_dense_tnd(query, key, value, num_heads, kv_heads, sparse_mode, a["atten_mask"])
+    # TND's masks: none with sparse 0, the optimised one with 3 or 4 (the band: "sparse模式支持
+    # sparse_mode=4且传入mask"); a defaultMask with sparse 0 is refused (vllm-ascend #15503: in paged
+    # decode it is silently ignored past KV position 512)
+    require(
+        (sparse_mode, a["atten_mask"] is None) in ((0, True), (3, False), (4, False)),
+        FIA,
+        "FIA.tnd_sparse",
+        f"sparse_mode={sparse_mode} with{'out' if a['atten_mask'] is None else ''} atten_mask in TND",
+    )
     q_cum = _tnd_cumulative(FIA, a["actual_seq_lengths"], t, "FIA.tnd_seq_lengths")
     q_starts = [0] + q_cum[:-1]
     batch = len(q_cum)
@@ -382,15 +366,15 @@ def npu_fused_infer_attention_score(**a):
         def kv_rows(b):
             return key[kv_starts[b] : kv_cum[b]], value[kv_starts[b] : kv_cum[b]]
 
-    mode, mask, q_s = sparse_mode, a["atten_mask"], max(q_lens, default=0)
+    mode, q_s = sparse_mode, max(q_lens, default=0)
     pre_tokens, next_tokens = a["pre_tokens"], a["next_tokens"]
-    if q_s <= 1 and mode in (2, 3, 4):  # FIA.incremental_sparse
-        mode, mask = 0, None  # the optimised mask only encoded the mode
-    mask_rows = None
-    if mode == 0 and mask is not None:
-        mask_rows = _default_mask_rows(mask, batch, q_s, kv_lens, block_table, a["block_size"])
-        if q_s > 1 and (pre_tokens, next_tokens) != (INT_MAX, INT_MAX):
-            raise unmodelled(FIA, "pre_tokens/next_tokens with a defaultMask atten_mask")
+    # One query row per batch: the doc's reading "Q_S为1且不带rope输入时该参数无效" (FIA.incremental_sparse)
+    # is moot for rightDownCausal (a lone last row sees every key). The band is *not* dropped:
+    # the incumbent's hardware runs contradict that reading in TND decode (vllm-ascend #8508 and
+    # #8387 moved windowed decode to sparse_mode 4 with pre_tokens after outputs repeated; #15503:
+    # a sparse-0 mask, the other route, is ignored past KV position 512), so the double applies it.
+    if q_s <= 1 and mode == 3:
+        mode = 0
     for b in range(batch):
         if q_lens[b] == 0:
             continue
@@ -410,16 +394,8 @@ def npu_fused_infer_attention_score(**a):
                 f"batch {b}: pre_tokens={pre_tokens}, next_tokens={next_tokens}, "
                 f"{q_lens[b]} queries over {kv_lens[b]} keys",
             )
-        visible = _visible_keys(
-            mode, q_lens[b], kv_lens[b], pre_tokens, next_tokens, None if mask_rows is None else mask_rows[b]
-        )
-        if visible is not None:
-            require(
-                bool(visible.any(dim=1).all()),
-                FIA,
-                "PROJECT.mask_rows",
-                f"batch {b}: a query row sees no key",
-            )
+        # (the rules above leave every row a key: rightDown rows see their diagonal, FIA.band_rows)
+        visible = _visible_keys(mode, q_lens[b], kv_lens[b], pre_tokens, next_tokens)
         k, v = kv_rows(b)
         o, row_lse = _attend(query[q_starts[b] : q_cum[b]], k, v, scale, visible, sink=a.get("_sink"))
         out[q_starts[b] : q_cum[b]] = o

@@ -118,8 +118,16 @@ RULES: dict[str, Rule] = {
             "sparse_mode=4, pre_tokens<0或每个batch next_tokens+actual_seq_lengths_kv-actual_seq_lengths<0时, "
             "满足拦截条件.",
         ),
-        # one query row per batch: the incremental branch, where sparse_mode (and the band) does nothing
+        # One query row per batch. Read as "sparse_mode does nothing", which the double applied to
+        # the band until hardware evidence contradicted it (vllm-ascend #8508, #8387: windowed TND
+        # decode fixed by sparse_mode 4 with pre_tokens); the double keeps the reading only where it
+        # is moot (rightDownCausal over one row) and applies the band (_ops.py).
         Rule("FIA.incremental_sparse", DOCS, "Q_S为1且不带rope输入时该参数无效."),
+        # TND's masks (v2's combined TND limits; v1 lists the same for its dense TND): no mask with
+        # sparse 0, the optimised mask with 3, or with the band ("sparse模式支持sparse\_mode=4且传入
+        # mask"). A defaultMask with sparse 0 is refused: vllm-ascend #15503 found it silently
+        # ignored past KV position 512 in paged decode on hardware.
+        Rule("FIA.tnd_sparse", DOCS, "sparse模式仅支持sparse=0且不传mask，或sparse=3且传入mask；"),
         # -- npu_fused_infer_attention_score_v2 (the rest: v1's rules, renamed arguments) --------
         Rule(
             "FIA2.sink",
@@ -128,13 +136,6 @@ RULES: dict[str, Rule] = {
         ),
         Rule("FIA2.sink_layout", DOCS, "仅支持TND、NTD\\_TND；"),
         Rule("FIA2.sink_d", DOCS, "仅支持value的d小于等于128；"),
-        Rule("FIA.mask_shape", DOCS, "支持shape传入(1,Q_S,KV_S)、(B,1,Q_S,KV_S)、(1,1,Q_S,KV_S)。"),
-        Rule(
-            "FIA.pa_mask_width",
-            DOCS,
-            "使能`atten_mask`，当`sparse_mode`不为2、3、4时，传入的`atten_mask`的最后一维需要大于等于"
-            "`block_table`的第二维 * `block_size`.",
-        ),
         Rule(
             "FIA.sparse_values", DOCS, "参数sparse_mode当前仅支持值为0、1、2、3、4的场景, 取其它值时会报错."
         ),
@@ -753,10 +754,6 @@ PROJECT_RULES = {
         "KV caches are passed to in-place cache-write ops as contiguous tensors: a non-contiguous "
         "cache is copied to a contiguous temporary by the framework (and, for ATB, rejected on output), "
         "so either the write is lost or every step copies the whole cache."
-    ),
-    "PROJECT.mask_rows": (
-        "A user atten_mask leaves every query row at least one key: a fully masked row's output is "
-        "not defined unless inner_precise's row-invalid correction is on, which the project does not use."
     ),
     "PROJECT.valid_slots": (
         "Cache-write ops receive only real token slots (no -1 padding): negative slots are not "
