@@ -90,6 +90,17 @@ TP2_EP = {
     "distributed_executor_backend": "mp",
     "enable_expert_parallel": True,
 }
+# MTP k = 2 with 16 requests and the default token budget (8192 / 16 = 512 tokens per dummy
+# request: the drafter's steps over the memory profile's batch reach a fifth block each)
+MTP_START_UP = {
+    "dtype": "bfloat16",
+    "max_model_len": 1024,
+    "seed": 0,
+    "block_size": 128,
+    "max_num_seqs": 16,
+    "enforce_eager": True,
+    "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+}
 # name -> (model, engine, env): each runs eager and with graphs
 PAIRS = {
     "qwen2": ("qwen2", QWEN2, {}),
@@ -148,6 +159,8 @@ def runs(request, tiny_models, tmp_path_factory) -> dict:
             names.append((name, mode))
     specs.append(_spec(models["qwen2"], QWEN2, {}, QWEN2_BATCHES, root / "frozen", freeze_graph_updates=True))
     names.append(("qwen2", "frozen"))
+    specs.append(_spec(models[MLA512], MTP_START_UP, {}, [PROMPTS[:1]], root / "mtp-start-up"))
+    names.append(("mtp", "start-up"))
     result, output = run_spec({"runs": specs}, timeout=3000, env=NPU)
     clean_shutdown(output)
     out = {key: run for key, run in zip(names, result["runs"])}
@@ -208,6 +221,16 @@ def test_a_replay_with_capture_time_lengths_decodes_differently(runs):
     assert frozen["graphs"]["replays"] > 0
     changed = [a["token_ids"] != b["token_ids"] for a, b in zip(_flat(frozen), _flat(eager))]
     assert sum(changed) >= len(changed) // 2, changed
+
+
+def test_mtp_with_sixteen_requests_starts(runs):
+    """The memory profile's KV cache holds what the drafter's steps over its dummy batch read."""
+    started = runs[("mtp", "start-up")]
+    assert len(started["batches"][0][0]["token_ids"]) == MAX_TOKENS
+    assert (
+        "Memory profile with attention: 8192 tokens in 16 requests (2 draft tokens each), 81 KV blocks"
+        in (runs["_output"])
+    )
 
 
 def test_start_up_reports_graphs(runs):

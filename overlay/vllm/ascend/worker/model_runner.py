@@ -94,7 +94,12 @@ class NPUModelRunner(GPUModelRunner):
     def profile_run(self, randomize_inputs: bool = False) -> None:
         if not npu_kernels():
             return super().profile_run(randomize_inputs)
-        profiling.init_profiling_kv_cache(self, profiling.even_split(self.max_num_tokens, self.max_num_reqs))
+        spec = self.vllm_config.speculative_config
+        profiling.init_profiling_kv_cache(
+            self,
+            profiling.dummy_split(self.max_num_tokens, self.max_num_reqs, self.speculator),
+            draft_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        )
         self._profiling_with_attention = True
         try:
             super().profile_run(randomize_inputs)
