@@ -14,10 +14,25 @@ torch_npu = pytest.importorskip("torch_npu")
 if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
     pytest.skip("the real torch_npu is active on this host", allow_module_level=True)
 
-from torch_npu._graphs import GraphCaptureError, GraphReplayHang, StaleGraphInput  # noqa: E402
+from torch_npu import _graphs  # noqa: E402
+from torch_npu._graphs import (  # noqa: E402
+    GraphCaptureError,
+    GraphReplayHang,
+    GraphUpdateRace,
+    StaleGraphInput,
+)
 
 BF16 = torch.bfloat16
 MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+@pytest.fixture(autouse=True)
+def no_replay_left_waiting():
+    """Each test leaves no replay waiting for its update (one that fails may: it is dropped, so
+    the next test does not inherit it)."""
+    yield
+    left, _graphs.waiting = _graphs.waiting, None
+    assert left is None, "the test left a graph replay waiting for its update"
 
 
 def _capture(fn, auto_dispatch=False):
@@ -101,20 +116,82 @@ def test_captured_attention_replays_old_host_lengths_until_updated():
     assert not torch.equal(out, attend(new_lengths))
 
     # torch_npu's auto-dispatch capture makes the call an updatable task group behind an
-    # external event: a replay needs an update first (or the device would wait for ever)
+    # external event: a replay runs up to that wait and on once the update records it
     graph, out = _capture(attend, auto_dispatch=True)
     assert any("npu_fused_infer_attention_score.out" in t for t in graph.tasks())
     assert "ExternalEvent.wait" in graph.tasks()
-    with pytest.raises(GraphReplayHang, match="update the graph"):
-        graph.replay()
-    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])  # the same host values
+    update_stream = graph.graph_dispatch_mode.update_stream
+    update_stream.wait_stream(torch_npu.npu.current_stream())
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])  # update, then replay
     graph.replay()
     torch.testing.assert_close(out, attend(lengths), rtol=0, atol=0)
+    update_stream.wait_stream(torch_npu.npu.current_stream())  # before the replay: the earlier one ran
+    graph.replay()  # replay, then update
+    assert _graphs.waiting is not None and _graphs.waiting.graph is graph  # stopped at its update's event
     graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lengths}])
-    graph.replay()
     torch.testing.assert_close(out, attend(new_lengths), rtol=0, atol=0)
-    with pytest.raises(GraphReplayHang):  # one update is waited for by one replay
-        graph.replay()
+    update_stream.wait_stream(torch_npu.npu.current_stream())
+    graph.replay()  # one update is waited for by one replay
+    with pytest.raises(GraphReplayHang, match="block for ever"):
+        torch_npu.npu.synchronize()
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": new_lengths}])  # (leaves no replay waiting)
+
+
+def _waiting_replay():
+    """An updatable decode graph replayed once in order, then once more, now waiting for its update."""
+    query, key, value, fixed = _decode_attention_case()
+    graph, out = _capture(
+        lambda: torch_npu.npu_fused_infer_attention_score(
+            query, key, value, actual_seq_lengths_kv=[5, 7], **fixed
+        ),
+        auto_dispatch=True,
+    )
+    update_stream = graph.graph_dispatch_mode.update_stream
+    update_stream.wait_stream(torch_npu.npu.current_stream())
+    graph.replay()
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [5, 7]}])
+    update_stream.wait_stream(torch_npu.npu.current_stream())
+    graph.replay()
+    return graph, update_stream
+
+
+@pytest.mark.parametrize(
+    "then",
+    [
+        lambda graph, out: graph.replay(),
+        lambda graph, out: torch_npu.npu.current_stream().synchronize(),
+        lambda graph, out: torch_npu.npu_rms_norm(torch.ones(2, 4), torch.ones(4)),
+    ],
+    ids=["a replay", "a host wait", "a launch"],
+)
+def test_nothing_but_the_update_may_follow_a_replay_that_waits_for_it(then):
+    graph, update_stream = _waiting_replay()
+    with pytest.raises(GraphReplayHang):
+        then(graph, None)
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [6, 8]}])  # (leaves no replay waiting)
+    torch_npu.npu.synchronize()
+
+
+def test_an_update_stream_that_waited_after_the_replay_deadlocks():
+    graph, update_stream = _waiting_replay()
+    update_stream.wait_stream(torch_npu.npu.current_stream())  # now it also waits for the replay
+    with pytest.raises(GraphReplayHang, match="take the wait before the replay"):
+        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [6, 8]}])
+    _graphs.waiting = None  # the device is stuck here for good: nothing to recover
+
+
+def test_an_update_that_did_not_wait_for_the_last_replay_races_it():
+    query, key, value, fixed = _decode_attention_case()
+    graph, _ = _capture(
+        lambda: torch_npu.npu_fused_infer_attention_score(
+            query, key, value, actual_seq_lengths_kv=[5, 7], **fixed
+        ),
+        auto_dispatch=True,
+    )
+    graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [5, 7]}])  # no replay yet: nothing to race
+    graph.replay()
+    with pytest.raises(GraphUpdateRace, match="wait for the replay stream first"):
+        graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [6, 8]}])
 
 
 def test_an_update_on_the_capture_stream_is_refused():

@@ -84,22 +84,26 @@ class NPUDevice(Device):
         return self._npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True)
 
     def replay_graph(self, graph, host_args: dict | None) -> None:
-        """Rewrite the graph's fused-attention tasks with this step's host arguments, then
-        replay it. torch_npu's update re-issues each task on its update stream and records the
-        external event the task waits for in the graph (so every replay needs one); the
-        update stream first waits for the work queued so far, so a replay of an earlier step
-        that is still running keeps its own arguments. Update before replay, as torch_npu's
-        graph_task_update_begin example orders them."""
+        """Replay the graph, then rewrite its fused-attention tasks with this step's host
+        arguments. Each such task waits in the graph for an external event that torch_npu's
+        update records after re-issuing it on the update stream, so the replay is launched
+        first and its attention tasks run as their updates land (the host does not re-tile
+        every layer before the launch; torch_npu's ``CapturedGraphUpdateAndReplay`` and
+        vllm-ascend order them so). The update stream's wait for the work queued so far comes
+        before the replay: it keeps an earlier replay still running from seeing this step's
+        arguments, and taken after the replay it would wait for the replay that waits for it."""
         mode = graph.graph_dispatch_mode
-        if mode.graph_dispatch_records:
-            if host_args is None:
-                raise RuntimeError(
-                    "an NPU graph with fused-attention tasks was replayed before any attention "
-                    "metadata gave their host arguments"
-                )
-            mode.update_stream.wait_stream(self._npu.current_stream())
-            graph.update(cpu_update_input=[host_args])
+        if not mode.graph_dispatch_records:
+            graph.replay()
+            return
+        if host_args is None:
+            raise RuntimeError(
+                "an NPU graph with fused-attention tasks was replayed before any attention "
+                "metadata gave their host arguments"
+            )
+        mode.update_stream.wait_stream(self._npu.current_stream())
         graph.replay()
+        graph.update(cpu_update_input=[host_args])
 
     def is_capturing(self) -> bool:
         return bool(self._npu.is_current_stream_capturing())

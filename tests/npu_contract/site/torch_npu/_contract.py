@@ -135,6 +135,9 @@ def _kernel(namespace: str, name: str, fn):
     qualname = f"{namespace}::{name}"
 
     def kernel(*args, **kwargs):
+        graphs = sys.modules.get("torch_npu._graphs")
+        if graphs is not None:  # (a replay's own tasks run while it advances)
+            graphs.refuse_while_a_replay_waits(f"{qualname} launched")
         with _syncs.kernel_running():
             full = _full_arguments(schema, args, kwargs)
             result = fn(**full)

@@ -35,9 +35,20 @@ What the device does, and so what the double does:
 - **External events** (``torch.npu.ExternalEvent``, which torch_npu's capture puts before each
   task group it can update): a ``wait`` or ``reset`` issued during capture is a task of the
   graph, a ``record`` outside it happens at once. A wait "blocks the stream until the event
-  completes" and resets it (torch_npu's ``ExternalEvent().wait`` docs), so a replay whose
-  wait finds the event not recorded since the last wait would hang the device: the double
-  refuses it (``GraphReplayHang``). Every replay of such a graph needs its update first.
+  completes" and resets it (torch_npu's ``ExternalEvent().wait`` docs). A replay runs its
+  tasks up to the first wait whose event nothing recorded since the last wait and stops
+  there; each ``record`` (an update's, one per task group) lets it run on to the next such
+  wait, so an update may come before the replay or right after it, as torch_npu's own
+  ``CapturedGraphUpdateAndReplay`` and vllm-ascend order them (replay, then update). While a
+  replay waits, the host must not wait for the device (a synchronisation or a read of a
+  device value), replay again or launch another op: the device would block for ever, or,
+  for an op, the double (which runs work in program order) cannot queue it behind the
+  replay; each is refused (``GraphReplayHang``).
+- **Update order.** An update rewrites task groups of the graph, so the update stream must
+  have waited for every earlier replay of it (else a replay still running on the device
+  would pick up this step's arguments: ``GraphUpdateRace``), and must not wait for the
+  replay that is waiting for this update (a deadlock: ``GraphReplayHang``). The double's
+  streams count the replays launched on them and what other streams waited for.
 - **Streams**: capture on the default stream is refused (torch_npu's capture diagnostics name
   it as a cause of failed captures).
 - **Counts** for the graph benchmark (``stats``): replays, and the ops updates re-issued;
@@ -83,7 +94,11 @@ class StaleGraphInput(RuntimeError):
 
 
 class GraphReplayHang(RuntimeError):
-    """A replay would wait for an external event that nothing recorded: the device hangs."""
+    """A replay would wait for an external event that nothing records: the device hangs."""
+
+
+class GraphUpdateRace(RuntimeError):
+    """An update could rewrite a task of a replay that may still be running on the device."""
 
 
 _GRAPH_MODULES = ("torch_npu.npu.graphs", "torch_npu.npu._npugraph_handlers.npugraph_handler")
@@ -114,6 +129,7 @@ def _capture_site() -> str:
 
 
 capturing: _Graph | None = None
+waiting: _Replay | None = None  # a replay stopped at a wait for its update (one stream: one at most)
 _updating: tuple[_Graph, int, _Recorder] | None = None  # graph, task group, recorder
 _handles = itertools.count(1)
 # host-issued graph work since the process started (the graph benchmark reads them)
@@ -148,12 +164,13 @@ class _Memory:
 
 
 class _HostTask:
-    """A task of the stream that is not an op: an external event's wait or reset."""
+    """A task of the stream that is not an op: an external event's wait or reset. ``waits_for``:
+    the event a wait blocks on until something records it."""
 
-    __slots__ = ("name", "run")
+    __slots__ = ("name", "run", "waits_for")
 
-    def __init__(self, name: str, run) -> None:
-        self.name, self.run = name, run
+    def __init__(self, name: str, run, waits_for: ExternalEvent | None = None) -> None:
+        self.name, self.run, self.waits_for = name, run, waits_for
 
     def __str__(self) -> str:
         return self.name
@@ -214,6 +231,46 @@ def _wait_for(collective_result) -> None:
 
 
 # -- the graph ----------------------------------------------------------------------------
+class _Replay:
+    """One replay on its way through the graph's tasks (``replay`` number ``seq`` of its stream)."""
+
+    def __init__(self, graph: _Graph, seq: int) -> None:
+        self.graph, self.seq = graph, seq
+        self.next = 0
+        self.blocked_on: ExternalEvent | None = None
+        self.running = False
+
+    def advance(self) -> bool:
+        """Run tasks until one waits for an event nothing recorded (False) or to the end (True)."""
+        tasks = self.graph._tasks
+        self.running = True
+        try:
+            with dispatch_modes._disable_current_modes(), torch.inference_mode():
+                while self.next < len(tasks):
+                    task = tasks[self.next]
+                    event = getattr(task, "waits_for", None)
+                    if event is not None and not event.recorded:
+                        self.blocked_on = event
+                        return False
+                    self.next += 1
+                    task.run()
+        finally:
+            self.running = False
+        self.blocked_on = None
+        _syncs.launched()
+        return True
+
+
+def refuse_while_a_replay_waits(what: str) -> None:
+    """``what`` (a host wait, a replay, a launch) is refused while a replay waits for its update."""
+    if waiting is not None and not waiting.running:
+        raise GraphReplayHang(
+            f"{what} while a graph replay waits for the ExternalEvent of its next task group: nothing "
+            "has recorded it (update the graph before the replay, or right after it, before anything "
+            "else); on the device the stream would block for ever"
+        )
+
+
 class _Graph:
     """``torch_npu._C._NPUGraph`` as the double models it."""
 
@@ -226,6 +283,9 @@ class _Graph:
         self._open_group: int | None = None
         self._groups: dict[int, list[int]] = {}
         self._capture_stream = None
+        # (stream, its replay number) of this graph's last replay and of the one before it
+        self._last_replay: tuple[object, int] | None = None
+        self._previous_replay: tuple[object, int] | None = None
 
     # capture ---------------------------------------------------------------------------
     def capture_begin(self, pool=None, capture_error_mode="global", report_shape=True) -> None:
@@ -263,16 +323,40 @@ class _Graph:
         self._captured = True
 
     def replay(self) -> None:
+        global waiting
+        from torch_npu import npu
+
         if not self._captured:
             raise GraphCaptureError("replay of a graph that was not captured")
         if capturing is not None:
             raise GraphCaptureError("replay during a capture")
-        with dispatch_modes._disable_current_modes(), torch.inference_mode():
-            for task in self._tasks:
-                task.run()
+        refuse_while_a_replay_waits("a replay")
+        stream = npu.current_stream()
+        stream.launched += 1
+        self._previous_replay, self._last_replay = self._last_replay, (stream, stream.launched)
         stats["replays"] += 1
         _contract.calls["graph::replay"] += 1  # the call log (TORCH_NPU_DOUBLE_CALL_LOG) counts them
-        _syncs.launched()
+        run = _Replay(self, stream.launched)
+        if not run.advance():
+            waiting = run
+
+    def check_update_order(self, update_stream) -> None:
+        """An update of this graph on ``update_stream``: after every earlier replay of it, and
+        not after the replay (if any) that waits for this update."""
+        waits = waiting if waiting is not None and waiting.graph is self else None
+        finished = self._previous_replay if waits is not None else self._last_replay
+        if waits is not None:
+            stream, seq = self._last_replay
+            if update_stream.waited_for(stream) >= seq:
+                raise GraphReplayHang(
+                    "the update stream waits for the replay that waits for this update (it waited for "
+                    "the replay stream after the replay was launched): take the wait before the replay"
+                )
+        if finished is not None and update_stream.waited_for(finished[0]) < finished[1]:
+            raise GraphUpdateRace(
+                "the update would rewrite task groups of an earlier replay of this graph that may still "
+                "be running on the device: the update stream must wait for the replay stream first"
+            )
 
     def reset(self) -> None:
         from torch_npu import npu
@@ -586,6 +670,7 @@ def _graph_task_update_begin(stream, handle) -> None:
         )
     if _updating is not None:
         raise GraphCaptureError("graph_task_update_begin inside another update")
+    graph.check_update_order(stream)
     recorder = _Recorder(graph, update=True)
     dispatch_modes._push_mode(recorder)
     _updating = (graph, group, recorder)
@@ -618,10 +703,11 @@ class ExternalEvent:
             capturing._record_host(_HostTask("ExternalEvent.record", self._set))
         else:
             self._set()
+            _resume_if_waiting_on(self)
 
     def wait(self, stream=None) -> None:
         if capturing is not None:
-            capturing._record_host(_HostTask("ExternalEvent.wait", self._wait))
+            capturing._record_host(_HostTask("ExternalEvent.wait", self._wait, waits_for=self))
         else:
             self._wait()
 
@@ -645,6 +731,13 @@ class ExternalEvent:
                 "the event) before every replay"
             )
         self.recorded = False  # a wait resets the event
+
+
+def _resume_if_waiting_on(event: ExternalEvent) -> None:
+    """A replay stopped at a wait for ``event`` runs on (to its next unrecorded wait, or the end)."""
+    global waiting
+    if waiting is not None and waiting.blocked_on is event and not waiting.running and waiting.advance():
+        waiting = None
 
 
 def _identity_deepcopy_for_graph_code() -> None:

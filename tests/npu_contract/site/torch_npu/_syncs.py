@@ -116,6 +116,8 @@ def _record(what: str) -> None:
         return
     site, in_region = _site_and_region()
     graphs = sys.modules.get("torch_npu._graphs")
+    if graphs is not None and not _host_tensor_site(site):
+        graphs.refuse_while_a_replay_waits(f"{what} at {site}")
     if graphs is not None and graphs.capturing is not None and not _host_tensor_site(site):
         raise graphs.GraphCaptureError(
             f"{what} reads a device value on the host during NPU graph capture "

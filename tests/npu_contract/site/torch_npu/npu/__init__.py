@@ -21,6 +21,7 @@ communicator names in NPU-path mode.
 from __future__ import annotations
 
 import os
+import sys
 
 from torch_npu import _syncs
 from torch_npu.npu import _hccl_names  # noqa: F401  (gives gloo groups get_hccl_comm_name)
@@ -57,7 +58,7 @@ def current_device() -> int:
 
 def synchronize(device=None) -> None:
     _record("synchronize")
-    _syncs.drained()
+    _host_waits("synchronize")
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
@@ -86,11 +87,26 @@ def get_device_name(device=None) -> str:
     return "Ascend910B3 (contract double)"
 
 
+def _host_waits(what: str) -> None:
+    """The host waits for the device: a graph replay still waiting for its update would
+    block it for ever (``_graphs.py``)."""
+    graphs = sys.modules.get("torch_npu._graphs")
+    if graphs is not None:
+        graphs.refuse_while_a_replay_waits(what)
+    _syncs.drained()
+
+
 class Stream:
+    """Work runs eagerly; what a stream keeps is the graph replays launched on it (``launched``)
+    and, per other stream, how many of that stream's replays it has waited for
+    (``wait_stream``): the double's graphs check an update's order against them."""
+
     def __init__(self, device=None, priority=0, **kwargs) -> None:
         _record("Stream")
         self.device_index = _current_device or 0
         self.priority = priority
+        self.launched = 0
+        self._waited: dict[int, int] = {}  # id(other stream) -> its launches when last waited for
 
     @property
     def device(self):
@@ -99,7 +115,11 @@ class Stream:
         return torch.device("cpu")  # the double's tensors live on the CPU
 
     def wait_stream(self, other) -> None:
-        pass
+        self._waited[id(other)] = other.launched
+
+    def waited_for(self, other) -> int:
+        """How many of ``other``'s replays this stream's later work waits for."""
+        return self._waited.get(id(other), 0)
 
     def wait_event(self, event) -> None:
         pass
@@ -113,7 +133,7 @@ class Stream:
         return True
 
     def synchronize(self) -> None:
-        _syncs.drained()
+        _host_waits("Stream.synchronize")
 
 
 class Event:
@@ -124,7 +144,7 @@ class Event:
         pass
 
     def synchronize(self) -> None:
-        _syncs.drained()
+        _host_waits("Event.synchronize")
 
     def wait(self, stream=None) -> None:
         pass
