@@ -9,7 +9,8 @@ with expert parallelism and the strategy the selector picks); Mistral (a sliding
 every layer), Gemma 3 (sliding-window layers alternating with full ones) and Qwen3 (q/k
 norms) run the reference and the NPU kernels at TP=1; gpt-oss (attention sinks through the
 fused attention's v2, alternating windows, biased experts with a clamped SwiGLU) at TP=1 and
-at TP=2 with expert parallelism. CI's run (``nox -s tests``) takes Qwen2, the MLA model
+at TP=2 with expert parallelism. CI's run (``nox -s tests``) takes Qwen2, the MLA model,
+Mistral (its window in decode steps past window + 512 keys), Qwen3 (the fused q/k rotary)
 and the quantized pair; the other models are ``extended`` cases (see EXTENDED_ARCHS).
 The NPU engines run the NPU device class (``NPUPathDevice``), which asks the double for
 the SoC: the TP=2 engines report an Atlas A3 (``TORCH_NPU_DOUBLE_SOC=A3``), the others an
@@ -104,7 +105,9 @@ EXPECTED_OPS = {
     "npu::npu_rms_norm": (*GQA_LIKE, *MOE_ARCHS),
     "npu::npu_add_rms_norm": (*GQA_LIKE, *MOE_ARCHS),
     # (gpt-oss's YaRN tables carry its attention factor, outside the op's range: plain torch)
-    "npu::npu_rotary_mul": (*GQA_LIKE, QWEN3_MOE),
+    "npu::npu_rotary_mul": (*GQA, "mistral", QWEN3_MOE),
+    # q and k in one launch: contiguous heads of 64 (Qwen3's q/k norms make new tensors)
+    "npu::npu_apply_rotary_pos_emb": ("qwen3",),
     # DeepSeek's grouped sigmoid top-k; Qwen3-MoE's and gpt-oss's renormalised softmax top-k
     # (the softmax of the top k logits: the softmax op's _v2 with renorm 1)
     "npu::npu_moe_gating_top_k": (MLA512,),
@@ -233,7 +236,9 @@ def _compare(
 # Mistral stays in CI's run: its window (24 tokens) in decode steps over contexts past
 # window + 512 keys (WINDOW_PROMPT), where the fused op is given the band (a sparse-0 mask
 # there is ignored on the device past KV position 512: vllm-ascend #15503)
-EXTENDED_ARCHS = ("llama", QWEN3_MOE, *(arch for arch in FAMILIES if arch != "mistral"))
+# Qwen3 too: its q/k norms leave q and k contiguous, heads of 64 (tests/support/models.py), so
+# its rotary is npu_apply_rotary_pos_emb's one launch
+EXTENDED_ARCHS = ("llama", QWEN3_MOE, "gemma3", GPT_OSS)
 WINDOWED = ("mistral", "gemma3", GPT_OSS)
 # about 790 tokens with the tiny tokenizer (the longest of LONG_PROMPTS has 422), ending in
 # words no other prompt ends in (a window model sees only its last few dozen tokens)

@@ -1044,6 +1044,51 @@ def test_rotary_mul_semantics(mode):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_apply_rotary_pos_emb_semantics():
+    """Query and key turned in the half layout with one head of tables, both updated in place
+    and returned; what the Atlas A2/A3 docs leave out is refused, naming the rule."""
+    torch.manual_seed(7)
+    tokens, dim = 3, 64
+    q, k = torch.randn(tokens, 4, dim), torch.randn(tokens, 2, dim)
+    angle = torch.rand(tokens, dim // 2) * 6
+    cos, sin = angle.repeat(1, 2).cos()[:, None], angle.repeat(1, 2).sin()[:, None]
+    want = [torch_npu.npu_rotary_mul(x.unsqueeze(0), cos[None], sin[None], "half")[0] for x in (q, k)]
+    q_in, k_in = q.clone(), k.clone()
+    q_out, k_out = torch_npu.npu_apply_rotary_pos_emb(q_in, k_in, cos, sin, layout="TND")
+    for got, expected, updated in ((q_out, want[0], q_in), (k_out, want[1], k_in)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(updated, expected, rtol=1e-5, atol=1e-5)  # in place
+    cases = {
+        "ARPE.mode": dict(rotary_mode="interleave"),
+        "ARPE.layout": dict(layout="BNSD"),
+        "ARPE.d": dict(q=torch.randn(tokens, 4, 32), k=torch.randn(tokens, 2, 32)),
+        "ARPE.dtype": dict(q=q.to(BF16)),
+        "ARPE.shapes": dict(
+            cos=cos.expand(tokens, 2, dim).contiguous(), sin=sin.expand(tokens, 2, dim).contiguous()
+        ),
+        "PROJECT.in_place_contiguous": dict(q=torch.randn(tokens, 8, dim)[:, :4]),
+    }
+    for rule, change in cases.items():
+        args = {
+            "q": q.clone(),
+            "k": k.clone(),
+            "cos": cos,
+            "sin": sin,
+            "layout": "TND",
+            "rotary_mode": "half",
+        }
+        args.update(change)
+        with pytest.raises(ContractViolation, match=rf"\[{rule};"):
+            torch_npu.npu_apply_rotary_pos_emb(
+                args["q"],
+                args["k"],
+                args["cos"],
+                args["sin"],
+                layout=args["layout"],
+                rotary_mode=args["rotary_mode"],
+            )
+
+
 @pytest.mark.parametrize("active", [[0, 4], [1, 3]])
 def test_init_and_finalize_routing_semantics(active):
     """Init sorts each (token, slot) row by expert and counts the rows per active expert;

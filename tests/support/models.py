@@ -29,6 +29,8 @@ FAMILIES = ("mistral", "gemma2", "gemma3", "qwen3", "gpt_oss")
 # name: make_tiny_model.py's options
 VARIANTS = {
     **{arch: ["--arch", arch] for arch in FAMILIES},
+    # heads of 64 (the others have 16): the head sizes torch_npu's fused q/k rotary takes
+    "qwen3": ["--arch", "qwen3", "--hidden-size", "128", "--heads", "2"],
     **{arch: ["--arch", arch] for arch in ARCHS},
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],

@@ -708,6 +708,33 @@ def test_norm_rotary_and_swiglu_equal_reference(data, tokens, hidden, dtype):
             rotary.npu_rotate(q, cos, sin, neox)
 
 
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head_size", [64, 128, 96])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rotate_pair_equals_reference_and_fuses_where_the_op_takes_it(neox, head_size, strided):
+    """npu_apply_rotary_pos_emb for neox heads of 64 or 128 given contiguous (one launch);
+    npu_rotary_mul per tensor for the rest (GPT-J, other head sizes, a QKV split's views)."""
+    from torch_npu import _contract
+
+    torch.manual_seed(3)
+    tokens = 5
+    qkv = torch.randn(tokens, (4 + 2 + 2) * head_size, dtype=BF16)
+    q, k = qkv[:, : 4 * head_size], qkv[:, 4 * head_size : 6 * head_size]
+    if not strided:
+        q, k = q.contiguous(), k.contiguous()
+    q, k = q.view(tokens, 4, head_size), k.view(tokens, 2, head_size)
+    cache = _yarn_like_cache(64, head_size).to(BF16)
+    cos, sin = rotary.tables_at(rotary.full_tables(cache, neox), torch.tensor([0, 3, 9, 17, 40]))
+    want = rotary.reference_rotate_pair(q, k, cos, sin, neox)
+    before = dict(_contract.calls)
+    got = rotary.npu_rotate_pair(q, k, cos, sin, neox)
+    calls = {op: n - before.get(op, 0) for op, n in _contract.calls.items() if n != before.get(op, 0)}
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), **TOL)
+    fused = neox and head_size in (64, 128) and not strided
+    assert calls == ({"npu::npu_apply_rotary_pos_emb": 1} if fused else {"npu::npu_rotary_mul": 2})
+
+
 def _yarn_like_cache(positions: int, rope_dim: int) -> torch.Tensor:
     """A cos/sin cache in upstream's layout ([P, rot]: the rot/2 cosines, then the sines)."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))

@@ -13,6 +13,13 @@ Contract:
   computed in float32 and rounded once (upstream's native form rounds after each op in
   half precision); in float32 the two agree exactly.
 
+``rotate_pair(q, k, cos, sin, neox)``: both heads of a layer with the same tables.
+``npu_rotate_pair``: one ``torch_npu.npu_apply_rotary_pos_emb`` (TND, "half", in place) where
+its Atlas A2/A3 docs take the heads (neox, head size 64 or 128, the tables in the heads' dtype)
+and both are contiguous (an in-place op on a strided view, such as a QKV projection's split,
+would write a temporary copy: two copies cost more than a second rotary launch); otherwise
+``npu_rotate`` per tensor.
+
 ``npu_rotate``: ``torch_npu.npu_rotary_mul`` with BSND input ``[1, T, N, rot]`` and
 ``1S1D`` tables (the layout its docs allow for both modes), one launch per tensor. Its
 tables must lie in [-1, 1]; a cache that carries a factor (YaRN's attention factor:
@@ -27,6 +34,8 @@ import torch
 from vllm.ascend.kernels import pick, torch_npu
 
 # npu_rotary_mul: "D < 896，且为2的倍数; B, N < 1000"
+# npu_apply_rotary_pos_emb on Atlas A2/A3: D "必须等于128或者64", "half" mode only
+APPLY_ROTARY_DIMS = (64, 128)
 ROTARY_MUL_MAX_DIM = 896
 ROTARY_MUL_MAX_HEADS = 1000
 
@@ -61,6 +70,23 @@ def npu_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return out[0]
 
 
+def reference_rotate_pair(q, k, cos, sin, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference_rotate(q, cos, sin, neox), reference_rotate(k, cos, sin, neox)
+
+
+def npu_rotate_pair(q, k, cos, sin, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = (
+        neox
+        and q.shape[-1] in APPLY_ROTARY_DIMS
+        and q.dtype == k.dtype == cos.dtype
+        and q.is_contiguous()
+        and k.is_contiguous()
+    )
+    if not fused:
+        return npu_rotate(q, cos, sin, neox), npu_rotate(k, cos, sin, neox)
+    return torch_npu().npu_apply_rotary_pos_emb(q, k, cos[0], sin[0], layout="TND", rotary_mode="half")
+
+
 def takes(x: torch.Tensor, rotary_dim: int, head_size: int) -> bool:
     """Both forms rotate whole heads; torch_npu's op documents the head-size and head-count
     limits above. Outside them the caller keeps upstream's native form."""
@@ -74,4 +100,5 @@ def takes(x: torch.Tensor, rotary_dim: int, head_size: int) -> bool:
 
 
 rotate = pick(reference_rotate, npu_rotate)
+rotate_pair = pick(reference_rotate_pair, npu_rotate_pair)
 rotate_in_torch = reference_rotate

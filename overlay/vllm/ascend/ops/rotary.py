@@ -93,9 +93,15 @@ class AscendRotaryForm:
         cos, sin = self.step_tables(positions, query)
         tokens, rotate = positions.numel(), self._rotation()
 
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(tokens, -1, self.head_size)
+
+        if key is not None and rotate is rotary.rotate:  # both in one launch where the op takes them
+            q, k = rotary.rotate_pair(heads(query), heads(key), cos, sin, self.is_neox_style)
+            return q.view(query.shape), k.view(key.shape)
+
         def turn(x: torch.Tensor) -> torch.Tensor:
-            heads = x.view(tokens, -1, self.head_size)
-            return rotate(heads, cos, sin, self.is_neox_style).view(x.shape)
+            return rotate(heads(x), cos, sin, self.is_neox_style).view(x.shape)
 
         return turn(query), None if key is None else turn(key)
 

@@ -973,6 +973,55 @@ def npu_rotary_mul(input, r1, r2, rotary_mode, rotate):
     return (r1.float() * x + r2.float() * turned).to(input.dtype)
 
 
+# -- npu_apply_rotary_pos_emb (query and key in one launch, in place) -----------------------------
+APPLY_ROPE = "npu_apply_rotary_pos_emb"
+
+
+def npu_apply_rotary_pos_emb(query, key, cos, sin, layout, rotary_mode):
+    """The Atlas A2/A3 branch of its docs: "half" mode, TND (3-D) or BSND (4-D), D 64 or 128,
+    cos/sin with one head; query and key updated in place and returned ("原地更新")."""
+    op = APPLY_ROPE
+    tensors = {"query": query, "key": key, "cos": cos, "sin": sin}
+    require(rotary_mode == "half", op, "ARPE.mode", f"rotary_mode {rotary_mode!r}")
+    require(layout in ("TND", "BSND"), op, "ARPE.layout", f"layout {layout!r}")
+    rank = 3 if layout == "TND" else 4
+    for name, t in tensors.items():
+        require(
+            t.dim() == rank and t.numel() > 0 and t.shape[-1] in (64, 128),
+            op,
+            "ARPE.d",
+            f"{name} {tuple(t.shape)} in {layout}",
+        )
+    require(
+        len({t.dtype for t in tensors.values()}) == 1 and query.dtype in FLOAT_TYPES,
+        op,
+        "ARPE.dtype",
+        ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()),
+    )
+    lead = rank - 2  # T, or B and S
+    require(
+        query.shape[-1] == key.shape[-1]
+        and cos.shape == sin.shape
+        and cos.shape[-2] == 1
+        and all(t.shape[:lead] == query.shape[:lead] for t in tensors.values()),
+        op,
+        "ARPE.shapes",
+        ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items()),
+    )
+    require(
+        query.is_contiguous() and key.is_contiguous(),
+        op,
+        "PROJECT.in_place_contiguous",
+        f"query contiguous={query.is_contiguous()}, key contiguous={key.is_contiguous()}",
+    )
+    c, s = cos.float(), sin.float()
+    for x in (query, key):
+        h = x.float()
+        first, second = h.chunk(2, dim=-1)
+        x.copy_(h * c + torch.cat((-second, first), dim=-1) * s)
+    return query, key
+
+
 # -- npu_kv_rmsnorm_rope_cache / npu_interleave_rope (MLA prolog) ----------------------------------
 # Both rotate a GPT-J (interleaved) input and return it in the half layout: the docs' formula
 # reshapes the rope part to [..., D/2, 2] and transposes before a rotate-half rotation.
@@ -1789,6 +1838,7 @@ KERNELS = {
         "npu_rms_norm": npu_rms_norm,
         "npu_add_rms_norm": npu_add_rms_norm,
         "npu_rotary_mul": npu_rotary_mul,
+        APPLY_ROPE: npu_apply_rotary_pos_emb,
         KRRC: npu_kv_rmsnorm_rope_cache,
         IROPE: npu_interleave_rope,
         INIT_ROUTING: npu_moe_init_routing_v2,

@@ -553,6 +553,17 @@ RULES: dict[str, Rule] = {
         ),
         Rule("ROPE.interleave_tables", DOCS, "input为BSND: 1S1D;"),
         Rule("ROPE.range", DOCS, "r1: 数据范围：[-1, 1]"),
+        # -- npu_apply_rotary_pos_emb (Atlas A2/A3) --------------------------------------------------
+        Rule("ARPE.mode", DOCS, '支持"half"模式。'),
+        Rule("ARPE.layout", DOCS, "支持BSND的4维Tensor、TND的3维Tensor。"),
+        Rule("ARPE.d", DOCS, "不支持空Tensor，shape最后一维（D）必须等于128或者64。"),
+        Rule("ARPE.dtype", DOCS, "输入张量query、key、cos、sin的数据类型必须相同。"),
+        Rule(
+            "ARPE.shapes",
+            DOCS,
+            'layout为"TND"时，输入query的shape用（q_t, q_n, q_d）表示，key的shape用（q_t, k_n, q_d）表示，'
+            "cos和sin的shape用（q_t, 1, cos_d）表示。",
+        ),
         # -- npu_moe_init_routing_v2 / npu_moe_finalize_routing ------------------------------------------
         Rule(
             "IR2.x",
@@ -749,6 +760,11 @@ PROJECT_RULES = {
         "ProcessGroupHCCL.Options.hccl_config['hccl_buffer_size'] is a positive int (MB): the pinned "
         'wheel\'s libtorch_npu.so says "Value type of hccl_buffer_size should be int."; zero or negative '
         "sizes are not documented."
+    ),
+    "PROJECT.in_place_contiguous": (
+        'Tensors an op updates in place (npu_apply_rotary_pos_emb\'s query and key, "原地更新") are '
+        "passed contiguous: for a strided view the framework would compute on a contiguous copy, so "
+        "either the update is lost to the caller's tensor or a copy is paid on every call."
     ),
     "PROJECT.no_hidden_cache_copy": (
         "KV caches are passed to in-place cache-write ops as contiguous tensors: a non-contiguous "
