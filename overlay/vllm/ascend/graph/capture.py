@@ -13,8 +13,6 @@ import re
 import time
 from contextlib import contextmanager
 
-import torch
-
 from vllm.logger import init_logger
 
 from vllm.ascend import device as ascend_device
@@ -28,20 +26,6 @@ class AscendGraph:
     def __init__(self) -> None:
         self._device = ascend_device.current()
         self.npu_graph = self._device.new_graph()
-        self._workspace = None  # the MoE workspace the capture used, kept alive
-
-    def keep_workspace(self) -> None:
-        """Hold the workspace the capture used: the runner lets it grow after capture
-        (worker/model_runner.py), and growing frees the old buffer, which this graph's
-        tasks still point at."""
-        from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
-
-        if not is_workspace_manager_initialized():
-            return
-        try:  # a view of this lane's current buffer (None before anything asked for one)
-            [self._workspace] = current_workspace_manager().get_simultaneous(((0,), torch.uint8))
-        except TypeError:
-            self._workspace = None
 
     def replay(self) -> None:
         self._device.replay_graph(self.npu_graph, host_params.latest())
@@ -91,7 +75,6 @@ def capture(graph: AscendGraph, pool, stream):
     device = ascend_device.current()
     with device.capture_graph(graph.npu_graph, pool, device.current_stream()):
         yield
-    graph.keep_workspace()
     if _session is not None:
         _session.graphs += 1
 

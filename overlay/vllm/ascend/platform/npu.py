@@ -311,6 +311,11 @@ class NPUPlatform(Platform):
     # Context parallelism shards a sequence's KV over PCP x DCP ranks
     # (vllm/ascend/context_parallel/placement.py; the hook is this distribution's patch).
     kv_cache_sharded_over_pcp: bool = True
+    # The MoE experts (kernels/moe.py) allocate their own scratch: upstream's modular kernel
+    # then allocates their output directly, not in the shared workspace, which stays locked
+    # after graph capture (patch fused-moe-let-a-platform-s-experts-keep-their-own-scratch).
+    # AllToAll's data-dependent rows no longer grow a buffer every graph keeps a copy of.
+    moe_experts_own_scratch: bool = True
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:

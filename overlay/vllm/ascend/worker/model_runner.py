@@ -77,19 +77,6 @@ class NPUModelRunner(GPUModelRunner):
         refuse_plane_blind_connector(self.vllm_config, is_profiling)
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)
 
-    # -- decode graphs (vllm/ascend/graph) --------------------------------------------
-    def capture_model(self, *, profile_only: bool = False) -> int:
-        size = super().capture_model(profile_only=profile_only)
-        if not profile_only:
-            # Upstream locks the shared workspace after capture so no resize frees what a
-            # graph points at. Here each graph keeps the workspace it was captured with
-            # (AscendGraph.keep_workspace), and the eager AllToAll steps that graphs leave
-            # out receive a data-dependent number of rows, so the workspace may still grow.
-            from vllm.v1.worker.workspace import unlock_workspace
-
-            unlock_workspace()
-        return size
-
     # -- memory profiling with attention (worker/profiling.py) ---------------------------
     def profile_run(self, randomize_inputs: bool = False) -> None:
         if not npu_kernels():
