@@ -150,3 +150,33 @@ def test_other_capture_errors_are_not_reworded():
     with pytest.raises(RuntimeError, match="something else") as raised, capture.capture_errors():
         raise RuntimeError("something else")
     assert not isinstance(raised.value, AscendStartupError)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(1, 4), min_size=1, max_size=40),
+    width=st.integers(1, 64),
+    block_size=st.sampled_from([16, 128]),
+    spare=st.integers(0, 600),
+)
+def test_capture_lengths_are_the_longest_the_blocknum_rule_allows(q_lens, width, block_size, spare):
+    """Each request's capture length is whole blocks, at least its query rows and at most the
+    block table's width; together they need at most the cache's blocks; the first takes the
+    longest a replay can bring when the cache has room for it."""
+    from vllm.ascend.graph.host_params import capture_lengths
+
+    least = sum(-(-q // block_size) for q in q_lens)
+    num_blocks = least + spare
+    lens = capture_lengths(q_lens, width, block_size, num_blocks)
+    assert len(lens) == len(q_lens)
+    assert all(n % block_size == 0 and q <= n <= width * block_size for n, q in zip(lens, q_lens))
+    assert sum(n // block_size for n in lens) <= num_blocks
+    if spare >= width - 1:  # the first request holds one block of its own already
+        assert lens[0] == width * block_size
+
+
+def test_capture_lengths_refuse_a_cache_too_small_for_the_graph():
+    from vllm.ascend.graph.host_params import capture_lengths
+
+    with pytest.raises(ValueError, match="more blocks than"):
+        capture_lengths([1] * 8, 4, 128, 7)

@@ -816,3 +816,38 @@ def test_latent_prolog_refuses_repeated_or_padding_slots():
         mla.npu_latent_prolog(kv_lora, gamma, 1e-6, rows, *planes, torch.tensor([17, 17]))
     with pytest.raises(ContractViolation, match="PROJECT.valid_slots"):
         mla.npu_latent_prolog(kv_lora, gamma, 1e-6, rows, *planes, torch.tensor([17, -1]))
+
+
+def test_requests_sharing_prefix_blocks_past_the_cache_are_attended_in_several_calls():
+    """Eight requests reading the same three prefix blocks need 8 x 4 = 32 blocks by the fused
+    attention's blocknum rule (a shared block counts once per request) from a cache of 12: the
+    NPU form splits the step into calls that each fit, and equals the reference."""
+    from torch_npu import _contract
+
+    torch.manual_seed(5)
+    block_size, heads, head_size, reqs = 128, 2, 16, 8
+    planes = [torch.randn(12, heads, block_size, head_size, dtype=BF16) for _ in range(2)]
+    table = torch.tensor([[1, 2, 3, 4 + r] for r in range(reqs)], dtype=torch.int32)  # blocks 4..11: own
+    seq_lens = [3 * block_size + 5 + r for r in range(reqs)]
+    qsl = list(range(reqs + 1))  # one decode row each
+    query = torch.randn(reqs, heads * 2, head_size, dtype=BF16)
+    out_npu, out_ref = torch.zeros_like(query), torch.zeros_like(query)
+    assert attention.block_groups(seq_lens, block_size, 12) == [(0, 3), (3, 6), (6, 8)]
+    before = _contract.calls["npu::npu_fused_infer_attention_score"]
+    attention.npu_paged_attention(query, *planes, table, qsl, seq_lens, 0.25, out_npu)
+    assert _contract.calls["npu::npu_fused_infer_attention_score"] - before == 3
+    attention.reference_paged_attention(query, *planes, table, qsl, seq_lens, 0.25, out_ref)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    with pytest.raises(torch_npu.ContractViolation, match="FIA.blocknum"):  # one call would not fit
+        torch_npu.npu_fused_infer_attention_score(
+            query,
+            *planes,
+            num_heads=heads * 2,
+            num_key_value_heads=heads,
+            input_layout="TND",
+            block_table=table,
+            block_size=block_size,
+            actual_seq_lengths=qsl[1:],
+            actual_seq_lengths_kv=seq_lens,
+            scale=0.25,
+        )

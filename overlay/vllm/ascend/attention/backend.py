@@ -86,8 +86,8 @@ class AscendAttentionMetadata(AttentionMetadata):
     query_start_loc: list[int]  # [num_reqs + 1], host
     seq_lens: list[int]  # [num_reqs], host
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
-    seq_lens_device: torch.Tensor  # [num_reqs], device (the runner's buffer: 0 for padding requests)
     cp_step: CPStep | None = None  # context parallelism: this step's plan
+    graph_batch: bool = False  # built for a graph capture (host_params.capture_lengths)
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMetadata]):
@@ -105,6 +105,11 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         # kernels; context parallelism keeps them off (platform/npu.py, graph_refusal)
         return AttentionCGSupport.UNIFORM_BATCH if npu_kernels() else AttentionCGSupport.NEVER
 
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> AscendAttentionMetadata:
+        metadata = self.build(0, common_attn_metadata)
+        metadata.graph_batch = True
+        return metadata
+
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> AscendAttentionMetadata:
@@ -119,7 +124,6 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=m.block_table_tensor[: m.num_reqs],
-            seq_lens_device=m.seq_lens[: m.num_reqs],
         )
         if npu_kernels():
             ends = query_start_loc[1:]
@@ -247,13 +251,22 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if attn_metadata.cp_step is not None:
             return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
+        seq_lens = attn_metadata.seq_lens
+        if attn_metadata.graph_batch:  # captured with the longest lengths its replays may bring
+            starts = attn_metadata.query_start_loc
+            seq_lens = host_params.capture_lengths(
+                [b - a for a, b in zip(starts, starts[1:])],
+                attn_metadata.block_table.shape[1],
+                k_plane.shape[2],
+                k_plane.shape[0],
+            )
         kernels.paged_attention(
             query[:n],
             k_plane,
             v_plane,
             attn_metadata.block_table,
             attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
+            seq_lens,
             self.scale,
             output[:n],
             self.sliding_window,

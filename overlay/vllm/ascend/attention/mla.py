@@ -285,6 +285,11 @@ class AscendMLAImpl(MLACommonImpl[AscendMLAMetadata]):
         else:  # rotated by upstream's forward: the prolog's order
             q_pe = kernels.rope_order(q_pe)
         if step is None:
+            if attn_metadata.graph_batch:  # captured with the longest lengths its replays may bring
+                q_len = attn_metadata.decode_q_len
+                lens = host_params.capture_lengths(
+                    [q_len] * len(lens), rows.shape[1], latent.shape[1], latent.shape[0]
+                )
             out = kernels.mla_decode(
                 q_nope,
                 q_pe,

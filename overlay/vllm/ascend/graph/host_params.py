@@ -23,6 +23,25 @@ def latest() -> dict[str, list[int]] | None:
     return _latest
 
 
+def capture_lengths(q_lens: list[int], width: int, block_size: int, num_blocks: int) -> list[int]:
+    """KV lengths a graph's fused attention is captured with: as long as its replays can
+    ask for, so the workspace torch_npu's capture handler sizes from them (once, for every
+    replay) is not the one of the capture's few keys (vllm-ascend #15575 saw a paged
+    attention workspace grow with the lengths). Within the ``blocknum`` rule (the blocks
+    the lengths need, summed over the requests, at most ``num_blocks``): the first request
+    takes the longest any replay can bring (``width`` blocks), the others share the rest
+    evenly, each at least its query rows."""
+    n = len(q_lens)
+    least = [-(-max(q, 1) // block_size) for q in q_lens]
+    spare = num_blocks - sum(least)
+    if spare < 0:
+        raise ValueError(f"{n} graph requests need more blocks than the {num_blocks} of the cache")
+    first = min(width - least[0], spare) if n else 0
+    each = (spare - first) // max(n - 1, 1)
+    blocks = [least[0] + first] + [least[i] + min(width - least[i], each) for i in range(1, n)]
+    return [b * block_size for b in blocks]
+
+
 def pad_to_graph(query_start_loc: list[int], seq_lens: list[int], num_tokens: int):
     """A padded step's host lists as a captured graph needs them. Upstream pads a batch up to
     a captured size with requests of no query tokens and sequence length 0, so the last

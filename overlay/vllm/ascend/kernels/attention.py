@@ -204,6 +204,22 @@ def one_row_per_request(query_start_loc: list[int]) -> bool:
     return all(b - a <= 1 for a, b in zip(query_start_loc, query_start_loc[1:]))
 
 
+def block_groups(seq_lens: list[int], block_size: int, num_blocks: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges ``[a, b)`` whose blocks, summed over their requests, fit the
+    cache's ``num_blocks`` (the fused attention's documented ``blocknum`` rule counts a block
+    shared by several requests, a prefix-cache hit, once per request): one range for an
+    ordinary step. A request alone never needs more blocks than the cache has."""
+    groups, start, used = [], 0, 0
+    for r, n in enumerate(seq_lens):
+        need = -(-n // block_size)
+        if used + need > num_blocks and r > start:
+            groups.append((start, r))
+            start, used = r, 0
+        used += need
+    groups.append((start, len(seq_lens)))
+    return groups
+
+
 # the fused attention's query heads, scale and cumulative query / KV lengths, by op version
 _FIA_NAMES = ("num_heads", "scale", "actual_seq_lengths", "actual_seq_lengths_kv")
 _FIA_V2_NAMES = ("num_query_heads", "softmax_scale", "actual_seq_qlen", "actual_seq_kvlen")
@@ -251,19 +267,33 @@ def npu_paged_attention(
     common = dict(
         num_key_value_heads=k_plane.shape[1],
         input_layout="TND",
-        block_table=block_table,
         block_size=k_plane.shape[2],
         **mask_args,
     )
     npu = torch_npu()
-    values = (query.shape[1], scale, query_start_loc[1:], seq_lens)
     if sinks is None:
         op, names = npu.npu_fused_infer_attention_score, _FIA_NAMES
     else:  # v2: the same call under its own argument names, plus the sink
         op, names = npu.npu_fused_infer_attention_score_v2, _FIA_V2_NAMES
         common["learnable_sink"] = sinks.to(torch.bfloat16)
-    result, _ = op(query[:num_tokens].contiguous(), k_plane, v_plane, **dict(zip(names, values)), **common)
-    out[:num_tokens] = result
+    # requests sharing prefix blocks can need more blocks in sum than the cache holds: then
+    # one call per range of requests that fits (a graph's capture lengths always fit)
+    for a, b in block_groups(seq_lens, k_plane.shape[2], k_plane.shape[0]):
+        rows = slice(query_start_loc[a], query_start_loc[b])
+        if rows.start == rows.stop:
+            continue
+        ends = [e - rows.start for e in query_start_loc[a + 1 : b + 1]]
+        values = (query.shape[1], scale, ends, seq_lens[a:b])
+        table = block_table if (a, b) == (0, len(seq_lens)) else block_table[a:b]
+        result, _ = op(
+            query[rows].contiguous(),
+            k_plane,
+            v_plane,
+            block_table=table,
+            **dict(zip(names, values)),
+            **common,
+        )
+        out[rows] = result
     return out
 
 
