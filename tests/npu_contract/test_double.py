@@ -1177,3 +1177,37 @@ def test_latent_prolog_and_interleave_rope_semantics():
         x.to(BF16), cos.view(tokens, 1, 1, 64).to(BF16), sin.view(tokens, 1, 1, 64).to(BF16)
     )
     torch.testing.assert_close(rotated[:, 1, 0].float(), want_rope, **tol)
+
+
+def test_events_need_a_device_on_their_thread_once_a_device_is_set():
+    """CANN binds a device to the calling thread (aclrtSetDevice): a thread that never set
+    one (a control-server thread of the P/D connector) must bind before it uses events."""
+    import threading
+
+    npu = torch_npu.npu
+    saved = npu._current_device, npu._thread_device
+    npu._current_device, npu._thread_device = None, threading.local()
+    try:
+        event = npu.Event()
+        event.query()  # no device set anywhere yet: nothing to hold the thread to
+        npu.set_device(0)
+        errors = []
+
+        def unbound():
+            try:
+                event.query()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        def bound():
+            npu.set_device(0)
+            event.query()
+
+        for target in (unbound, bound):
+            thread = threading.Thread(target=target, name=target.__name__)
+            thread.start()
+            thread.join()
+        assert len(errors) == 1 and "never set a device" in errors[0] and "'unbound'" in errors[0]
+        event.query()  # the main thread set it
+    finally:
+        npu._current_device, npu._thread_device = saved

@@ -130,3 +130,24 @@ def test_requests_to_several_servers_are_all_sent_before_any_reply_is_awaited():
         silent.close()
         for s in servers:
             s.close()
+
+
+def test_on_start_runs_on_the_servers_thread_before_any_message():
+    """The worker binds its device there: progress answers query device events on it."""
+    import threading
+
+    started, handled = [], []
+    port = _port()
+
+    def handle(message):
+        handled.append(threading.current_thread().name)
+        return wire.Reply(wire.WIRE_VERSION, True)
+
+    srv = ControlServer(
+        "127.0.0.1", port, handle, on_start=lambda: started.append(threading.current_thread().name)
+    )
+    try:
+        ControlClient().request(f"127.0.0.1:{port}", wire.Renew(wire.WIRE_VERSION, "e", ["a"]))
+        assert started == [f"kv-control-{port}"] and handled == started
+    finally:
+        srv.close()

@@ -17,6 +17,12 @@ class Device(ABC):
     @abstractmethod
     def set_device(self, index: int) -> None: ...
 
+    def bind_thread(self) -> None:
+        """Make the device ``set_device`` chose current on the calling thread too (an NPU's
+        device context is per thread: a thread that never set one queries events and
+        streams of device 0, or of none). Nothing to do on a host."""
+        return None
+
     @abstractmethod
     def synchronize(self) -> None: ...
 

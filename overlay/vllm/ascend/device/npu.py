@@ -25,13 +25,18 @@ class NPUDevice(Device):
             raise RuntimeError(f"Ascend NPU requested but {failure_reason()}")
         self._npu = torch_npu.npu
         self._initialised = False
+        self._index: int | None = None
 
     def set_device(self, index: int) -> None:
         self._npu.set_device(index)
-        self._initialised = True
+        self._initialised, self._index = True, index
         logger.info(
             "Ascend device %d: SoC version %s (%s)", index, self._npu.get_soc_version(), self.soc_generation()
         )
+
+    def bind_thread(self) -> None:
+        if self._index is not None:
+            self._npu.set_device(self._index)
 
     def synchronize(self) -> None:
         self._npu.synchronize()

@@ -29,8 +29,19 @@ class ControlTimeout(TimeoutError):
 
 
 class ControlServer:
-    def __init__(self, host: str, port: int, handle: Callable[[wire.Message], wire.Message], name: str = ""):
+    """``on_start``: run first on the server's thread (the worker binds its device there: the
+    layer-wise progress answers query device events)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[wire.Message], wire.Message],
+        name: str = "",
+        on_start: Callable[[], None] | None = None,
+    ):
         self._handle = handle
+        self._on_start = on_start
         self._name = name or f"{host}:{port}"
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -49,6 +60,8 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():

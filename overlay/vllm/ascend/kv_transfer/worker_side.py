@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from vllm.ascend import device as ascend_device
 from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.context_parallel.placement import LayoutError
 from vllm.ascend.kv_transfer import wire
@@ -227,7 +228,12 @@ class P2PWorker:
         )
         if self.settings.producer:
             self._server = ControlServer(
-                self.settings.host, port, self._handle, name=f"prefill rank {self.rank}"
+                self.settings.host,
+                port,
+                self._handle,
+                name=f"prefill rank {self.rank}",
+                # progress answers query the layers' device events on this thread
+                on_start=ascend_device.current().bind_thread,
             )
         logger.info(
             "AscendP2PConnector rank %d: %d KV layers registered with %s at %s",
@@ -311,9 +317,7 @@ class P2PWorker:
 
     @staticmethod
     def _record_event():
-        from vllm.ascend import device
-
-        event = device.current().event()
+        event = ascend_device.current().event()
         event.record()
         return event
 

@@ -8,6 +8,10 @@ so the double never makes a host look like an Ascend host by accident).
 ``TORCH_NPU_DOUBLE_SOC`` (``A2``, default, or ``A3``) sets what ``get_soc_version()``
 reports (``_backends.py``).
 
+The device is per thread, as CANN's context is (``aclrtSetDevice`` binds the calling
+thread): once a process has set a device, an event used on a thread that never set one is
+refused (on the device it would query device 0's context, or none).
+
 Streams and events follow torch_npu's API (``npu/streams.py``, ``npu/utils.py``):
 ``Stream``, ``Event``, ``current_stream``, ``default_stream``, ``set_stream`` and the
 ``stream(s)`` context manager. Work runs eagerly on the CPU, so they only keep track of
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from torch_npu import _syncs
 from torch_npu.npu import _hccl_names  # noqa: F401  (gives gloo groups get_hccl_comm_name)
@@ -29,6 +34,7 @@ from torch_npu.npu._backends import get_soc_version  # noqa: F401  (torch_npu ex
 
 runtime_calls: list[str] = []
 _current_device: int | None = None
+_thread_device = threading.local()  # .index: the device this thread set
 _allocated = 0
 
 
@@ -49,6 +55,15 @@ def set_device(index) -> None:
     global _current_device
     _record("set_device")
     _current_device = int(getattr(index, "index", index) or 0)
+    _thread_device.index = _current_device
+
+
+def _thread_has_a_device(what: str) -> None:
+    if _current_device is not None and getattr(_thread_device, "index", None) is None:
+        raise RuntimeError(
+            f"{what} on thread {threading.current_thread().name!r}, which never set a device: "
+            "an NPU context is per thread (aclrtSetDevice); call torch_npu.npu.set_device on it first"
+        )
 
 
 def current_device() -> int:
@@ -141,15 +156,17 @@ class Event:
         _record("Event")
 
     def record(self, stream=None) -> None:
-        pass
+        _thread_has_a_device("Event.record")
 
     def synchronize(self) -> None:
+        _thread_has_a_device("Event.synchronize")
         _host_waits("Event.synchronize")
 
     def wait(self, stream=None) -> None:
-        pass
+        _thread_has_a_device("Event.wait")
 
     def query(self) -> bool:
+        _thread_has_a_device("Event.query")
         return True
 
     def elapsed_time(self, end_event) -> float:
