@@ -306,6 +306,33 @@ def test_a_python_custom_op_is_captured_by_the_kernels_its_body_issues():
     torch.testing.assert_close(out, x.sin() * 2 + 1)
 
 
+def test_a_fused_attention_inside_a_custom_op_is_not_updatable():
+    """torch_npu's auto-dispatch mode does not see inside a Python custom op: the attention
+    there is a plain task that keeps its capture-time lengths."""
+    query, key, value, fixed = _decode_attention_case()
+    lib = torch.library.Library("graphtest_attention", "FRAGMENT")
+    lib.define("attend(Tensor q, Tensor k, Tensor v, int[] lens) -> Tensor")
+    lib.impl(
+        "attend",
+        lambda q, k, v, lens: torch_npu.npu_fused_infer_attention_score(
+            q, k, v, actual_seq_lengths_kv=list(lens), **fixed
+        )[0],
+        "CPU",
+    )
+    graph, out = _capture(lambda: torch.ops.graphtest_attention.attend(query, key, value, [5, 7]), True)
+    assert not graph.graph_dispatch_mode.graph_dispatch_records  # nothing the update can rewrite
+    assert "ExternalEvent.wait" not in graph.tasks()
+    graph.replay()
+    torch.testing.assert_close(
+        out,
+        torch_npu.npu_fused_infer_attention_score(query, key, value, actual_seq_lengths_kv=[5, 7], **fixed)[
+            0
+        ],
+        rtol=0,
+        atol=0,
+    )
+
+
 def test_a_graph_pool_counts_as_device_memory_until_the_graph_goes():
     before = torch_npu.npu.mem_get_info()[0]
     x = torch.randn(1024)

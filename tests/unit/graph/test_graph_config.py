@@ -94,6 +94,20 @@ def test_refused_combinations_keep_graphs_off_and_say_why(tmp_path, monkeypatch,
     assert reason in (graph_refusal(config) or "")
 
 
+def test_graphs_stay_off_where_attention_would_be_one_opaque_custom_op(tmp_path, monkeypatch):
+    """torch_npu's capture sees no op inside a Python custom op (torch stashes the dispatch
+    mode while the op runs), so an attention call there would never be updated."""
+    from vllm.platforms import current_platform
+
+    from vllm.ascend.platform.npu import graph_refusal
+
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
+    config = _engine_config(tmp_path, _qwen2(), max_num_seqs=8)
+    assert graph_refusal(config) is None
+    monkeypatch.setattr(type(current_platform), "opaque_attention_op", classmethod(lambda cls: True))
+    assert "opaque custom op" in graph_refusal(config)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=0, max_size=6), st.integers(1, 6), st.integers(1, 4), st.data())
 def test_a_padded_step_gets_the_captured_shape(real_lens, pads, q_len, data):

@@ -227,6 +227,12 @@ def graph_refusal(vllm_config: VllmConfig) -> str | None:
         return "LoRA adapters are not captured in graphs yet"
     if model is not None and model.enable_sleep_mode:
         return "sleep mode releases and re-creates the tensors a captured graph points at"
+    from vllm.platforms import current_platform
+
+    if current_platform.opaque_attention_op():
+        # torch_npu's capture only sees ops dispatched outside a Python custom op: the fused
+        # attention inside one would keep its capture-time lengths at every replay
+        return "attention runs inside one opaque custom op, where the graph update cannot reach it"
     from vllm.ascend.moe.selector import MoEComm
     from vllm.ascend.moe.step import forced
 

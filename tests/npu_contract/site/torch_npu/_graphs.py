@@ -546,24 +546,21 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
         return result
 
     def _run_inside(self, func, args, kwargs):
-        """A Python custom op (vLLM's attention and MoE wrappers): on the device its body runs at
-        capture and its kernels are what the graph holds, so its body runs here with this
-        recorder (and torch_npu's dispatch mode above it) seeing the ops it issues."""
+        """A Python custom op (vLLM's MoE wrapper): on the device its body runs at capture and
+        its kernels are what the graph holds, so its body runs here with this recorder seeing
+        the ops it issues. torch_npu's dispatch mode does not: torch stashes the modes while a
+        mode handles an op, so a fused attention called inside a custom op is captured as a
+        plain task, never updated, and replays its capture-time lengths (the platform keeps
+        graphs off where attention would be one opaque op)."""
         try:
             kernel = torch.library.get_kernel(func, "CPU")
         except Exception:
             kernel = torch.library.get_kernel(func, "CompositeExplicitAutograd")
-        auto = getattr(self.graph, "auto_dispatch_capture", False)
-        above = getattr(self.graph, "graph_dispatch_mode", None) if auto else None
         dispatch_modes._push_mode(self)
-        if above is not None and not self.update:
-            dispatch_modes._push_mode(above)
         try:
             keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
             return kernel.call_boxed(keys, *args, **kwargs)
         finally:
-            if above is not None and not self.update:
-                dispatch_modes._pop_mode()
             dispatch_modes._pop_mode()
 
     def _keep(self, func, args, kwargs, outputs) -> None:
