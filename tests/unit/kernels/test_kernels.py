@@ -287,3 +287,11 @@ def test_gpt_oss_experts_match_transformers():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(NotImplementedError, match="silu and swigluoai"):
         moe.reference_moe_experts(x, w13, w2, weights, ids, activation="gelu")
+
+
+def test_soc_notes_name_the_ops_the_wheel_documents_for_other_socs():
+    from vllm.ascend.kernels import soc_notes
+
+    assert soc_notes("A2") == []
+    [note] = soc_notes("A3")
+    assert note.startswith("npu_swiglu:") and "vllm-ascend" in note

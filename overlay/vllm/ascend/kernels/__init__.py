@@ -47,6 +47,22 @@ def kernel_dtypes() -> list[torch.dtype]:
     return [torch.bfloat16, torch.float16, torch.float32]
 
 
+# torch_npu ops the kernels call whose docs in the pinned wheel list fewer SoC generations
+# than the kernels run them on, with the evidence for the others (logged once at start-up).
+SOC_NOTES = {
+    "npu_swiglu": (
+        ("A2",),
+        "the wheel's docs list Atlas A2 training parts only; vllm-ascend's SiluAndMul and MoE MLP "
+        "call it on A3 as well",
+    ),
+}
+
+
+def soc_notes(soc: str) -> list[str]:
+    """What the start-up log says about the ops whose documented SoCs leave ``soc`` out."""
+    return [f"{op}: {why}" for op, (listed, why) in SOC_NOTES.items() if soc not in listed]
+
+
 def torch_npu():
     """The torch_npu module (loaded once by the device layer), or a clear error."""
     from vllm.ascend.device.npu_runtime import failure_reason, load_torch_npu

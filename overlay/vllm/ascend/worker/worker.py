@@ -97,6 +97,7 @@ class NPUWorker(Worker):
             index = current_platform.logical_device_id_to_visible_device_id(self.local_rank)
         self.device = dev.torch_device(index)
         dev.set_device(index)
+        self._log_soc_notes(dev)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(
             self.vllm_config,
@@ -119,6 +120,14 @@ class NPUWorker(Worker):
             self.init_snapshot = MemorySnapshot(device=self.device)
             self.requested_memory = request_memory(self.init_snapshot, self.cache_config)
         self._init_workspace_and_model_runner()
+
+    def _log_soc_notes(self, dev) -> None:
+        from vllm.ascend.kernels import npu_kernels, soc_notes
+
+        soc = dev.soc_generation()
+        if self.rank == 0 and npu_kernels() and soc in ("A2", "A3"):
+            for note in soc_notes(soc):
+                logger.warning("Ascend kernels on %s: %s (NPU-unverified here)", soc, note)
 
     def _init_moe_plan(self, dev) -> None:
         """The MoE layout, worked out once before the model is built; its layers and the
