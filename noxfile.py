@@ -282,6 +282,15 @@ def tree(session: nox.Session) -> None:
     session.log(f"editable install ready: {venv}/bin/python, {venv}/bin/vllm")
 
 
+@nox.session(name="npu-smoke", venv_backend="none")
+def npu_smoke(session: nox.Session) -> None:
+    """On an Ascend host, first: the torch_npu and CANN behaviour this distribution takes from
+    documents and hardware reports, checked on the device against the reference kernels
+    (tests/npu/smoke.py). Runs in the current environment (install the wheel with its ``npu``
+    extra first); says why and passes where there is no NPU. Args: names of checks."""
+    session.run("python", "-m", "tests.npu.smoke", *session.posargs, external=True)
+
+
 @nox.session
 def rebase(session: nox.Session) -> None:
     """Try the series on another upstream version: `nox -s rebase -- 0.33.0`."""
