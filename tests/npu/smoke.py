@@ -64,20 +64,31 @@ def _gqa_case(dev, seqs, heads=4, kv_heads=2, head_size=64, block_size=128, seed
 
 def band_in_decode(dev) -> Outcome:
     """A sliding window in a decode-only step as the band (sparse_mode 4, pre_tokens = window
-    - 1), over 700 keys (past window + 512): vllm-ascend #8508/#8387 apply it so; the docs
-    say sparse_mode does nothing at Q_S = 1."""
+    - 1), over 700 keys (past window + 512), in the fused attention and in its v2 with
+    learnable sinks (gpt-oss): vllm-ascend #8508/#8387 apply it so with v1; the docs say
+    sparse_mode and pre_tokens do nothing at Q_S = 1."""
+    import torch
+
     from vllm.ascend.kernels import attention as k
 
     query, planes, table, qsl, lens = _gqa_case(dev, [(700, 1), (130, 1), (5, 1)])
-    out_npu, out_ref = query.new_zeros(query.shape), query.new_zeros(query.shape)
-    k.npu_paged_attention(query, *planes, table, qsl, lens, 0.125, out_npu, window=24)
-    k.reference_paged_attention(query, *planes, table, qsl, lens, 0.125, out_ref, window=24)
-    full = query.new_zeros(query.shape)
-    k.reference_paged_attention(query, *planes, table, qsl, lens, 0.125, full)
-    if _close(out_npu, out_ref):
-        return Outcome("PASS", "the band applies with one query row per request")
-    seen = "the band was ignored (full attention)" if _close(out_npu, full) else "neither windowed nor full"
-    return Outcome("FAIL", f"{seen}; max diff {_max_diff(out_npu, out_ref):.3g}")
+    seen = []
+    for sinks in (None, torch.randn(4, device=dev).to(torch.bfloat16)):
+        out_npu, out_ref, full = (query.new_zeros(query.shape) for _ in range(3))
+        k.npu_paged_attention(query, *planes, table, qsl, lens, 0.125, out_npu, window=24, sinks=sinks)
+        k.reference_paged_attention(query, *planes, table, qsl, lens, 0.125, out_ref, window=24, sinks=sinks)
+        k.reference_paged_attention(query, *planes, table, qsl, lens, 0.125, full, sinks=sinks)
+        op = "v1" if sinks is None else "v2 with sinks"
+        if not _close(out_npu, out_ref):
+            got = (
+                "the band was ignored (full attention)"
+                if _close(out_npu, full)
+                else "neither windowed nor full"
+            )
+            seen.append(f"{op}: {got}, max diff {_max_diff(out_npu, out_ref):.3g}")
+    if seen:
+        return Outcome("FAIL", "; ".join(seen))
+    return Outcome("PASS", "the band applies with one query row per request (v1 and v2)")
 
 
 def mask_past_512(dev) -> Outcome:
