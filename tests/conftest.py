@@ -57,6 +57,9 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
 # more threads only wait for each other (a 4-rank gloo MoE test: 237 s with two threads,
 # 201 s with one, one run each, one after the other, while a P/D cluster ran).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The P/D instances the tests start form one deployment: they share this secret
+# (vllm/ascend/kv_transfer/trust.py), as every process the tests start inherits it.
+os.environ.setdefault("VLLM_ASCEND_KV_SECRET", "test-deployment-secret-" + "0" * 32)
 mark_test_run()  # (in the controller first: the xdist workers and all they start inherit it)
 
 

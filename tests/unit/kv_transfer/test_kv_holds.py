@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm.ascend.kv_transfer.holds import COUNTED, DROPPED, EARLY, EXPIRED, Holds
+from vllm.ascend.kv_transfer.holds import COUNTED, DROPPED, EARLY, EXPIRED, NOT_HELD, Holds
 
 
 class Clock:
@@ -20,20 +20,20 @@ def test_freed_after_the_last_read_and_only_once():
     clock = Clock()
     holds = Holds(30, clock=clock)
     holds.hold("a")
-    holds.done("a", [0, 1], reads_total=4)
+    holds.done("a", "d", [0, 1], reads_total=4)
     assert holds.take_finished() == set()
-    holds.done("a", [1, 2], reads_total=4)  # a repeated id does not count twice
+    holds.done("a", "d", [1, 2], reads_total=4)  # a repeated id does not count twice
     assert holds.take_finished() == set()
-    holds.done("a", [3], reads_total=4)
+    holds.done("a", "d", [3], reads_total=4)
     assert holds.take_finished() == {"a"}
-    holds.done("a", [3], reads_total=4)  # late duplicate
+    holds.done("a", "d", [3], reads_total=4)  # late duplicate
     assert holds.take_finished() == set() and len(holds) == 0
 
 
 def test_unread_ranks_and_aborts_free_at_once_and_early_messages_wait():
     clock = Clock()
     holds = Holds(30, clock=clock)
-    holds.done("b", [], reads_total=0)  # before the scheduler handed "b" over
+    holds.done("b", "d", [], reads_total=0)  # before the scheduler handed "b" over
     assert holds.take_finished() == set()
     holds.hold("b")
     assert holds.take_finished() == {"b"}
@@ -56,8 +56,8 @@ def test_the_lease_frees_what_decode_never_asks_for_and_renewals_extend_it():
 
 def test_unknown_requests_cannot_grow_memory_without_bound():
     holds = Holds(30, max_early=3, clock=Clock())
-    assert all(holds.done(f"x{i}", [0], 2) == EARLY for i in range(3))
-    assert holds.done("x3", [0], 2) == DROPPED
+    assert all(holds.done(f"x{i}", "d", [0], 2) == EARLY for i in range(3))
+    assert holds.done("x3", "d", [0], 2) == DROPPED
 
 
 def test_reads_reported_after_the_lease_ran_out_are_flagged_stale():
@@ -66,16 +66,40 @@ def test_reads_reported_after_the_lease_ran_out_are_flagged_stale():
     holds = Holds(30, max_expired=2, clock=clock)
     for request_id in ("e", "f", "g"):
         holds.hold(request_id)
-    holds.done("f", [0], 2)
+    holds.done("f", "d", [0], 2)
     clock.now = 31
     assert holds.take_finished() == {"e", "f", "g"}
     clock.now = 1000  # long after: still known as expired (bounded by count, not time)
     assert holds.take_finished() == set()
-    assert holds.done("f", [1], 2) == EXPIRED and holds.done("g", [0], 1) == EXPIRED
-    assert holds.done("e", [0], 1) == EARLY  # the oldest expiry was forgotten (max_expired=2)
+    assert holds.done("f", "d", [1], 2) == EXPIRED and holds.done("g", "d", [0], 1) == EXPIRED
+    assert holds.done("e", "d", [0], 1) == EARLY  # the oldest expiry was forgotten (max_expired=2)
     holds.hold("h")
-    assert holds.done("h", [0], 1) == COUNTED and holds.take_finished() == {"h"}
-    assert holds.done("h", [0], 1) == COUNTED  # a duplicate after a normal release is harmless
+    assert holds.done("h", "d", [0], 1) == COUNTED and holds.take_finished() == {"h"}
+    assert holds.done("h", "d", [0], 1) == COUNTED  # a duplicate after a normal release is harmless
+
+
+def test_a_request_held_for_several_readers_is_freed_by_the_last():
+    """A parallel-sampling request read by n decode requests: each reader is counted on its
+    own, and only the last frees the blocks."""
+    holds = Holds(30, clock=Clock())
+    holds.hold("n", readers=3)
+    assert holds.done("n", "child-0", [0, 1], 2) == COUNTED
+    assert holds.done("n", "child-0", [0, 1], 2) == COUNTED  # a repeat counts once
+    assert holds.done("n", "child-1", [], 0) == COUNTED  # done without reading (the prefix cache had it)
+    assert holds.take_finished() == set()
+    assert holds.done("n", "child-2", [1], 2) == COUNTED and holds.take_finished() == set()
+    assert holds.done("n", "child-2", [0], 2) == COUNTED and holds.take_finished() == {"n"}
+
+
+def test_a_reader_that_was_not_counted_before_the_release_is_told_not_held():
+    """Fail closed (issue 59): a second reader of a request held for one, or a forged or late
+    reader, learns that nothing vouched for the blocks it read (they may be reused)."""
+    holds = Holds(30, clock=Clock())
+    holds.hold("a")
+    assert holds.done("a", "first", [0], 1) == COUNTED and holds.take_finished() == {"a"}
+    assert holds.done("a", "second", [0], 1) == NOT_HELD
+    assert holds.done("a", "first", [0], 1) == COUNTED  # the reader that was counted, repeating
+    assert holds.renew(["a"]) == 0.0
 
 
 @settings(max_examples=200, deadline=None)
@@ -96,7 +120,7 @@ def test_any_order_of_messages_frees_each_request_exactly_once(total, data):
     for i, chunk in enumerate(chunks):
         if i == hold_at:
             holds.hold("r")
-        holds.done("r", chunk, total)
+        holds.done("r", "d", chunk, total)
         heard |= set(chunk)
         got = holds.take_finished()
         if got:

@@ -81,9 +81,11 @@ def test_failed_and_retired_transfers_answer_failed_then_are_dropped():
 
 def test_release_messages_reach_every_rank_of_every_replica():
     layout = CPLayout(tp=2, pcp=1, dcp=1, dp=3, interleave=1, block_size=16, kv_heads=2)
-    messages = release_messages("h", 100, layout, "t")
+    messages = release_messages("h", 100, layout, "t", "reader")
     assert [a for a, _ in messages] == [f"h:{p}" for p in range(100, 106)]
-    assert all(m.request_id == "t" and m.reads_total == 0 and not m.ok for _, m in messages)
+    assert all(
+        m.request_id == "t" and m.reader == "reader" and m.reads_total == 0 and not m.ok for _, m in messages
+    )
     assert [m.prefill_rank for _, m in messages] == [0, 1] * 3
 
 
@@ -246,8 +248,15 @@ def test_a_decode_request_with_layerwise_id_expects_the_prompt_less_the_backoff(
         params = {"do_remote_prefill": True, "layerwise_id": "t", "remote_host": "h", "remote_port": 9}
         request = _request("r", 10, params)
         assert sched.get_num_new_matched_tokens(request, 0) == (9, True)
-        assert params["remote_num_tokens"] == 9 and params["remote_backoff"] == 1
-        assert params["remote_request_id"] == "t" and params["remote_block_ids"] == [[], []]
+        remote = sched.remote_of(request)
+        assert remote.remote_num_tokens == 9 and remote.remote_backoff == 1
+        assert remote.remote_request_id == "t" and remote.remote_block_ids == [[], []]
+        assert params == {
+            "do_remote_prefill": True,
+            "layerwise_id": "t",
+            "remote_host": "h",
+            "remote_port": 9,
+        }
         bad = _request("bad", 10, {"do_remote_prefill": True, "remote_host": "h", "remote_port": 9})
         assert sched.get_num_new_matched_tokens(bad, 0) == (0, False)  # not layer-wise: incomplete
     finally:

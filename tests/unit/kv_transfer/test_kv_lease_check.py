@@ -56,7 +56,7 @@ def prefill():
 
 
 def _done(request_id: str, reads_total: int = 1) -> wire.DoneReading:
-    return wire.DoneReading(wire.WIRE_VERSION, request_id, 0, 0, [0], reads_total=reads_total)
+    return wire.DoneReading(wire.WIRE_VERSION, request_id, "reader", 0, 0, [0], reads_total=reads_total)
 
 
 def test_a_read_inside_every_granted_lease_is_covered(prefill):
@@ -78,7 +78,7 @@ def test_a_rank_that_does_not_hold_the_request_yet_or_any_more_is_not_covered(pr
     client = ControlClient(timeout=2)
     check = LeaseCheck(client, [address_a, address_b], "decode", "r")
     assert not check.covers(time.monotonic(), wait=2) and check.granted == 0.0
-    a._holds.done("r", [0], 1)  # released by its done messages: not held any more either
+    a._holds.done("r", "reader", [0], 1)  # released by its done messages: not held any more either
     assert a._holds.take_finished() == {"r"}
     assert not LeaseCheck(client, [address_a], "decode", "r").covers(time.monotonic(), wait=2)
 

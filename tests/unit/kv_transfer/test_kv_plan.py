@@ -412,7 +412,10 @@ def test_wire_messages_carry_the_plan():
     prefill, decode = NAMED["gqa4 tp8/pcp2/dcp2 -> tp8/dcp2/dp2"]
     plan = build_plan(prefill, decode, 300, list(range(10, 20)), list(range(40, 60)), decode_dp_rank=1)
     failed = frozenset({int(plan.read_ids_of(8)[0])})
-    done = [wire.decode_message(wire.encode_message(m)) for m in wire.done_messages(plan, "req-1", failed)]
+    done = [
+        wire.decode_message(wire.encode_message(m))
+        for m in wire.done_messages(plan, "req-1", "reader", failed)
+    ]
     assert sorted(i for m in done for i in m.read_ids) == list(range(len(plan)))
     assert [m.ok for m in done].count(False) == 1
 
@@ -501,7 +504,7 @@ def test_bad_messages_are_refused_with_the_reason(data, problem):
 
 
 def test_an_oversized_message_is_not_sent(monkeypatch):
-    message = wire.DoneReading(wire.WIRE_VERSION, "r", 0, 0, list(range(64)))
+    message = wire.DoneReading(wire.WIRE_VERSION, "r", "reader", 0, 0, list(range(64)))
     assert len(wire.encode_message(message)) > 100
     monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 100)
     with pytest.raises(wire.WireError, match="over the 100-byte limit: split"):

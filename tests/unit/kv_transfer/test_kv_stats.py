@@ -70,7 +70,7 @@ def test_expired_leases_are_counted_once():
     holds.hold("a")
     holds.hold("b")
     holds.hold("c")
-    holds.done("c", [0], 1)
+    holds.done("c", "reader", [0], 1)
     clock.now = 31
     assert holds.take_finished() == {"a", "b", "c"}
     assert holds.take_expired_count() == 2 and holds.take_expired_count() == 0

@@ -7,6 +7,11 @@ with ``Reply(ok=False, error=...)``, and the server keeps serving. ``ControlClie
 sends one request and waits at most ``timeout`` seconds for the reply (``request_all``:
 one request to each of several servers, all sent first, under one deadline; in two
 halves, ``post_all`` and ``gather``, for a caller with other work while they travel).
+
+With the deployment's secret (``trust.py``) every frame, request and reply, is sealed: the
+server answers a frame it cannot open with a refusal and nothing else (``on_refused`` is
+told the reason, for the statistics), and the client takes no reply it cannot open. A
+refusal is logged with its size and reason, never its payload.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import zmq
 
 from vllm.ascend.kv_transfer import wire
+from vllm.ascend.kv_transfer.trust import Trust, TrustError
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +36,8 @@ class ControlTimeout(TimeoutError):
 
 class ControlServer:
     """``on_start``: run first on the server's thread (the worker binds its device there: the
-    layer-wise progress answers query device events)."""
+    layer-wise progress answers query device events). ``on_refused``: called with the kind
+    of each refused frame ("unsealed", "malformed")."""
 
     def __init__(
         self,
@@ -39,9 +46,13 @@ class ControlServer:
         handle: Callable[[wire.Message], wire.Message],
         name: str = "",
         on_start: Callable[[], None] | None = None,
+        trust: Trust | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ):
         self._handle = handle
         self._on_start = on_start
+        self._trust = trust or Trust(None)
+        self._on_refused = on_refused
         self._name = name or f"{host}:{port}"
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -75,16 +86,22 @@ class ControlServer:
                     len(frames),
                 )
                 continue
-            identity, payload = frames[0], frames[2]
+            identity, frame = frames[0], frames[2]
             try:
-                reply = self._handle(wire.decode_message(payload))
-            except wire.WireError as e:
-                logger.warning("KV control %s: refused a message: %s", self._name, e)
-                reply = wire.Reply(wire.WIRE_VERSION, False, str(e)[:2000])
+                message = wire.decode_message(self._trust.open_frame(frame))
+                reply = self._handle(message)
+            except (TrustError, wire.WireError) as e:
+                kind = "unsealed" if isinstance(e, TrustError) else "malformed"
+                logger.warning(
+                    "KV control %s: refused a %d-byte frame (%s): %s", self._name, len(frame), kind, e
+                )
+                if self._on_refused is not None:
+                    self._on_refused(kind)
+                reply = wire.Reply(wire.WIRE_VERSION, False, f"refused: {e}"[:2000])
             except Exception as e:  # a handler bug must not kill the control plane
                 logger.exception("KV control %s: handling a message failed", self._name)
-                reply = wire.Reply(wire.WIRE_VERSION, False, f"internal error: {e}"[:2000])
-            self._socket.send_multipart([identity, b"", wire.encode_message(reply)])
+                reply = wire.Reply(wire.WIRE_VERSION, False, f"internal error: {type(e).__name__}")
+            self._socket.send_multipart([identity, b"", self._trust.seal(wire.encode_message(reply))])
 
     def close(self) -> None:
         self._stop.set()
@@ -107,9 +124,10 @@ class ControlClient:
     (connecting costs more than the exchange); a socket whose request failed or timed out
     is closed, so a late reply can never answer the next request."""
 
-    def __init__(self, timeout: float = 5.0):
+    def __init__(self, timeout: float = 5.0, trust: Trust | None = None):
         self._context = zmq.Context.instance()
         self.timeout = timeout
+        self._trust = trust or Trust(None)
         self._local = threading.local()
 
     def _socket(self, address: str):
@@ -132,11 +150,11 @@ class ControlClient:
         wait = self.timeout if timeout is None else timeout
         try:
             socket = self._socket(address)
-            socket.send_multipart([b"", wire.encode_message(message)])
+            socket.send_multipart([b"", self._trust.seal(wire.encode_message(message))])
             if not socket.poll(int(wait * 1000), zmq.POLLIN):
                 raise ControlTimeout(f"no answer from the KV control plane at {address} within {wait:.1f} s")
             frames = socket.recv_multipart()
-            return wire.decode_message(frames[-1])
+            return self._open(frames[-1])
         except BaseException:
             self._drop(address)
             raise
@@ -159,7 +177,7 @@ class ControlClient:
         for i, (address, message) in enumerate(requests):
             try:
                 if message is not last:  # one message to several ranks is encoded once
-                    last, data = message, wire.encode_message(message)
+                    last, data = message, self._trust.seal(wire.encode_message(message))
                 self._socket(address).send_multipart([b"", data])
                 posted.sent.append(i)
             except Exception as e:
@@ -183,12 +201,16 @@ class ControlClient:
                     raise ControlTimeout(
                         f"no answer from the KV control plane at {address} within {wait:.1f} s"
                     )
-                results[i] = wire.decode_message(socket.recv_multipart()[-1])
+                results[i] = self._open(socket.recv_multipart()[-1])
             except Exception as e:
                 self._drop(address)
                 results[i] = e
         posted.sent = []
         return results
+
+    def _open(self, frame: bytes) -> wire.Message:
+        """A reply, if the deployment's secret sealed it (``TrustError`` otherwise)."""
+        return wire.decode_message(self._trust.open_frame(frame))
 
     def close(self) -> None:
         """Close this thread's sockets."""

@@ -1,12 +1,18 @@
 """Prefill side: when may a finished request's KV blocks be freed (pure, thread-safe).
 
-A request is *held* from the step the scheduler hands it over (``hold``) until either
-every read the plan gives this rank is reported done (``DoneReading.read_ids`` add up to
-``reads_total``; 0 means free now), or its lease runs out without a ``renew``. It is
-reported finished exactly once (``take_finished``). Done messages that arrive before the
-request is held are kept (bounded) and applied when it is; a request that is already
-released ignores late messages, and ``done`` tells the caller when the release was a
-lease expiry (the reads it reports may have read reused blocks).
+A request is *held* from the step the scheduler hands it over (``hold``) for ``readers``
+decode requests (one, or the ``n`` of a parallel-sampling request: each child reads it)
+until every one of them has reported all the reads the plan gives this rank
+(``DoneReading.read_ids`` of that reader add up to ``reads_total``; 0 means that reader is
+done now), or its lease runs out without a ``renew``. It is reported finished exactly once
+(``take_finished``). Done messages that arrive before the request is held are kept
+(bounded) and applied when it is.
+
+What ``done`` answers decides whether the reader may keep what it read: ``COUNTED`` and
+``EARLY`` (the blocks were held while it read), ``EXPIRED`` (its lease ran out first) and
+``NOT_HELD`` (already released by other readers, or never handed over here and forgotten:
+nothing vouches for the blocks). A reader that was counted before the release gets
+``COUNTED`` again for a repeated message.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Hold:
     deadline: float
-    heard: set = field(default_factory=set)
-    total: int | None = None
+    readers: int = 1
+    heard: dict = field(default_factory=dict)  # reader -> read ids heard
+    finished: set = field(default_factory=set)  # readers whose reads are all reported
 
 
-COUNTED, EARLY, EXPIRED, DROPPED = "counted", "early", "expired", "dropped"
+COUNTED, EARLY, EXPIRED, DROPPED, NOT_HELD = "counted", "early", "expired", "dropped", "not held"
+HELD = (COUNTED, EARLY)  # what a reader may keep its reads on
 
 
 class Holds:
@@ -41,43 +49,45 @@ class Holds:
         self._holds: dict[str, _Hold] = {}
         self._early: dict[str, list] = {}
         self._early_deadline: dict[str, float] = {}
-        self._released: dict[str, float] = {}  # recently released: late messages are dropped
+        # recently released by their readers: (until, the readers counted) for late repeats
+        self._released: dict[str, tuple[float, frozenset]] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()  # released by lease expiry (bounded)
         self._max_expired = max_expired
         self._finished: set[str] = set()
         self._newly_expired = 0  # leases run out since the last take_expired_count
 
-    def hold(self, request_id: str, lease: float | None = None) -> None:
+    def hold(self, request_id: str, lease: float | None = None, readers: int = 1) -> None:
         with self._lock:
-            self._holds[request_id] = _Hold(self._clock() + (self.lease if lease is None else lease))
+            self._holds[request_id] = _Hold(self._clock() + (self.lease if lease is None else lease), readers)
             self._early_deadline.pop(request_id, None)
-            for read_ids, total in self._early.pop(request_id, ()):
+            for reader, read_ids, total in self._early.pop(request_id, ()):
                 if request_id in self._holds:  # an earlier message may have released it
-                    self._done(request_id, read_ids, total)
+                    self._done(request_id, reader, read_ids, total)
 
-    def done(self, request_id: str, read_ids, reads_total: int) -> str:
-        """Record a done message. ``COUNTED`` (held, or already freed by done messages),
-        ``EARLY`` (kept until the hold), ``EXPIRED`` (its lease ran out before: what was
-        read may be stale) or ``DROPPED`` (too many messages for unknown requests)."""
+    def done(self, request_id: str, reader: str, read_ids, reads_total: int) -> str:
+        """Record ``reader``'s done message; what it may conclude (see the module's text)."""
         with self._lock:
             if request_id in self._expired:
                 return EXPIRED
             if request_id in self._holds:
-                self._done(request_id, read_ids, reads_total)
+                self._done(request_id, reader, read_ids, reads_total)
                 return COUNTED
-            if request_id in self._released:
-                return COUNTED
+            released = self._released.get(request_id)
+            if released is not None:
+                return COUNTED if reader in released[1] else NOT_HELD
             if sum(len(v) for v in self._early.values()) >= self._max_early:
                 return DROPPED
-            self._early.setdefault(request_id, []).append((list(read_ids), reads_total))
+            self._early.setdefault(request_id, []).append((reader, list(read_ids), reads_total))
             self._early_deadline.setdefault(request_id, self._clock() + self.lease)
             return EARLY
 
-    def _done(self, request_id: str, read_ids, reads_total: int) -> None:
+    def _done(self, request_id: str, reader: str, read_ids, reads_total: int) -> None:
         hold = self._holds[request_id]
-        hold.heard.update(read_ids)
-        hold.total = reads_total
-        if len(hold.heard) >= hold.total:
+        heard = hold.heard.setdefault(reader, set())
+        heard.update(read_ids)
+        if len(heard) >= reads_total:
+            hold.finished.add(reader)
+        if len(hold.finished) >= hold.readers:
             self._release(request_id)
 
     def renew(self, request_ids) -> float:
@@ -97,9 +107,9 @@ class Holds:
             return 0.0 if remaining == float("inf") else remaining
 
     def _release(self, request_id: str) -> None:
-        del self._holds[request_id]
+        hold = self._holds.pop(request_id)
         self._finished.add(request_id)
-        self._released[request_id] = self._clock() + self.lease
+        self._released[request_id] = (self._clock() + self.lease, frozenset(hold.finished))
 
     def take_finished(self) -> set[str]:
         """Requests whose blocks may be freed now (each reported once); expires leases."""
@@ -114,11 +124,12 @@ class Holds:
                         self.lease,
                     )
                     self._release(request_id)
+                    self._released.pop(request_id)
                     self._expired[request_id] = None
                     self._newly_expired += 1
                     if len(self._expired) > self._max_expired:
                         self._expired.popitem(last=False)
-            for request_id, until in list(self._released.items()):
+            for request_id, (until, _) in list(self._released.items()):
                 if until < now:
                     del self._released[request_id]
             for request_id, until in list(self._early_deadline.items()):

@@ -132,15 +132,15 @@ class Publications:
         return len(self._entries)
 
 
-def release_messages(host: str, port: int, layout, transfer_id: str) -> list:
-    """Done messages that free a layer-wise request on every rank of every replica of the
-    prefill instance whose first control port is ``port`` (which replica has it is not
-    known; where it is not held yet the message waits as an early one)."""
+def release_messages(host: str, port: int, layout, transfer_id: str, reader: str) -> list:
+    """Done messages that tell every rank of every replica of the prefill instance whose
+    first control port is ``port`` that ``reader`` is done with a layer-wise request (which
+    replica has it is not known; where it is not held yet the message waits as an early one)."""
     ranks = layout.ranks_per_replica
     return [
         (
             f"{host}:{port + d * ranks + r}",
-            wire.DoneReading(wire.WIRE_VERSION, transfer_id, 0, r, [], reads_total=0, ok=False),
+            wire.DoneReading(wire.WIRE_VERSION, transfer_id, reader, 0, r, [], reads_total=0, ok=False),
         )
         for d in range(layout.dp)
         for r in range(ranks)

@@ -19,6 +19,14 @@ marked failed, so the decode side computes the prompt itself.
 
 Block tables travel per KV-cache group (``groups.py``); with a sliding-window group the
 prefill side computes the prompt but its last token, which the decode side computes.
+
+Trust (``trust.py``): the prefill side signs the parameters it returns, binding the
+prompt by its digest; the decode side takes parameters only when their signature, digest,
+expiry and bounds hold, and otherwise computes the prompt itself (a counted, logged
+refusal) without sending anything anywhere. The children of a parallel-sampling request
+(``n`` > 1) share one remote request: the first to ask pulls it, the others wait for that
+pull and compute what the prefix cache does not give them, and each reports itself a
+reader done, so a prefill hold made for ``readers`` of them is freed by the last.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -38,22 +48,37 @@ from vllm.ascend.kv_transfer.control import ControlClient
 from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.layerwise import Publish, release_messages
 from vllm.ascend.kv_transfer.settings import P2PSettings
+from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, PULL_FIELDS, prompt_digest
 
 logger = logging.getLogger(__name__)
 
 
-class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
-    """``kv_transfer_params`` of a decode request, as the prefill instance returned them."""
+MAX_RANKS = 4096  # ranks of one prefill replica, or replicas of one instance
+MAX_READERS = 1024  # decode requests one prefill request is held for (a parallel-sampling n)
+_Port = Annotated[int, Meta(ge=1, le=65535)]
+_Small = Annotated[int, Meta(ge=0, lt=MAX_RANKS)]
+_Count = Annotated[int, Meta(ge=0, lt=1 << 31)]
+_Text = Annotated[str, Meta(max_length=256)]
 
-    remote_host: str
-    remote_port: int  # layer-wise: the prefill instance's kv_port (the replica is found)
-    remote_engine_id: str = ""
-    remote_request_id: str = ""  # the key of its holds: the prefill's id, or layerwise_id
-    remote_ranks: int = 0
-    remote_dp_rank: int = 0
-    remote_block_ids: list[list[int]] = []  # per transferred KV-cache group
-    remote_num_tokens: int = 0  # tokens computed there: the prompt minus ``remote_backoff``
-    remote_backoff: int = 0
+
+class RemotePrefill(msgspec.Struct, forbid_unknown_fields=False):
+    """``kv_transfer_params`` of a decode request, as the prefill instance returned them
+    (every field bounded here; the worker bounds the block ids by the prefill's cache)."""
+
+    remote_host: Annotated[str, Meta(min_length=1, max_length=256)]
+    remote_port: _Port  # layer-wise: the prefill instance's kv_port (the replica is found)
+    remote_engine_id: _Text = ""
+    remote_request_id: _Text = ""  # the key of its holds: the prefill's id, or layerwise_id
+    remote_ranks: _Small = 0
+    remote_dp_rank: _Small = 0
+    # per transferred KV-cache group
+    remote_block_ids: Annotated[
+        list[Annotated[list[_Count], Meta(max_length=1 << 20)]], Meta(max_length=64)
+    ] = []
+    remote_num_tokens: _Count = 0  # tokens computed there: the prompt minus ``remote_backoff``
+    remote_backoff: _Count = 0
+    remote_readers: Annotated[int, Meta(ge=1, le=MAX_READERS)] = 1
+    remote_prompt_digest: _Text = ""
     do_remote_prefill: bool = False
     # layer-wise: the transfer's id; the blocks and token count come from the prefill rank
     layerwise_id: str | None = None
@@ -98,20 +123,26 @@ class P2PConnectorMetadata(KVConnectorMetadata):
     # the step schedules no tokens: upstream keeps stepping while blocks wait for a
     # delayed free or a pull, and the workers pace such steps (worker_side.IdlePacer)
     idle: bool = False
+    send_readers: dict[str, int] = field(default_factory=dict)  # request id -> readers it is held for
+    refusals: dict[str, int] = field(default_factory=dict)  # decode: parameters refused, by reason
 
 
 def parse_remote(params: dict | None) -> RemotePrefill | None:
+    """The parameters as given, if they ask for a pull and are well formed (not checked for
+    trust: ``P2PScheduler.remote_of`` does that)."""
     if not params or not params.get("do_remote_prefill"):
         return None
     try:
         return msgspec.convert(params, RemotePrefill)
-    except msgspec.ValidationError as e:
-        logger.warning(
-            "kv_transfer_params with do_remote_prefill are malformed (%s); computing the prompt "
-            "locally instead",
-            e,
-        )
+    except msgspec.ValidationError:
         return None
+
+
+def _readers(params: dict) -> int:
+    """How many decode requests a prefill request is held for (the proxy sends a parallel-
+    sampling request's ``n``)."""
+    readers = params.get("readers", 1)
+    return readers if isinstance(readers, int) and 1 <= readers <= MAX_READERS else 1
 
 
 class P2PScheduler:
@@ -119,9 +150,19 @@ class P2PScheduler:
         self.settings = settings
         self.groups = groups
         self._sends: dict[str, float] = {}
+        self._send_readers: dict[str, int] = {}
         self._recvs: list[RecvSpec] = []
         self._local_hits: dict[str, int] = {}
-        self._waiting: dict[str, RemotePrefill] = {}  # decode: requests whose KV is not here yet
+        self._waiting: dict[str, RemotePrefill] = {}  # decode: pulls not finished (renewed)
+        # decode: each request's trusted parameters; who pulls each remote request (its
+        # leader) and who waits for that pull; remote requests already pulled here
+        self._remotes: dict[str, RemotePrefill] = {}
+        self._leading: dict[str, RemotePrefill] = {}  # leaders until their blocks are allocated
+        self._pulls: dict[tuple, str] = {}
+        self._followers: dict[str, tuple] = {}
+        self._pulled: dict[tuple, float] = {}
+        self._over: set[str] = set()  # requests that pulled, were refused or read through a leader
+        self._refusals: dict[str, int] = {}
         self._outgoing: dict[str, _Outgoing] = {}  # prefill: layer-wise requests
         self._send_keys: dict[str, str] = {}
         self._publishes: list[Publish] = []
@@ -132,7 +173,7 @@ class P2PScheduler:
         self._stop = threading.Event()
         self._thread = None
         if settings.consumer:
-            self._client = ControlClient(settings.control_timeout)
+            self._client = ControlClient(settings.control_timeout, settings.trust)
             self._thread = threading.Thread(target=self._messenger, name="kv-p2p-renew", daemon=True)
             self._thread.start()
 
@@ -170,10 +211,8 @@ class P2PScheduler:
 
     def request_finished(self, request, block_ids: tuple[list[int], ...]):
         params = request.kv_transfer_params or {}
-        remote = parse_remote(params) if self.settings.consumer else None
-        if remote is not None:  # decode: finished before its KV was pulled
-            self._release(request.request_id, remote)
-            return False, None
+        if self.settings.consumer:
+            self._finished_here(request.request_id)
         if not (self.settings.producer and params.get("do_remote_decode")):
             return False, None
         from vllm.v1.request import RequestStatus
@@ -187,13 +226,13 @@ class P2PScheduler:
                 return False, None
             # a decode rank may be reading it: held until every read is done, however it ended
             self._send_keys[request.request_id] = outgoing.transfer_id
-            self._sends[request.request_id] = self.settings.lease_seconds
+            self._hold(request.request_id, params)
             return True, None
         if not finished or not block_ids:
             return False, None
-        self._sends[request.request_id] = self.settings.lease_seconds
+        self._hold(request.request_id, params)
         layout = self.settings.layout
-        return True, {
+        out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.settings.engine_id,
@@ -205,63 +244,150 @@ class P2PScheduler:
             "remote_block_ids": [list(block_ids[g]) for g in self.groups.ids],
             "remote_num_tokens": len(request.prompt_token_ids),
             "remote_backoff": int(params.get("_ascend_backoff", 0)),
+            "remote_readers": _readers(params),
+            # the prompt these blocks hold: a decode request of another prompt is refused
+            "remote_prompt_digest": prompt_digest(request.prompt_token_ids),
         }
+        # valid while the lease can still hold the blocks, with room for two hosts' clocks
+        return True, self.settings.trust.sign_params(out, PULL_FIELDS, self.settings.lease_seconds + 60)
+
+    def _hold(self, request_id: str, params: dict) -> None:
+        self._sends[request_id] = self.settings.lease_seconds
+        self._send_readers[request_id] = _readers(params)
 
     # -- decode -------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        remote = parse_remote(request.kv_transfer_params) if self.settings.consumer else None
+    def remote_of(self, request) -> RemotePrefill | None:
+        """The request's pull parameters once they are trusted (checked once), or None: not
+        a pull, refused, or pulled already."""
+        request_id = request.request_id
+        if request_id in self._over:
+            return None
+        remote = self._remotes.get(request_id)
+        if remote is not None:
+            return remote
+        params = request.kv_transfer_params
+        if not (self.settings.consumer and params and params.get("do_remote_prefill")):
+            return None
+        refused, remote = self._check(request, params)
+        if refused is not None:
+            label, detail = refused
+            self._refusals[label] = self._refusals.get(label, 0) + 1
+            self._over.add(request_id)
+            logger.warning("request %s: %s; computing its prompt here", request_id, detail)
+            if remote is not None:  # authentic, but of no use here: nothing will read it
+                self._release(request_id, remote)
+            return None
+        self._remotes[request_id] = remote
+        return remote
+
+    def _check(self, request, params: dict):
+        """((label, detail) or None, the parameters when they are authentic)."""
+        layerwise = params.get("layerwise_id") is not None
+        untrusted = self.settings.trust.check_params(params, LAYERWISE_FIELDS if layerwise else PULL_FIELDS)
+        if untrusted is not None:
+            return ("untrusted", f"{untrusted} (the deployment's secret does not vouch for them)"), None
+        remote = parse_remote(params)
         if remote is None:
-            return 0, False
-        if remote.layerwise_id is not None and not remote.remote_request_id:
+            return ("malformed", "malformed or out-of-bounds kv_transfer_params"), None
+        prompt = request.prompt_token_ids or []
+        if layerwise and not remote.remote_request_id:
             # the prefill side leaves the same backoff (same config); the published token
             # count is checked against this before anything is read
-            prompt = len(request.prompt_token_ids)
-            backoff = self.groups.backoff if self.groups.backoff and prompt > self.groups.backoff else 0
-            request.kv_transfer_params.update(
-                remote_num_tokens=prompt - backoff,
+            backoff = self.groups.backoff if self.groups.backoff and len(prompt) > self.groups.backoff else 0
+            remote = msgspec.structs.replace(
+                remote,
+                remote_num_tokens=len(prompt) - backoff,
                 remote_backoff=backoff,
                 remote_request_id=remote.layerwise_id,
                 remote_engine_id=f"{remote.remote_host}:{remote.remote_port}",
                 remote_block_ids=[[] for _ in self.groups.ids],
             )
-            remote = parse_remote(request.kv_transfer_params)
-        mismatch = None
-        if remote.remote_num_tokens + remote.remote_backoff != len(request.prompt_token_ids):
-            mismatch = (
-                f"the prefill instance computed {remote.remote_num_tokens} tokens of a "
-                f"{remote.remote_num_tokens + remote.remote_backoff}-token prompt, this one has "
-                f"{len(request.prompt_token_ids)}"
-            )
-        elif len(remote.remote_block_ids) != len(self.groups.ids):
-            mismatch = (
+        elif remote.remote_num_tokens + remote.remote_backoff != len(prompt) or (
+            (remote.remote_prompt_digest or self.settings.trust.secure)
+            and prompt_digest(prompt[: remote.remote_num_tokens]) != remote.remote_prompt_digest
+        ):
+            return (
+                "another prompt",
+                f"kv_transfer_params for another prompt ({remote.remote_num_tokens} + "
+                f"{remote.remote_backoff} tokens computed there, {len(prompt)} here, or other tokens)",
+            ), None
+        if remote.remote_num_tokens > self.settings.max_model_len:
+            return ("malformed", f"{remote.remote_num_tokens} tokens are over max_model_len"), None
+        if len(remote.remote_block_ids) != len(self.groups.ids):
+            detail = (
                 f"the prefill instance sent block tables for {len(remote.remote_block_ids)} KV-cache "
                 f"groups, this one has {len(self.groups.ids)} (run both with the same hybrid "
                 "KV-cache manager setting)"
             )
-        if mismatch is not None:
-            logger.warning("request %s: %s; computing it locally", request.request_id, mismatch)
-            request.kv_transfer_params["do_remote_prefill"] = False
-            self._release(request.request_id, remote)
+            return ("mismatch", detail), remote
+        return None, remote
+
+    @staticmethod
+    def _key(remote: RemotePrefill) -> tuple:
+        return remote.remote_engine_id, remote.remote_request_id
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        remote = self.remote_of(request)
+        if remote is None:
             return 0, False
+        request_id, key = request.request_id, self._key(remote)
+        leader = self._pulls.get(key)
+        if leader is None and key in self._pulled:
+            # another request here pulled it (a parallel-sampling sibling): the prefix cache
+            # has what it wrote; this one computes the rest and is a reader done
+            self._followers.pop(request_id, None)
+            self._over.add(request_id)
+            if remote.remote_readers > 1:
+                self._release(request_id, remote)
+            return 0, False
+        if leader is not None and leader != request_id:
+            self._followers[request_id] = key
+            return None, False  # ask again once the leader's pull is over
+        self._pulls[key] = request_id
+        self._leading.setdefault(request_id, remote)
         with self._lock:
-            self._waiting.setdefault(request.request_id, remote)
-        self._local_hits[request.request_id] = num_computed_tokens
+            self._waiting.setdefault(request_id, remote)
+        self._local_hits[request_id] = num_computed_tokens
         missing = remote.remote_num_tokens - num_computed_tokens
         return (missing, True) if missing > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        remote = parse_remote(request.kv_transfer_params) if self.settings.consumer else None
+        remote = self._leading.pop(request.request_id, None)
         if remote is None:
             return
-        request.kv_transfer_params["do_remote_prefill"] = False  # pull once
+        self._over.add(request.request_id)  # pull once
         first = self._local_hits.pop(request.request_id, 0)
         if num_external_tokens == 0:
             self._release(request.request_id, remote)
+            self._pull_over(remote)
             return
         tables = blocks.get_block_ids()
         self._recvs.append(
             RecvSpec(request.request_id, remote, first, [list(tables[g]) for g in self.groups.ids])
         )
+
+    def _pull_over(self, remote: RemotePrefill) -> None:
+        """The leader's pull of ``remote`` ended (or will not happen): its followers go on."""
+        key = self._key(remote)
+        self._pulls.pop(key, None)
+        now = time.monotonic()
+        self._pulled[key] = now + self.settings.lease_seconds
+        for old, until in list(self._pulled.items()):
+            if until < now:
+                del self._pulled[old]
+
+    def _finished_here(self, request_id: str) -> None:
+        """Decode: a request ended; whatever it was waiting for or leading is let go."""
+        remote = self._leading.pop(request_id, None)
+        if remote is not None:  # finished before its blocks were allocated: nothing will be read
+            self._release(request_id, remote)
+            self._pull_over(remote)
+        elif request_id in self._followers and self._remotes[request_id].remote_readers > 1:
+            self._release(request_id, self._remotes[request_id])
+        self._followers.pop(request_id, None)
+        self._remotes.pop(request_id, None)
+        self._over.discard(request_id)
+        self._local_hits.pop(request_id, None)
 
     def build_connector_meta(self, scheduler_output=None, idle: bool = False) -> P2PConnectorMetadata:
         if self._outgoing and scheduler_output is not None:
@@ -273,8 +399,11 @@ class P2PScheduler:
             publishes=self._publishes,
             failed=self._failed,
             idle=idle,
+            send_readers=self._send_readers,
+            refusals=self._refusals,
         )
         self._sends, self._recvs, self._send_keys, self._publishes, self._failed = {}, [], {}, [], []
+        self._send_readers, self._refusals = {}, {}
         return meta
 
     def _track_outgoing(self, out) -> None:
@@ -318,21 +447,24 @@ class P2PScheduler:
         done = output.finished_recving or ()
         if done:
             with self._lock:
-                for request_id in done:
-                    self._waiting.pop(request_id, None)
+                pulled = [self._waiting.pop(request_id, None) for request_id in done]
+            for remote in pulled:
+                if remote is not None:
+                    self._pull_over(remote)
 
     # -- messages to prefill ranks ------------------------------------------------------
     def _release(self, request_id: str, remote: RemotePrefill) -> None:
-        """Tell every prefill rank holding the request to free it: nothing will be read."""
+        """Tell every prefill rank holding the request that this reader is done without
+        reading (the blocks are freed once every reader it is held for is)."""
         self._local_hits.pop(request_id, None)
         with self._lock:
             self._waiting.pop(request_id, None)
         if remote.layerwise_id is not None:
-            self._outbox.put((None, remote))  # the messenger finds the prefill ranks first
+            self._outbox.put((None, (request_id, remote)))  # the messenger finds the prefill ranks first
             return
         for rank in range(remote.remote_ranks):
             message = wire.DoneReading(
-                wire.WIRE_VERSION, remote.remote_request_id, 0, rank, [], reads_total=0, ok=False
+                wire.WIRE_VERSION, remote.remote_request_id, request_id, 0, rank, [], reads_total=0, ok=False
             )
             self._outbox.put((f"{remote.remote_host}:{remote.remote_port + rank}", message))
 
@@ -343,7 +475,7 @@ class P2PScheduler:
             try:
                 address, message = self._outbox.get(timeout=max(0.0, min(0.2, next_renew - time.monotonic())))
                 if address is None:
-                    self._release_layerwise(message)
+                    self._release_layerwise(*message)
                 else:
                     self._send(address, message)
             except queue.Empty:
@@ -368,7 +500,7 @@ class P2PScheduler:
                         ),
                     )
 
-    def _release_layerwise(self, remote: RemotePrefill) -> None:
+    def _release_layerwise(self, reader: str, remote: RemotePrefill) -> None:
         """Every rank of every replica of the prefill instance is told: which replica has
         the request is not known here. Kept as an early message where it is not held yet."""
         try:
@@ -376,7 +508,9 @@ class P2PScheduler:
         except Exception as e:
             logger.warning("KV control: releasing layer-wise request %s failed: %s", remote.layerwise_id, e)
             return
-        requests = release_messages(remote.remote_host, remote.remote_port, layout, remote.layerwise_id)
+        requests = release_messages(
+            remote.remote_host, remote.remote_port, layout, remote.layerwise_id, reader
+        )
         for (address, _), reply in zip(requests, self._client.request_all(requests)):
             if isinstance(reply, Exception):
                 logger.warning("KV control: release to %s failed: %s", address, reply)

@@ -12,6 +12,9 @@ serves its control plane on ``kv_port + d x ranks_per_replica + r``.
 * ``layerwise_wait_seconds``: how long a decode rank waits, without news, for a layer-wise
   request to be published by the prefill instance and for each further layer (default
   120); then it computes the prompt itself;
+* ``secret_file``: a file holding the deployment's shared secret (``VLLM_ASCEND_KV_SECRET``
+  wins over it; ``trust.py``); ``insecure``: true to run without one, on a trusted
+  network (nothing signed or sealed);
 * transport options: ``mooncake_protocol`` (``tcp`` default; ``ascend`` on NPU hosts),
   ``transfer_timeout`` (seconds, default 30), ``batch_slices`` (slices per Mooncake
   submission, default 1024), ``device_name``; for llmdatadist
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 from vllm.ascend.context_parallel.config import context_parallel_layout
 from vllm.ascend.context_parallel.placement import CPLayout
+from vllm.ascend.kv_transfer.trust import Trust, load_secret
 
 KNOWN_KEYS = {
     "transport",
@@ -38,6 +42,8 @@ KNOWN_KEYS = {
     "device_name",
     "device_id",
     "llmdatadist_port_offset",
+    "secret_file",
+    "insecure",
 }
 
 
@@ -55,6 +61,8 @@ class P2PSettings:
     dp_rank: int
     options: dict = field(default_factory=dict)
     layerwise_wait: float = 120.0
+    trust: Trust = field(default_factory=lambda: Trust(None))  # the deployment's secret (trust.py)
+    max_model_len: int = 1 << 30
 
     @classmethod
     def from_config(cls, vllm_config) -> P2PSettings:
@@ -79,7 +87,13 @@ class P2PSettings:
             raise ValueError(
                 f"kv_connector_extra_config.layerwise_wait_seconds must be positive, got {layerwise_wait}"
             )
+        insecure = extra.get("insecure", False)
+        if not isinstance(insecure, bool):
+            raise ValueError(f"kv_connector_extra_config.insecure must be true or false, got {insecure!r}")
+        secret = load_secret(extra.get("secret_file"), insecure)
         return cls(
+            trust=Trust(secret),
+            max_model_len=vllm_config.model_config.max_model_len,
             layerwise_wait=layerwise_wait,
             engine_id=str(kv.engine_id),
             producer=kv.is_kv_producer,

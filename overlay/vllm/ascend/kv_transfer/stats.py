@@ -6,7 +6,10 @@ path: each worker hands its interval's ``P2PConnectorStats`` to vLLM
 
 What is counted: KV bytes a decode rank pulled and how long each request's pull took,
 pulls that failed, leases that ran out on a prefill rank before the decode side reported
-(``holds.py``), and the holds a prefill rank keeps (a gauge, reported when it changes).
+(``holds.py``), the holds a prefill rank keeps (a gauge, reported when it changes), and
+refusals by reason: ``kv_transfer_params`` a decode instance would not trust or use
+(``untrusted``, ``malformed``, ``another prompt``, ``mismatch``) and control frames a prefill
+rank refused (``control unsealed``, ``control malformed``).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ PULLED_BYTES = "pulled_bytes"  # its bytes, same order
 FAILED_PULLS = "failed_pulls"
 LEASES_EXPIRED = "leases_expired"
 HOLDS = "holds"  # global rank (str) -> requests it holds, latest report
+REFUSALS = "refusals"  # reason -> count
 
 
 def _empty() -> dict[str, Any]:
-    return {PULL_SECONDS: [], PULLED_BYTES: [], FAILED_PULLS: 0, LEASES_EXPIRED: 0, HOLDS: {}}
+    return {PULL_SECONDS: [], PULLED_BYTES: [], FAILED_PULLS: 0, LEASES_EXPIRED: 0, HOLDS: {}, REFUSALS: {}}
 
 
 @dataclass
@@ -52,9 +56,13 @@ class P2PConnectorStats(KVConnectorStats):
     def record_holds(self, rank: int, count: int) -> None:
         self.data[HOLDS][str(rank)] = count
 
+    def record_refusals(self, counts: dict[str, int]) -> None:
+        for reason, n in counts.items():
+            self.data[REFUSALS][reason] = self.data[REFUSALS].get(reason, 0) + n
+
     def is_empty(self) -> bool:
         d = self.data
-        return not (d[PULL_SECONDS] or d[FAILED_PULLS] or d[LEASES_EXPIRED] or d[HOLDS])
+        return not (d[PULL_SECONDS] or d[FAILED_PULLS] or d[LEASES_EXPIRED] or d[HOLDS] or d[REFUSALS])
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         theirs = other.data
@@ -63,6 +71,7 @@ class P2PConnectorStats(KVConnectorStats):
         self.data[FAILED_PULLS] += theirs[FAILED_PULLS]
         self.data[LEASES_EXPIRED] += theirs[LEASES_EXPIRED]
         self.data[HOLDS].update(theirs[HOLDS])  # later reports of a rank replace earlier ones
+        self.record_refusals(theirs.get(REFUSALS, {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -82,6 +91,7 @@ class P2PConnectorStats(KVConnectorStats):
                 "Failed pulls": self.data[FAILED_PULLS],
                 "Leases expired": self.data[LEASES_EXPIRED],
                 "Holds outstanding": sum(self.data[HOLDS].values()),
+                "Refused": sum(self.data[REFUSALS].values()),
             }
         )
         return summary
@@ -125,6 +135,13 @@ class P2PPromMetrics(KVConnectorPromMetrics):
             "vllm:ascend_p2p_holds_outstanding",
             "Requests whose KV blocks prefill ranks hold for decode instances.",
         )
+        # by reason as well as by engine: the reason's label is added per observation
+        self.refusals = self._counter_cls(
+            name="vllm:ascend_p2p_refusals",
+            documentation="kv_transfer_params and control frames refused, by reason (AscendP2PConnector).",
+            labelnames=[*labelnames, "reason"],
+        )
+        self._engine_labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for seconds in transfer_stats_data[PULL_SECONDS]:
@@ -134,3 +151,5 @@ class P2PPromMetrics(KVConnectorPromMetrics):
         self.leases_expired[engine_idx].inc(transfer_stats_data[LEASES_EXPIRED])
         if transfer_stats_data[HOLDS]:
             self.holds[engine_idx].set(sum(transfer_stats_data[HOLDS].values()))
+        for reason, count in transfer_stats_data.get(REFUSALS, {}).items():
+            self.refusals.labels(*self._engine_labels[engine_idx], reason).inc(count)

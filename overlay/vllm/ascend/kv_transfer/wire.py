@@ -2,11 +2,13 @@
 
 The plan's message (``vllm.ascend.kv_transfer.plan``):
 
-* ``DoneReading`` (decode rank -> prefill rank): the reads with these ids are over
-  (``ok`` false: they failed; the blocks are freed all the same). ``reads_total`` is how
-  many reads the plan gives that prefill rank for the request, so it frees once it has
-  heard of all of them; 0 (with no read ids) tells an unread rank, or every rank of an
-  aborted request, to free at once.
+* ``DoneReading`` (decode rank -> prefill rank): the reads with these ids of one
+  ``reader`` (a decode request) are over (``ok`` false: they failed). ``reads_total`` is
+  how many reads the plan gives that prefill rank for the request, so it counts the
+  reader done once it has heard of all of them; 0 (with no read ids) says the reader is
+  done now (an unread rank, an aborted request). The blocks are freed once every reader the
+  request was held for is done. The ``Reply`` says whether the blocks were held while the
+  reader read them (``held``); anything else means what was read is discarded.
 
 The connector's handshake and lease messages: ``Hello`` -> ``RankInfo`` (a prefill rank's
 layout, transport address and KV regions), ``Renew`` (decode still wants these
@@ -33,7 +35,8 @@ from msgspec import Meta, Struct
 
 from vllm.ascend.context_parallel.placement import CPLayout
 
-WIRE_VERSION = 4  # 2: every layer names its KV-cache group; 3: layer-wise progress; 4: granted leases
+# 2: every layer names its KV-cache group; 3: layer-wise progress; 4: granted leases; 5: readers
+WIRE_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_READS = 1 << 16  # reads in one message
 
@@ -80,6 +83,7 @@ class Layout(Struct, frozen=True, forbid_unknown_fields=True):
 class DoneReading(Struct, tag="done_reading", forbid_unknown_fields=True):
     v: int
     request_id: Text
+    reader: Text  # the decode request that read (or will not read) it
     decode_rank: Rank
     prefill_rank: Rank
     read_ids: Annotated[list[Count], Meta(max_length=MAX_READS)]
@@ -132,6 +136,8 @@ class Reply(Struct, tag="reply", forbid_unknown_fields=True):
     # answering Renew: every named request is held for at least this long from when the
     # Renew was handled (0: one of them is not held)
     lease_seconds: Annotated[float, Meta(ge=0)] = 0.0
+    # answering DoneReading: the blocks were held while this reader read them
+    held: bool = False
 
 
 MAX_PROGRESS = 1024  # transfers asked about in one Progress
@@ -196,8 +202,10 @@ def decode_message(data: bytes) -> Message:
         raise WireError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         envelope = _ENVELOPE.decode(data)
-    except msgspec.DecodeError as e:
-        raise WireError(f"not a control message (need a msgpack map with 'type' and 'v'): {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:  # (a deeply nested payload recurses)
+        raise WireError(
+            f"not a control message (need a msgpack map with 'type' and 'v'): {_short(e)}"
+        ) from None
     if envelope.type not in MESSAGE_TYPES:
         raise WireError(f"unknown message type {envelope.type!r}; expected one of {sorted(MESSAGE_TYPES)}")
     if envelope.v != WIRE_VERSION:
@@ -207,16 +215,25 @@ def decode_message(data: bytes) -> Message:
         )
     try:
         return _DECODER.decode(data)
-    except msgspec.DecodeError as e:
-        raise WireError(f"malformed {envelope.type}: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise WireError(f"malformed {envelope.type}: {_short(e)}") from None
 
 
-def done_messages(plan, request_id: str, failed: frozenset[int] = frozenset()) -> list[DoneReading]:
+def _short(error: Exception) -> str:
+    """An error's text for a log line: what went wrong, never the payload itself."""
+    text = str(error) or type(error).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def done_messages(
+    plan, request_id: str, reader: str, failed: frozenset[int] = frozenset()
+) -> list[DoneReading]:
     """The plan's done messages; a message whose reads include a failed one has ``ok`` False."""
     return [
         DoneReading(
             WIRE_VERSION,
             request_id,
+            reader,
             m.decode_rank,
             m.prefill_rank,
             list(m.read_ids),

@@ -49,7 +49,7 @@ from vllm.ascend.kv_transfer.addressing import (
 )
 from vllm.ascend.kv_transfer.control import ControlClient, ControlServer, ControlTimeout
 from vllm.ascend.kv_transfer.groups import TransferGroups
-from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, Holds
+from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, HELD, Holds
 from vllm.ascend.kv_transfer.layerwise import Publications, release_messages
 from vllm.ascend.kv_transfer.lease_check import LeaseCheck
 from vllm.ascend.kv_transfer.plan import build_group_plan
@@ -57,6 +57,7 @@ from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpe
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats
 from vllm.ascend.kv_transfer.transport import open_transport
+from vllm.ascend.kv_transfer.trust import TrustError
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,23 @@ class _Peer:
     host: str
     port: int
     ranks: dict  # rank in replica -> PeerRank (filled as they are needed)
+    num_blocks: dict  # KV-cache group -> blocks of its cache (what block ids may name)
+
+    def check(self, remote) -> None:
+        """The parameters name what this replica has: its ranks, a DP rank of the instance,
+        block ids inside its caches (bounds at the boundary, signed or not)."""
+        layout = self.layout
+        if remote.remote_ranks != layout.ranks_per_replica or remote.remote_dp_rank >= layout.dp:
+            raise RuntimeError(
+                f"the parameters name {remote.remote_ranks} ranks of DP rank {remote.remote_dp_rank}; the "
+                f"prefill instance has {layout.ranks_per_replica} per replica and {layout.dp} replicas"
+            )
+        for group, ids in enumerate(remote.remote_block_ids):
+            if ids and max(ids) >= self.num_blocks.get(group, 0):
+                raise RuntimeError(
+                    f"block id {max(ids)} of KV-cache group {group} is outside the prefill cache's "
+                    f"{self.num_blocks.get(group, 0)} blocks"
+                )
 
 
 class P2PWorker:
@@ -171,10 +189,10 @@ class P2PWorker:
         self._server = None
         self._info: wire.RankInfo | None = None  # what Hello answers (fixed once the caches are registered)
         self._layers: dict[str, tuple[int, LayerLayout]] = {}
-        self._client = ControlClient(settings.control_timeout)
+        self._client = ControlClient(settings.control_timeout, settings.trust)
         # the renewals before a read, on sockets of their own: their answers are read after
         # the read, and a Hello on the same thread must not take one for its own
-        self._lease_client = ControlClient(settings.control_timeout)
+        self._lease_client = ControlClient(settings.control_timeout, settings.trust)
         self._lock = threading.Lock()
         self._holds = Holds(settings.lease_seconds)  # prefill
         # decode
@@ -234,6 +252,8 @@ class P2PWorker:
                 name=f"prefill rank {self.rank}",
                 # progress answers query the layers' device events on this thread
                 on_start=ascend_device.current().bind_thread,
+                trust=self.settings.trust,
+                on_refused=self._refused_message,
             )
         logger.info(
             "AscendP2PConnector rank %d: %d KV layers registered with %s at %s",
@@ -245,19 +265,22 @@ class P2PWorker:
 
     # -- prefill: the control plane -----------------------------------------------------
     def _handle(self, message):
-        ok = wire.Reply(wire.WIRE_VERSION, True)
         if isinstance(message, wire.Hello):
             return self._info
         if isinstance(message, wire.DoneReading):
-            if not message.ok:
+            if not message.ok and message.reads_total:
                 logger.warning(
-                    "request %s: decode rank %d reports failed reads %s",
+                    "request %s: decode rank %d reports %d failed reads",
                     message.request_id,
                     message.decode_rank,
-                    message.read_ids,
+                    len(message.read_ids),
                 )
-            status = self._holds.done(message.request_id, message.read_ids, message.reads_total)
+            status = self._holds.done(
+                message.request_id, message.reader, message.read_ids, message.reads_total
+            )
             self._pacer.news()
+            if status in HELD:
+                return wire.Reply(wire.WIRE_VERSION, True, held=True)
             if status == EXPIRED:
                 return wire.Reply(
                     wire.WIRE_VERSION,
@@ -267,7 +290,8 @@ class P2PWorker:
                 )
             if status == DROPPED:
                 return wire.Reply(wire.WIRE_VERSION, False, "too many done messages for unknown requests")
-            return ok
+            # not held: released for other readers, or unknown here; nothing vouched for the blocks
+            return wire.Reply(wire.WIRE_VERSION, True, "the request is not held for this reader", held=False)
         if isinstance(message, wire.Renew):
             return wire.Reply(wire.WIRE_VERSION, True, lease_seconds=self._holds.renew(message.request_ids))
         if isinstance(message, wire.Progress):
@@ -286,12 +310,15 @@ class P2PWorker:
         self._idle = meta is not None and meta.idle and not meta.sends and not meta.recvs
         if meta is None:
             return
+        if meta.refusals and self.rank == 0:  # the replica's scheduler refused parameters: counted once
+            with self._lock:
+                self._stats.record_refusals(meta.refusals)
         for request_id, lease in meta.sends.items():
             key = meta.send_keys.get(request_id, request_id)
             if key != request_id:
                 with self._lock:
                     self._request_of_key[key] = request_id
-            self._holds.hold(key, lease)
+            self._holds.hold(key, lease, meta.send_readers.get(request_id, 1))
         for spec in meta.recvs:
             pool = self._pool if spec.remote.layerwise_id is None else self._layerwise_pool
             pool.submit(self._pull, spec)
@@ -314,6 +341,10 @@ class P2PWorker:
                     by_hook,
                     self._publications.num_layers,
                 )
+
+    def _refused_message(self, kind: str) -> None:
+        with self._lock:
+            self._stats.record_refusals({f"control {kind}": 1})
 
     @staticmethod
     def _record_event():
@@ -361,11 +392,15 @@ class P2PWorker:
         peer = self._peers.get(key)
         if peer is None:
             info = self._hello(remote.remote_host, remote.remote_port)
+            blocks: dict[int, int] = {}
+            for region in info.layers:
+                blocks[region.group] = min(blocks.get(region.group, region.num_blocks), region.num_blocks)
             peer = _Peer(
                 info.layout.to_layout(),
                 remote.remote_host,
                 remote.remote_port,
                 {info.rank: self._connect(info)},
+                blocks,
             )
             with self._peer_lock:
                 peer = self._peers.setdefault(key, peer)
@@ -411,7 +446,9 @@ class P2PWorker:
                 e,
                 # what a peer, the network or a layout can cause is one line; anything else is a
                 # bug here, and its traceback says where
-                exc_info=not isinstance(e, (RuntimeError, OSError, LayoutError, msgspec.MsgspecError)),
+                exc_info=not isinstance(
+                    e, (RuntimeError, OSError, LayoutError, TrustError, msgspec.MsgspecError)
+                ),
             )
         finally:
             spec, remote = attempt.spec, attempt.spec.remote
@@ -424,13 +461,15 @@ class P2PWorker:
                 )
             if remote.layerwise_id is not None and not remote.remote_ranks:
                 if attempt.layout is not None and not attempt.unreachable:  # its replica was never found
-                    self._layerwise_pool.submit(self._release_layerwise, remote, attempt.layout)
+                    self._layerwise_pool.submit(
+                        self._release_layerwise, spec.request_id, remote, attempt.layout
+                    )
             # a read inside the leases cannot be stale: its pull is reported first, the done messages after
             elif not covered and self._send_done(spec, attempt.plan, failed) and not failed:
                 failed = True
                 logger.warning(
-                    "request %s: the prefill instance at %s:%d freed its blocks (lease expired) before "
-                    "the reads were reported; discarding what was read",
+                    "request %s: the prefill instance at %s:%d did not vouch that it held the blocks "
+                    "while they were read (lease expired, released, or unknown); discarding what was read",
                     spec.request_id,
                     remote.remote_host,
                     remote.remote_port,
@@ -467,6 +506,7 @@ class P2PWorker:
         spec = attempt.spec
         remote = spec.remote
         peer = self._peer(remote)
+        peer.check(remote)
         attempt.plan = self._plan(peer, spec)
 
         def renew(ranks: list[int]) -> None:  # the last thing before the read
@@ -490,7 +530,11 @@ class P2PWorker:
         attempt.layout = layout = base.layout.to_layout()
         ranks = layout.ranks_per_replica
         ports = [remote.remote_port + d * ranks for d in range(layout.dp)]
-        waiter = _Waiter(self.settings.layerwise_wait, f"request {spec.request_id} to be published")
+        # a transfer the prefill instance has not heard of within a lease is given up on
+        waiter = _Waiter(
+            min(self.settings.layerwise_wait, self.settings.lease_seconds),
+            f"request {spec.request_id} to be published",
+        )
         while True:
             try:
                 replies = self._progress(remote.remote_host, ports, transfer_id, tolerate=True)
@@ -519,6 +563,7 @@ class P2PWorker:
         )
         attempt.spec = spec = dataclasses.replace(spec, remote=remote)
         peer = self._peer(remote)
+        peer.check(remote)
         attempt.plan = plan = self._plan(peer, spec)
         sources = decode_rank_sources(plan, self.global_rank, spec.first_token)
         read = {p: set() for p in sources}
@@ -568,8 +613,10 @@ class P2PWorker:
             info = self._bases[(host, port)] = self._hello(host, port)
         return info
 
-    def _release_layerwise(self, remote, layout) -> None:
-        requests = release_messages(remote.remote_host, remote.remote_port, layout, remote.layerwise_id)
+    def _release_layerwise(self, reader: str, remote, layout) -> None:
+        requests = release_messages(
+            remote.remote_host, remote.remote_port, layout, remote.layerwise_id, reader
+        )
         for (address, _), reply in zip(requests, self._client.request_all(requests)):
             if isinstance(reply, Exception):
                 logger.warning("request %s: release to %s failed: %s", remote.layerwise_id, address, reply)
@@ -614,15 +661,17 @@ class P2PWorker:
         return pulled
 
     def _send_done(self, spec: RecvSpec, plan, failed: bool, inside_lease: bool = False) -> bool:
-        """Send this rank's done messages; True if a prefill rank answers that the
-        request's lease had already run out, or (unless the read ended ``inside_lease``)
-        does not answer: what was read may be stale."""
+        """Send this rank's done messages; True if a prefill rank does not answer that it held
+        the blocks while this reader read them (its lease ran out, they were released for
+        other readers, it does not know the request), or (unless the read ended
+        ``inside_lease``) does not answer: what was read may be stale, and is discarded."""
         remote = spec.remote
         if plan is None:  # no plan (prefill unreachable): every rank asks every prefill rank to free
             messages = [
                 wire.DoneReading(
                     wire.WIRE_VERSION,
                     remote.remote_request_id,
+                    spec.request_id,
                     self.global_rank,
                     rank,
                     [],
@@ -637,7 +686,7 @@ class P2PWorker:
             # the prefill instance knows the request by its own id
             messages = [
                 m
-                for m in wire.done_messages(plan, remote.remote_request_id, failed_ids)
+                for m in wire.done_messages(plan, remote.remote_request_id, spec.request_id, failed_ids)
                 if m.decode_rank == self.global_rank
             ]
             targets = [remote.remote_port + m.prefill_rank - plan.prefill_ranks.start for m in messages]
@@ -649,7 +698,8 @@ class P2PWorker:
             retry = []
             for (address, message), reply in zip(requests, self._client.request_all(requests)):
                 if not isinstance(reply, Exception):
-                    expired |= isinstance(reply, wire.Reply) and reply.lease_expired
+                    # fail closed: only an explicit "held while you read" keeps what was read
+                    expired |= message.ok and not (isinstance(reply, wire.Reply) and reply.held)
                     continue
                 logger.warning(
                     "request %s: done message to %s failed (attempt %d of %d): %s",

@@ -244,6 +244,27 @@ def graph_refusal(vllm_config: VllmConfig) -> str | None:
     return None
 
 
+def _check_pd_trust(vllm_config: VllmConfig) -> None:
+    """P/D with the Ascend connector needs the deployment's secret (kv_transfer/trust.py), or
+    ``insecure`` said on purpose; refused at start-up with what to set."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None or kv.kv_connector != "AscendP2PConnector":
+        return
+    from vllm.ascend.kv_transfer.trust import SecretMissing, load_secret
+
+    extra = kv.kv_connector_extra_config or {}
+    try:
+        secret = load_secret(extra.get("secret_file"), extra.get("insecure") is True)
+    except SecretMissing as exc:
+        raise AscendConfigError(str(exc)) from None
+    if secret is None:
+        logger.warning(
+            "P/D without a shared secret (kv_connector_extra_config.insecure): kv_transfer_params are "
+            "not signed and control messages not authenticated; any host that reaches the control "
+            "and transport ports can read and free this instance's KV (docs/pd_disaggregation.md, Security)"
+        )
+
+
 def _choose_graph_mode(vllm_config: VllmConfig) -> None:
     """Decode graphs (FULL_DECODE_ONLY) where the NPU kernels run, as upstream resolved the
     mode (``--enforce-eager`` gives NONE); steps with a prefill run eagerly, and without
@@ -645,6 +666,7 @@ class NPUPlatform(Platform):
             except ValueError as exc:
                 raise AscendConfigError(str(exc)) from None
 
+        _check_pd_trust(vllm_config)
         # Worker processes must not inherit a half-initialised device runtime.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         # No side streams for shared experts on this platform.
