@@ -15,7 +15,17 @@ one decode instance answer; ``/v1/models`` comes from a decode instance.
 connector host and ``kv_port``): each request goes to both at once, with a transfer id
 (``layerwise_id``); the decode instance reads each layer of the prompt's KV as the
 prefill forward writes it, and the client gets the decode instance's answer. A prefill
-answer that is not 200 is logged; the decode side then computes the prompt itself.
+answer that is not 200 is logged; the decode side then computes the prompt itself. The
+layer-wise parameters are the proxy's own, so it signs them with the deployment's secret
+(``VLLM_ASCEND_KV_SECRET`` or ``--kv-secret-file``; ``--insecure`` on a trusted network).
+
+A completion request with several prompts goes through as one request per prompt (each
+with its own prefill and its own KV), answered as one (choices numbered as upstream
+numbers them, usage summed; streamed: the prompts' chunks as they come, one usage chunk
+and one ``[DONE]`` at the end). The prefill request of an ``n`` > 1 request asks for one
+sequence and says how many decode requests will read its KV (``readers``: upstream's
+decode instance makes one per sequence). Bodies that are not strict JSON (``NaN``, nesting
+too deep) are refused with 400.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from dataclasses import dataclass
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, SecretMissing, Trust, load_secret
 
 logger = logging.getLogger("vllm.ascend.kv_transfer.proxy")
 
@@ -91,6 +103,68 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
+MAX_READERS = 1024  # as the prefill side bounds them (scheduler_side.MAX_READERS)
+LAYERWISE_VALID_SECONDS = 600.0  # how long a decode instance takes the proxy's layer-wise parameters
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(data: bytes) -> dict:
+    """The request body as a JSON object, strictly: no NaN or Infinity, no nesting deep
+    enough to exhaust the parser (a ``ValueError`` says what is wrong)."""
+    try:
+        body = json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("the request body nests too deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("the request body must be JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return body
+
+
+def prompts_of(body: dict) -> list | None:
+    """A completion request's prompts when it has several (a list of strings or of token-id
+    lists); None for one prompt (a string, or one list of token ids)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return None
+
+
+def readers_of(body: dict) -> int:
+    """How many decode requests read one prompt's KV: upstream makes one per sequence
+    (``n``; ``best_of`` candidates where given)."""
+    counts = [body.get("n", 1), body.get("best_of") or 1]
+    return max(1, min(MAX_READERS, max(c for c in counts if isinstance(c, int) and not isinstance(c, bool))))
+
+
+def merge_answers(answers: list[dict], per_prompt: int) -> dict:
+    """Non-streamed answers of one prompt each -> one answer of all: choice ``j`` of prompt
+    ``i`` is choice ``i * per_prompt + j``, usage summed."""
+    merged = dict(answers[0])
+    merged["choices"] = [
+        {**choice, "index": i * per_prompt + choice.get("index", 0)}
+        for i, answer in enumerate(answers)
+        for choice in answer.get("choices", [])
+    ]
+    usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
+    if usages:
+        merged["usage"] = _summed(usages)
+    merged.pop("kv_transfer_params", None)
+    return merged
+
+
+def _summed(usages: list[dict]) -> dict:
+    return {
+        key: sum(u.get(key) or 0 for u in usages)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+        if any(key in u for u in usages)
+    }
+
+
 def parse_kv_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -104,8 +178,11 @@ def build_app(
     timeout: float = 600.0,
     cooldown: float = 5.0,
     prefill_kv: list[str] | None = None,
+    trust: Trust | None = None,
 ) -> FastAPI:
-    """``prefill_kv`` (one ``HOST:KV_PORT`` per prefill instance) turns on layer-wise transfer."""
+    """``prefill_kv`` (one ``HOST:KV_PORT`` per prefill instance) turns on layer-wise transfer;
+    ``trust`` signs its parameters (the deployment's secret; unsigned when insecure)."""
+    trust = trust or Trust(None)
     pools = {"prefill": Pool("prefill", prefill, cooldown), "decode": Pool("decode", decode, cooldown)}
     if prefill_kv is not None:
         if len(prefill_kv) != len(prefill):
@@ -159,11 +236,9 @@ def build_app(
 
     async def handle(request: Request, path: str):
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body must be JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
+            body = parse_body(await request.body())
+        except ValueError as e:
+            return _error(400, str(e))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             return _error(400, "'stream' must be true or false")
@@ -171,9 +246,94 @@ def build_app(
         headers = {"X-Request-Id": request_id}
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
+        prompts = prompts_of(body) if path == "/v1/completions" else None
+        if prompts is None:
+            outcome = await pipeline(path, body, headers, stream)
+            return outcome if isinstance(outcome, Response) else await answer_from(*outcome, stream)
+        # one request per prompt, each with its own KV transfer; answered as one
+        subs = [
+            (dict(body, prompt=prompt), {**headers, "X-Request-Id": f"{request_id}-{i}"})
+            for i, prompt in enumerate(prompts)
+        ]
+        outcomes = await asyncio.gather(*(pipeline(path, sub, h, stream) for sub, h in subs))
+        errors = [o for o in outcomes if isinstance(o, Response)]
+        live = [o for o in outcomes if not isinstance(o, Response)]
+        bad = next((o for o in live if o[1].status_code != 200), None)
+        if errors or bad is not None:  # the first failure is the answer; the rest are let go
+            relayed = None if errors else bad  # answer_from lets the relayed one go itself
+            reply = errors[0] if errors else await answer_from(*bad, False)
+            for outcome in live:
+                if outcome is not relayed:
+                    await release(*outcome)
+            return reply
+        per_prompt = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
+        if stream:
+            return StreamingResponse(
+                merged_stream(outcomes, per_prompt),
+                status_code=200,
+                media_type=outcomes[0][1].headers.get("content-type"),
+            )
+        answers = []
+        for instance, answer in outcomes:
+            try:
+                await answer.aread()
+                answers.append(answer.json())
+            finally:
+                await release(instance, answer)
+        return JSONResponse(merge_answers(answers, per_prompt))
 
-        first = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-        first.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    async def release(instance: Instance, answer) -> None:
+        instance.in_flight -= 1
+        await answer.aclose()
+
+    async def merged_stream(outcomes: list, per_prompt: int):
+        """The prompts' streams as they come, choices renumbered; one usage chunk (summed) and
+        one ``[DONE]`` at the end."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, instance: Instance, answer):
+            try:
+                async for line in answer.aiter_lines():
+                    await queue.put((i, line))
+            finally:
+                await release(instance, answer)
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, *o)) for i, o in enumerate(outcomes)]
+        usages, last, open_streams = [], None, len(tasks)
+        try:
+            while open_streams:
+                i, line = await queue.get()
+                if line is None:
+                    open_streams -= 1
+                    continue
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                last = chunk
+                if not chunk.get("choices") and isinstance(chunk.get("usage"), dict):
+                    usages.append(chunk["usage"])  # the final usage chunk of one prompt
+                    continue
+                for choice in chunk.get("choices", []):
+                    choice["index"] = i * per_prompt + choice.get("index", 0)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if usages and last is not None:
+                yield f"data: {json.dumps(dict(last, choices=[], usage=_summed(usages)))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def pipeline(path: str, body: dict, headers: dict, stream: bool):
+        """One prompt through prefill and decode: (decode instance, its answer), or the
+        Response to give the client instead."""
+        first = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "best_of")}
+        first.update(
+            stream=False,
+            max_tokens=1,
+            n=1,  # one sequence is prefilled; each of the decode's n sequences reads it
+            kv_transfer_params={"do_remote_decode": True, "readers": readers_of(body)},
+        )
         if "max_completion_tokens" in body:
             first["max_completion_tokens"] = 1
         if prefill_kv is not None:
@@ -197,33 +357,34 @@ def build_app(
         if params:
             second["kv_transfer_params"] = params
         try:
-            instance, answer = await send(pools["decode"], path, second, headers, stream=stream)
+            return await send(pools["decode"], path, second, headers, stream=stream)
         except NoInstance as e:
             return _error(503, str(e))
-        return await answer_from(instance, answer, stream)
 
     async def layerwise(path: str, body: dict, first: dict, headers: dict, stream: bool):
         order = pools["prefill"].order()
         prefill_instance = next((i for i in order if i.down_until <= time.monotonic()), order[0])
         transfer_id = f"lw-{uuid.uuid4().hex}"
         host, port = prefill_instance.kv
-        first["kv_transfer_params"] = {"do_remote_decode": True, "layerwise_id": transfer_id}
+        first["kv_transfer_params"] = dict(first["kv_transfer_params"], layerwise_id=transfer_id)
         task = asyncio.create_task(prefill_only(prefill_instance, path, first, headers))
         state["background"].add(task)  # kept alive until done
         task.add_done_callback(state["background"].discard)
         second = dict(body)
-        second["kv_transfer_params"] = {
+        params = {
             "do_remote_prefill": True,
             "layerwise_id": transfer_id,
             "remote_host": host,
             "remote_port": port,
+            # as many readers as the prefill side holds the transfer for (its ``readers``)
+            "remote_readers": first["kv_transfer_params"]["readers"],
         }
+        second["kv_transfer_params"] = trust.sign_params(params, LAYERWISE_FIELDS, LAYERWISE_VALID_SECONDS)
         try:
-            instance, answer = await send(pools["decode"], path, second, headers, stream=stream)
+            return await send(pools["decode"], path, second, headers, stream=stream)
         except NoInstance as e:
             task.cancel()  # nobody would read what it computes
             return _error(503, str(e))
-        return await answer_from(instance, answer, stream)
 
     async def prefill_only(instance: Instance, path: str, body: dict, headers: dict) -> None:
         """Layer-wise: the prefill instance's answer is not the client's; a failure is
@@ -335,9 +496,25 @@ def main(argv: list[str] | None = None) -> None:
         metavar="HOST:KV_PORT",
         help="with --layerwise: each prefill instance's connector host and kv_port, in --prefill order",
     )
+    p.add_argument(
+        "--kv-secret-file",
+        help="with --layerwise: the deployment's shared secret, to sign the layer-wise parameters "
+        "(VLLM_ASCEND_KV_SECRET wins over it)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --layerwise: no secret, the instances run with kv_connector_extra_config.insecure",
+    )
     args = p.parse_args(argv)
     if args.layerwise != bool(args.prefill_kv):
         p.error("--layerwise and --prefill-kv go together")
+    trust = Trust(None)
+    if args.layerwise:
+        try:
+            trust = Trust(load_secret(args.kv_secret_file, args.insecure))
+        except SecretMissing as e:
+            p.error(str(e).replace("kv_connector_extra_config.secret_file", "--kv-secret-file"))
     logging.basicConfig(level=logging.INFO)
     uvicorn.run(
         build_app(
@@ -346,6 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             args.timeout,
             args.cooldown,
             args.prefill_kv if args.layerwise else None,
+            trust,
         ),
         host=args.host,
         port=args.port,
