@@ -1,7 +1,8 @@
 """P2P disaggregated prefill end to end, in host emulation, with real processes on 127.0.0.1:
 ``vllm serve`` prefill and decode instances with AscendP2PConnector (Mooncake over TCP),
-the real proxy in front (``python -m vllm.ascend.kv_transfer.proxy``), and Hugging Face
-transformers' greedy generate as the oracle.
+the real proxy in front (``python -m vllm.ascend.kv_transfer.proxy``; upstream's
+``vllm-router`` in front of one pair), and Hugging Face transformers' greedy generate as the
+oracle. Every instance and the proxy share the deployment's secret (tests/conftest.py).
 
 All instances start once, together, and serve every test:
 
@@ -177,6 +178,27 @@ class Proxy:
         self.proc.wait(30)
 
 
+class Router(Proxy):
+    """Upstream's ``vllm-router`` in its vLLM P/D mode (NIXL-style: the prefill instance's
+    ``kv_transfer_params`` go to the decode instance as they are)."""
+
+    def __init__(self, prefill: list[VllmServer], decode: list[VllmServer], log):
+        import subprocess
+
+        self.port, self.log = free_port(), log
+        launch = [sys.executable, "-m", "vllm_router.launch_router"]  # the `vllm-router` command
+        cmd = [*launch, "--vllm-pd-disaggregation", "--host", "127.0.0.1"]
+        for server in prefill:
+            cmd += ["--prefill", server.url]
+        for server in decode:
+            cmd += ["--decode", server.url]
+        cmd += ["--port", str(self.port), "--worker-startup-check-interval", "1", "--policy", "round_robin"]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = prefill[0].model
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
@@ -196,6 +218,8 @@ def cluster(tiny_models, tmp_path_factory):
                 tmp / f"proxy-{name}.log",
                 layerwise=name.endswith("-lw"),
             )
+        # the PCP2 prefill, killed by the dead-prefill case, takes what the router leaves held
+        proxies["router"] = Router([servers["p_pcp2"]], [servers["d_tp1"]], tmp / "router.log")
         for proxy in proxies.values():
             proxy.wait()
         for proxy in proxies.values():  # first steps (DP MoE above all) are slow: not inside a test's lease
@@ -276,6 +300,7 @@ PULLS = "vllm:ascend_p2p_pull_seconds_count"
 FAILED_PULLS = "vllm:ascend_p2p_failed_pulls_total"
 LEASES_EXPIRED = "vllm:ascend_p2p_leases_expired_total"
 HOLDS = "vllm:ascend_p2p_holds_outstanding"
+REFUSALS = "vllm:ascend_p2p_refusals_total"
 
 
 def _served(server: VllmServer) -> float:
@@ -409,6 +434,10 @@ def test_bad_requests_get_4xx_from_the_proxy(cluster):
     url = cluster["2p1d"].url
     assert httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30).status_code == 400
     assert httpx.post(f"{url}/v1/completions", json=[1, 2], timeout=30).status_code == 400
+    # item 11: not strict JSON, or nested past the parser's depth: a refusal, not a traceback
+    for body in (b'{"prompt": "x", "temperature": NaN}', b"[" * 100_000 + b"]" * 100_000):
+        r = httpx.post(f"{url}/v1/completions", content=body, timeout=30)
+        assert r.status_code == 400 and "Traceback" not in r.text, r.text[:200]
     assert (
         httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stream": "yes"}, timeout=30).status_code
         == 400
@@ -419,8 +448,20 @@ def test_bad_requests_get_4xx_from_the_proxy(cluster):
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
-def test_malformed_control_messages_are_refused_and_the_instance_keeps_serving(cluster):
+def _deployment_trust():
+    import os
+
+    from vllm.ascend.kv_transfer.trust import SECRET_ENV, Trust
+
+    return Trust(os.environ[SECRET_ENV].encode())
+
+
+def test_control_frames_without_the_secret_or_malformed_are_refused_counted_and_serving_goes_on(cluster):
+    """Items 5, 10, 11: a frame not sealed with the deployment's secret (a forged DoneReading
+    or Hello among them) or a sealed one that is malformed gets a refusal and nothing else,
+    is counted by kind, is logged by size, never payload; ordinary traffic stays correct."""
     p1 = cluster["p_tp1"]
+    trust = _deployment_trust()
     context = zmq.Context.instance()
 
     def dealer():
@@ -429,28 +470,224 @@ def test_malformed_control_messages_are_refused_and_the_instance_keeps_serving(c
         sock.connect(f"tcp://127.0.0.1:{p1.kv_port}")
         return sock
 
+    refused = {
+        kind: _metric(p1, REFUSALS, label=f'reason="control {kind}"') for kind in ("unsealed", "malformed")
+    }
     sock = dealer()
-    bad = (
+    forged = (
         b"\x00garbage",
-        msgspec.msgpack.encode({"type": "done_reading", "v": 7}),
-        msgspec.msgpack.encode({"type": "renew", "v": 1, "engine_id": "x", "request_ids": [1]}),
-        msgspec.msgpack.encode({"type": "no_such_type", "v": 1}),
-        msgspec.msgpack.encode({"type": "hello", "v": 1, "engine_id": "x", "extra": 1}),
+        msgspec.msgpack.encode({"type": "hello", "v": 5, "engine_id": "x"}),
+        msgspec.msgpack.encode(
+            {
+                "type": "done_reading",
+                "v": 5,
+                "request_id": "r",
+                "reader": "x",
+                "decode_rank": 0,
+                "prefill_rank": 0,
+                "read_ids": [],
+            }
+        ),
+        b"\x91" * 200_000 + b"\x00",  # nested deep
     )
-    for payload in bad:
-        sock.send_multipart([b"", payload])
-        assert sock.poll(10000), payload[:20]
-        reply = msgspec.msgpack.decode(sock.recv_multipart()[-1])
-        assert reply["type"] == "reply" and reply["ok"] is False and reply["error"], reply
+    malformed = (
+        msgspec.msgpack.encode({"type": "done_reading", "v": 7}),
+        msgspec.msgpack.encode({"type": "no_such_type", "v": 5}),
+        b"\x91" * 200_000 + b"\x00",
+    )
+    for frame in (*forged, *(trust.seal(m) for m in malformed)):
+        sock.send_multipart([b"", frame])
+        assert sock.poll(10000), frame[:20]
+        reply = msgspec.msgpack.decode(trust.open_frame(sock.recv_multipart()[-1]))
+        assert reply["type"] == "reply" and reply["ok"] is False and reply["error"].startswith("refused"), (
+            reply
+        )
     sock.close()
     # over the 16 MiB limit: ZeroMQ drops the connection before anything is buffered
     big = dealer()
     big.send_multipart([b"", b"\x91" * (17 << 20)])
     assert not big.poll(2000)
     big.close()
-    assert p1.log.read_text().count("refused a message") >= len(bad)
+    log = p1.log.read_text()
+    assert log.count("refused a") >= len(forged) + len(malformed) and "garbage" not in log
+    assert max(len(line) for line in log.splitlines()) < 20_000  # sizes and kinds, never payloads
     prompts = _prompts(2, salt="after garbage ")
     assert asyncio.run(_complete(cluster["2p1d"].url, p1.model, prompts)) == _oracle(p1.model, prompts)
+    deadline = time.monotonic() + 30  # the counters come with the next stats interval
+    while time.monotonic() < deadline:
+        now = {k: _metric(p1, REFUSALS, label=f'reason="control {k}"') for k in refused}
+        if now["unsealed"] - refused["unsealed"] >= len(forged) and now["malformed"] - refused[
+            "malformed"
+        ] >= len(malformed):
+            break
+        time.sleep(1)
+    assert now["unsealed"] - refused["unsealed"] >= len(forged), (refused, now)
+    assert now["malformed"] - refused["malformed"] >= len(malformed), (refused, now)
+
+
+async def _choices(client: httpx.AsyncClient, url: str, body: dict) -> list[list[int]]:
+    """The token ids of every choice of one request, by choice index (streamed or not)."""
+    out: dict[int, list[int]] = {}
+    if not body.get("stream"):
+        r = await client.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            out[choice["index"]] = choice["token_ids"]
+    else:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        out.setdefault(choice["index"], []).extend(choice["token_ids"] or [])
+    return [out[i] for i in sorted(out)]
+
+
+def _batched_and_parallel(url: str, model, salt: str):
+    """Batched prompts and ``n`` > 1 (``top_k`` 1: every sequence greedy), streamed and not,
+    sent together with 16 ordinary requests: each
+    request's choices, the expected ones, and the ordinary answers and their oracle."""
+    prompts = _prompts(7, salt=salt)
+    # a batch whose second prompt has the first's token count, a third of another count
+    same_count = prompts[0].replace("Request 0", "Request 9")
+    requests = [
+        ({"prompt": [prompts[0], same_count, prompts[1]]}, [prompts[0], same_count, prompts[1]], 1),
+        ({"prompt": [prompts[2], prompts[3]], "stream": True}, [prompts[2], prompts[3]], 1),
+        ({"prompt": prompts[4], "n": 4}, [prompts[4]], 4),
+        ({"prompt": prompts[5], "n": 3, "stream": True}, [prompts[5]], 3),
+        ({"prompt": [prompts[6], prompts[1]], "n": 2}, [prompts[6], prompts[1]], 2),
+    ]
+    ordinary = _prompts(16, salt=salt + "ordinary ")
+    common = {
+        "model": str(model),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            load = asyncio.ensure_future(_complete(url, model, ordinary))
+            got = await asyncio.gather(
+                *(_choices(client, url, {**common, **body}) for body, _, _ in requests)
+            )
+            return got, await load
+
+    got, load = asyncio.run(main())
+    greedy = dict(zip(prompts + [same_count], _oracle(model, prompts + [same_count])))
+    expected = [[greedy[p] for p in batch for _ in range(n)] for _, batch, n in requests]
+    return got, expected, load, _oracle(model, ordinary)
+
+
+@pytest.mark.parametrize("pair", ["1p2d", "1p1d-lw"])
+def test_batched_prompts_and_parallel_sampling_equal_transformers_under_load(cluster, pair):
+    """Items 1-3: every prompt of a batch decodes from its own KV, every sequence of an
+    ``n`` > 1 request from its prompt's, while ordinary requests run; nothing stays held."""
+    proxy = cluster[pair]
+    prefill = cluster["p_tp1"]
+    decodes = [cluster[n] for n in PROXIES[pair][1]]
+    failed = sum(_metric(d, FAILED_PULLS) for d in decodes)
+    got, expected, load, oracle = _batched_and_parallel(proxy.url, proxy.model, f"batched {pair} ")
+    assert got == expected
+    assert load == oracle
+    assert sum(_metric(d, FAILED_PULLS) for d in decodes) == failed
+    deadline = time.monotonic() + LEASE / 4  # done messages free them, long before any lease
+    while _metric(prefill, HOLDS) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(prefill, HOLDS) == 0
+
+
+def _decode_here(server: VllmServer, prompt: str, params: dict) -> tuple[list[int], float]:
+    """A greedy completion on ``server`` with these kv_transfer_params: token ids, seconds."""
+    start = time.monotonic()
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=300,
+        json={
+            "model": str(server.model),
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": params,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"], time.monotonic() - start
+
+
+def _counted(server: VllmServer, name: str, label: str, at_least: float, timeout: float = 30) -> float:
+    """The metric once it reaches ``at_least`` (counters come with the next stats interval)."""
+    deadline = time.monotonic() + timeout
+    while (value := _metric(server, name, label=label)) < at_least and time.monotonic() < deadline:
+        time.sleep(1)
+    return value
+
+
+def test_forged_kv_transfer_params_are_refused_counted_and_the_prompt_computed_here(cluster):
+    """Items 4, 7, 8, 9: parameters the deployment's secret does not vouch for (unsigned,
+    altered, pointing elsewhere, out of bounds, a forged layer-wise transfer) and genuine
+    ones sent with another prompt: the decode instance reads nothing, connects nowhere and
+    computes the prompt; the rightful pull still works and the prefill holds nothing after."""
+    import socket
+
+    prefill, decode = cluster["p_tp1"], cluster["d_tp1"]
+    model = decode.model
+    baseline = _usage_now(prefill)
+    reasons = ("untrusted", "another prompt")
+    before = {r: _metric(decode, REFUSALS, label=f'reason="{r}"') for r in reasons}
+    victim = _prompts(1, salt="a victim's private prompt ")[0]
+    robber = victim.replace("Request 0", "Request 7")  # the same token count, other tokens
+    genuine = _prefill_only(prefill, victim)
+    unsigned = {k: v for k, v in genuine.items() if k != "remote_signature"}
+    trap = socket.socket()  # a port the decode instance must never connect to
+    trap.bind(("127.0.0.1", 0))
+    trap.listen()
+    trap.settimeout(2)
+    forged = [
+        unsigned,
+        dict(genuine, remote_block_ids=[[b + 1 for b in g] for g in genuine["remote_block_ids"]]),
+        dict(genuine, remote_port=trap.getsockname()[1]),
+        dict(genuine, remote_ranks=10**6),
+        {
+            "do_remote_prefill": True,
+            "layerwise_id": "lw-forged",
+            "remote_host": "127.0.0.1",
+            "remote_port": prefill.kv_port,
+        },
+    ]
+    expected = _oracle(model, [robber, victim])
+    for params in forged + [genuine]:  # the genuine ones with the robber's prompt last
+        tokens, seconds = _decode_here(decode, robber, params)
+        assert tokens == expected[0], params
+        assert seconds < LEASE / 2, f"{seconds:.1f}s: a forged transfer held the request"
+    with pytest.raises(socket.timeout):
+        trap.accept()
+    trap.close()
+    # nothing planted in the prefix cache under the robber's tokens
+    assert asyncio.run(_complete(decode.url, model, [robber, robber + " and more"])) == hf_greedy(
+        model, [robber, robber + " and more"], MAX_TOKENS
+    )
+    # the rightful reader pulls what is still held for it, and the hold is freed
+    pulls = _metric(decode, PULLS)
+    assert _decode_here(decode, victim, genuine)[0] == expected[1]
+    assert _metric(decode, PULLS) > pulls
+    assert _counted(decode, REFUSALS, 'reason="untrusted"', before["untrusted"] + len(forged)) >= before[
+        "untrusted"
+    ] + len(forged)
+    assert (
+        _counted(decode, REFUSALS, 'reason="another prompt"', before["another prompt"] + 1)
+        >= before["another prompt"] + 1
+    )
+    deadline = time.monotonic() + LEASE / 4
+    while _usage_now(prefill) > baseline and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _usage_now(prefill) == baseline and _metric(prefill, HOLDS) == 0
+    log = decode.log.read_text()
+    assert "the deployment's secret does not vouch for them" in log and "for another prompt" in log
 
 
 @pytest.mark.parametrize("pair", ["1p2d", "1p2d-lw"])
@@ -513,6 +750,25 @@ def _prefill_only(server: VllmServer, prompt: str) -> dict:
     )
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
+
+
+def test_batched_prompts_and_parallel_sampling_through_vllm_router_equal_transformers(cluster):
+    """Upstream's router sends a batch (and an ``n`` > 1 request) to the prefill instance as
+    one request and passes on the one set of parameters upstream's serving answers with:
+    the prompt they were signed for is pulled, every other prompt is refused as another
+    prompt's and computed on the decode instance, so every answer is right. (The prefill
+    holds of the sequences whose parameters were never passed on end with their lease:
+    docs/pd_disaggregation.md. The PCP2 prefill under the router dies in the next case.)"""
+    router, decode = cluster["router"], cluster["d_tp1"]
+    label = 'reason="another prompt"'
+    refused, failed = _metric(decode, REFUSALS, label=label), _metric(decode, FAILED_PULLS)
+    got, expected, load, oracle = _batched_and_parallel(router.url, router.model, "routed ")
+    assert got == expected
+    assert load == oracle
+    assert _metric(decode, FAILED_PULLS) == failed
+    # the later prompts of each batch, for each of their sequences: 2 + 1 + 1 x 2
+    assert _counted(decode, REFUSALS, label, refused + 5) >= refused + 5
+    print(f"prefill holds left to their lease: {_metric(cluster['p_pcp2'], HOLDS):.0f}")
 
 
 def test_a_dead_prefill_fails_or_recomputes_per_policy_and_decode_keeps_serving(cluster):
