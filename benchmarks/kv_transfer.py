@@ -22,7 +22,9 @@
    waiting for their answers after the read: the time to the pull's report, to which the done
    messages' round trip adds only for a read not inside the granted leases; that round
    trip (after the report) beside it. Goal: p50 <= 1 ms for DeepSeek-V3 at 4k
-   tokens; the table shows how it grows with the prompt.
+   tokens; the table shows how it grows with the prompt. Every control frame is sealed with
+   the run's secret (``trust.py``), and a table beside it gives what the secret costs per
+   request, sealed and unsealed side by side. Goal: off the pull or under 0.1 ms.
 3. Serving (tiny Qwen2; prefill and decode instances with AscendP2PConnector behind the
    proxy, once as pull after prefill and once ``--layerwise``, and one colocated
    instance): TTFT of one request at a time on 512- to 4k-token prompts, with each P/D
@@ -158,6 +160,7 @@ def prefill_peer(case: Case, ranks: list[int], num_blocks: int, control_port: in
     from vllm.ascend.kv_transfer.holds import Holds
     from vllm.ascend.kv_transfer.transport import open_transport
 
+    trust = _trust()
     shape, (prefill, _) = SHAPES[case.shape], case.layouts()
     transport = open_transport("mooncake", "127.0.0.1", {})
     kept, regions, servers = [], {}, []
@@ -180,17 +183,93 @@ def prefill_peer(case: Case, ranks: list[int], num_blocks: int, control_port: in
                 handed.add(request_id)
             if isinstance(message, wire.Renew):
                 return wire.Reply(wire.WIRE_VERSION, True, lease_seconds=holds.renew(message.request_ids))
-            holds.done(message.request_id, message.read_ids, message.reads_total)
+            holds.done(message.request_id, message.reader, message.read_ids, message.reads_total)
             holds.take_finished()
             return wire.Reply(wire.WIRE_VERSION, True)
 
-        servers.append(ControlServer("127.0.0.1", control_port + rank, handle))
+        servers.append(ControlServer("127.0.0.1", control_port + rank, handle, trust=trust))
     out.put((transport.address, {rank: [_region_tuple(r) for r in regions[rank]] for rank in ranks}))
     stop.wait(1800)
     for server in servers:
         server.close()
     transport.close()
     del kept
+
+
+def _trust():
+    """The run's deployment secret (``main`` makes one): frames sealed as in a deployment."""
+    from vllm.ascend.kv_transfer.trust import Trust, load_secret
+
+    return Trust(load_secret(None, insecure=False))
+
+
+def trust_costs(repeats: int = 2000) -> tuple[list[dict], dict]:
+    """What the secret costs per request, side by side with no secret: signing the
+    parameters (prefill scheduler), checking them and the prompt digest (decode scheduler,
+    before blocks are allocated: off the pull), and a control round trip (Renew, the
+    done messages) sealed and unsealed on 127.0.0.1; DeepSeek-V3-sized block tables."""
+    from vllm.ascend.kv_transfer import wire
+    from vllm.ascend.kv_transfer.control import ControlClient, ControlServer
+    from vllm.ascend.kv_transfer.trust import PULL_FIELDS, Trust, prompt_digest
+
+    secure, plain = _trust(), Trust(None)
+
+    def p50_us(fn, *args, n=repeats) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
+        return _pct(times, 50) * 1e6
+
+    rows = []
+    for tokens in (4096, 32768):
+        blocks = list(range(1, -(-tokens // BLOCK_TOKENS) + 1))
+        prompt = list(range(tokens))
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "engine",
+            "remote_request_id": "cmpl-0123456789abcdef",
+            "remote_host": "10.0.0.1",
+            "remote_port": 21100,
+            "remote_ranks": 16,
+            "remote_block_ids": [blocks],
+            "remote_num_tokens": tokens,
+            "remote_readers": 1,
+            "remote_prompt_digest": prompt_digest(prompt),
+        }
+        signed = secure.sign_params(params, PULL_FIELDS, 90)
+        done = wire.DoneReading(
+            wire.WIRE_VERSION, "cmpl-0123456789abcdef", "decode-0", 0, 0, list(range(61 * 2))
+        )
+        rows.append(
+            {
+                "what": f"{tokens}-token request",
+                "sign params": p50_us(secure.sign_params, params, PULL_FIELDS, 90),
+                "check params": p50_us(secure.check_params, signed, PULL_FIELDS),
+                "prompt digest": p50_us(prompt_digest, prompt, n=repeats // 4),
+                "seal + open a done message": p50_us(_sealed_round, secure, wire.encode_message(done)),
+            }
+        )
+    trips = {}
+    for label, trust in (("unsealed", plain), ("sealed", secure)):
+        port = _free_port()
+        server = ControlServer(
+            "127.0.0.1", port, lambda m: wire.Reply(wire.WIRE_VERSION, True, lease_seconds=30.0), trust=trust
+        )
+        client = ControlClient(10.0, trust)
+        renew = wire.Renew(wire.WIRE_VERSION, "engine", ["cmpl-0123456789abcdef"])
+        address = f"127.0.0.1:{port}"
+        for _ in range(50):  # connect and warm up
+            client.request(address, renew)
+        trips[label] = p50_us(client.request, address, renew, n=repeats // 2)
+        client.close()
+        server.close()
+    return rows, trips
+
+
+def _sealed_round(trust, payload: bytes) -> bytes:
+    return trust.open_frame(trust.seal(payload))
 
 
 def _region_tuple(region) -> tuple:
@@ -284,7 +363,7 @@ def run_case(case: Case, repeats: int) -> dict:
         transport.register(plane_regions(layer_regions(mine)))
         transport.connect(address, [r for regions in theirs.values() for r in plane_regions(regions)])
         tables = {rank: plane_table(mine, theirs[rank]) for rank in ranks}
-        client, lease_client = ControlClient(10.0), ControlClient(10.0)
+        client, lease_client = ControlClient(10.0, _trust()), ControlClient(10.0, _trust())
         engine = transport._engine  # the TransferEngine itself, as a raw caller uses it
         raw_s, conn_s = [], []
         ms = {key: [] for key in ("plan", "addressing", "renew", "lease", "done")}
@@ -326,7 +405,11 @@ def run_case(case: Case, repeats: int) -> dict:
             inside = check.covers(read_end, LEASE_ANSWER_WAIT)
             # a read inside the leases is reported here, the rest after the done messages
             t5 = time.perf_counter()
-            done = [m for m in wire.done_messages(plan, request_id, frozenset()) if m.decode_rank == me]
+            done = [
+                m
+                for m in wire.done_messages(plan, request_id, request_id, frozenset())
+                if m.decode_rank == me
+            ]
             replies = client.request_all([(f"127.0.0.1:{port + m.prefill_rank}", m) for m in done])
             t6 = time.perf_counter()
             assert all(isinstance(r, wire.Reply) and r.ok for r in replies), replies
@@ -437,7 +520,7 @@ def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: lis
         transport.register(plane_regions(layer_regions(mine)))
         transport.connect(address, plane_regions(theirs))
         src, dst = plane_table(mine, theirs)
-        client = ControlClient(10.0)
+        client = ControlClient(10.0, _trust())
         rng = np.random.default_rng(1)
 
         def pull(ids):
@@ -447,7 +530,7 @@ def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: lis
                 plan, 0, 0, 0, lambda _: ({0: src}, {0: dst}), stable_tables=True
             ):
                 transport.read(address, local, remote, lengths)
-            done = [m for m in wire.done_messages(plan, "c", frozenset()) if m.decode_rank == 0]
+            done = [m for m in wire.done_messages(plan, "c", "c", frozenset()) if m.decode_rank == 0]
             client.request_all([(f"127.0.0.1:{port + m.prefill_rank}", m) for m in done])
             return time.perf_counter() - t0
 
@@ -727,6 +810,11 @@ def main() -> None:
     )
     p.add_argument("--ttft-repeats", type=int, default=5, help="requests per setup and length (median)")
     args = p.parse_args()
+    # one deployment's secret for every process of the run (the peers and the instances
+    # inherit it): control frames are sealed and parameters signed, as in a deployment
+    from vllm.ascend.kv_transfer.trust import SECRET_ENV, new_secret
+
+    os.environ.setdefault(SECRET_ENV, new_secret())
     if not args.skip_pulls:
         pulls(args)
     if args.skip_serving:
@@ -791,6 +879,28 @@ def pulls(args) -> None:
     print(
         f"goal: total p50 <= 1 ms for DeepSeek-V3 at 4k tokens (4096 and 4000): worst {worst:.2f} ms,",
         "met" if worst <= 1 else "NOT met",
+    )
+    rows, trips = trust_costs()
+    print(
+        "\nwhat the deployment's secret costs, us (p50): parameters signed on the prefill, checked "
+        "with the prompt's digest on the decode scheduler (before blocks are allocated, off the "
+        "pull); frames sealed and opened on every control message"
+    )
+    keys = [k for k in rows[0] if k != "what"]
+    print("| request | " + " | ".join(keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for r in rows:
+        print(f"| {r['what']} | " + " | ".join(f"{r[k]:.1f}" for k in keys) + " |")
+    extra = trips["sealed"] - trips["unsealed"]
+    print(
+        f"a Renew round trip on 127.0.0.1: unsealed {trips['unsealed']:.0f} us, sealed {trips['sealed']:.0f} us "
+        f"({trips['sealed'] / trips['unsealed']:.2f}x, {extra:+.0f} us)"
+    )
+    worst = max(max(r["seal + open a done message"], r["check params"]) for r in rows)
+    print(
+        f"goal: signing off the pull's critical path or under 0.1 ms: the most on it {worst:.1f} us per "
+        "message or check,",
+        "met" if worst < 100 else "NOT met",
     )
     if args.concurrent:
         print(f"\n{args.concurrent} DeepSeek-V3 4k-token pulls at once, by pull threads (the worker has 4)")

@@ -19,7 +19,8 @@ On an NPU host each process sees its own NPUs (``--prefill-devices``, ``--decode
 ``ASCEND_RT_VISIBLE_DEVICES``; NPU-unverified). In host emulation (``VLLM_ASCEND_EMULATE=1``)
 both run on the CPU; with no ``--model`` a tiny random Qwen2 is made first
 (examples/make_tiny_model.py). The transport is Mooncake (install the wheel's
-``mooncake-host`` extra here, ``mooncake`` on an NPU host). ``--json FILE`` writes the
+``mooncake-host`` extra here, ``mooncake`` on an NPU host). Both processes share the
+P/D secret ``VLLM_ASCEND_KV_SECRET`` (a fresh one per run when it is not set). ``--json FILE`` writes the
 prompts, the token ids of both runs and the pulled byte count. ``--block-size``,
 ``--max-num-seqs``, ``--enforce-eager`` and ``--disable-hybrid-kv-cache-manager`` are passed
 to both engines as vLLM takes them.
@@ -32,6 +33,7 @@ import json
 import multiprocessing
 import os
 import queue
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +44,7 @@ PROMPTS = [
     "Disaggregated prefill separates the two phases of serving a request, so",
     "A short prompt",
 ]
+SECRET_ENV = "VLLM_ASCEND_KV_SECRET"  # the deployment's P/D secret (vllm/ascend/kv_transfer/trust.py)
 # how long the prefill side waits for the decode side to finish (seconds)
 HANDOFF_TIMEOUT = 600
 
@@ -123,10 +126,19 @@ def decode(args, devices: str, handoff, results) -> None:
     prompts = _prompts(args)
     try:
         if args.layerwise:  # no hand-off: where the KV is comes from the prefill rank
+            from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, Trust, load_secret
+
             handoff.put({"ready": True})
             where = {"remote_host": args.host, "remote_port": args.prefill_kv_port}
+            # parameters this process makes itself: signed with the deployment's secret, as
+            # the proxy signs its layer-wise ones (the decode side takes no unsigned ones)
+            trust = Trust(load_secret(None, insecure=False))
             params = [
-                {"do_remote_prefill": True, "layerwise_id": transfer_id, **where}
+                trust.sign_params(
+                    {"do_remote_prefill": True, "layerwise_id": transfer_id, **where},
+                    LAYERWISE_FIELDS,
+                    HANDOFF_TIMEOUT,
+                )
                 for transfer_id in _transfer_ids(args)
             ]
         else:
@@ -222,6 +234,9 @@ def main() -> int:
             maker = Path(__file__).resolve().parents[1] / "make_tiny_model.py"
             subprocess.run([sys.executable, str(maker), "--arch", "qwen2", "--out", args.model], check=True)
 
+    if not os.environ.get(SECRET_ENV):
+        # the two processes are the whole deployment: a fresh secret for this run
+        os.environ[SECRET_ENV] = secrets.token_hex(32)
     # spawn: each process imports vLLM (and on an NPU host, the runtime) with its own devices
     context = multiprocessing.get_context("spawn")
     handoff, results, done = context.Queue(), context.Queue(), context.Event()

@@ -11,7 +11,9 @@
 # (colocated), prints both, and keeps serving on http://127.0.0.1:$PROXY_PORT until Ctrl-C.
 # ONESHOT=1 stops after the two requests instead (exit status 1 if they differ).
 # Ports: PREFILL_PORT (8100), DECODE_PORT (8200), PROXY_PORT (9000), KV control ports
-# 21100 (prefill) and 22100 (decode); logs in LOGS (/tmp/pd-example-logs).
+# 21100 (prefill) and 22100 (decode); logs in LOGS (/tmp/pd-example-logs). The three share
+# the P/D secret VLLM_ASCEND_KV_SECRET (a fresh one when it is not set); everything binds
+# 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${1:-/tmp/pd-example-model}
@@ -22,7 +24,16 @@ if [ ! -d "$MODEL" ]; then
   python examples/make_tiny_model.py --arch qwen2 --out "$MODEL"
 fi
 export VLLM_ASCEND_EMULATE=1
-kv() { echo "{\"kv_connector\":\"AscendP2PConnector\",\"kv_role\":\"$1\",\"kv_port\":$2}"; }
+export VLLM_NO_USAGE_STATS=1  # upstream reports usage statistics unless told not to
+# the deployment's shared P/D secret: the instances and the proxy sign and check with it
+if [ -z "${VLLM_ASCEND_KV_SECRET:-}" ]; then
+  VLLM_ASCEND_KV_SECRET=$(python -m vllm.ascend.kv_transfer.trust new-secret)
+  export VLLM_ASCEND_KV_SECRET
+fi
+kv() {
+  echo "{\"kv_connector\":\"AscendP2PConnector\",\"kv_role\":\"$1\",\"kv_port\":$2,\
+\"kv_connector_extra_config\":{\"host\":\"127.0.0.1\"}}"
+}
 
 pids=()
 stop() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
@@ -34,7 +45,7 @@ vllm serve "$MODEL" --host 127.0.0.1 --port "$DECODE_PORT" --max-model-len 1024 
   --kv-transfer-config "$(kv kv_consumer 22100)" > "$LOGS/decode.log" 2>&1 &
 pids+=($!)
 python -m vllm.ascend.kv_transfer.proxy --prefill "http://127.0.0.1:$PREFILL_PORT" \
-  --decode "http://127.0.0.1:$DECODE_PORT" --port "$PROXY_PORT" > "$LOGS/proxy.log" 2>&1 &
+  --decode "http://127.0.0.1:$DECODE_PORT" --host 127.0.0.1 --port "$PROXY_PORT" > "$LOGS/proxy.log" 2>&1 &
 pids+=($!)
 
 i=0
