@@ -1,8 +1,9 @@
 """Host emulation: the NPU runtime's device calls, answered by the CPU.
 
 There is nothing to synchronise on a CPU, so streams, events and synchronisation are
-no-ops; memory figures come from the operating system (the process's RSS stands for
-device memory in use, and emptying the cache returns the C heap's free memory).
+no-ops; memory figures come from the C allocator (the bytes it has handed out and not
+taken back stand for device memory in use) and the operating system (free memory), and
+emptying the cache returns the C heap's free memory.
 """
 
 from __future__ import annotations
@@ -34,6 +35,42 @@ def _malloc_trim() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(ctypes.c_size_t(0))
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (2.33+), every field a size_t
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _bytes_in_use() -> int:
+    """Bytes the C allocator has handed out and not taken back, over all arenas.
+
+    Not the RSS: whether freed or never-touched pages are resident depends on the kernel,
+    the allocator's thresholds and the sandbox, while what a sleep released must show as
+    a fall here. Where glibc's ``mallinfo2`` is missing (another libc or an older glibc),
+    the RSS stands in.
+    """
+    libc = _libc()
+    mallinfo2 = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if mallinfo2 is None:
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 class _HostStream:
@@ -80,8 +117,7 @@ class HostDevice(Device):
 
     def empty_cache(self) -> None:
         # The NPU allocator hands its cached blocks back here; on the host, glibc keeps
-        # freed chunks below its (adaptive) mmap threshold in the heap, so memory a sleep
-        # released would stay in the process's RSS, which stands for device memory here.
+        # freed chunks below its (adaptive) mmap threshold in the heap, resident.
         _malloc_trim()
 
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
@@ -89,7 +125,7 @@ class HostDevice(Device):
         return int(vm.available), int(vm.total)
 
     def memory_allocated(self) -> int:
-        return int(psutil.Process(os.getpid()).memory_info().rss)
+        return _bytes_in_use()
 
     def device_name(self, index: int = 0) -> str:
         return "host CPU (Ascend NPU emulation)"
