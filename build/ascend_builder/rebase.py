@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .apply import check_patch, describe_failure
+from .drift import Drift, compare
 from .errors import BuildError
 from .fetch import obtain_unpinned_sdist
 from .gitutil import git
@@ -29,6 +30,7 @@ class PatchOutcome:
     patch: str
     status: str
     detail: str = ""
+    drop_when: str = ""  # the patch's Drop-When trailer: the condition to re-check by hand
 
 
 @dataclass
@@ -39,6 +41,7 @@ class RebaseReport:
     to_sdist_sha256: str
     patches: list[PatchOutcome] = field(default_factory=list)
     overlay: str = "ok"
+    drift: Drift = field(default_factory=Drift)
 
     def counts(self) -> dict[str, int]:
         return {s: sum(p.status == s for p in self.patches) for s in STATUSES}
@@ -53,11 +56,15 @@ class RebaseReport:
             "",
             f"Target sdist sha256: `{self.to_sdist_sha256}`",
             "",
-            "| # | patch | status | detail |",
-            "|---:|---|---|---|",
+            "Re-check each patch's Drop-When against the target (a patch whose change is",
+            "already upstream shows as `already-upstream`; a condition met otherwise is not seen",
+            "here), and say the result in the move's notes.",
+            "",
+            "| # | patch | status | detail | drop when |",
+            "|---:|---|---|---|---|",
         ]
         lines += [
-            f"| {i} | {p.patch} | {p.status} | {p.detail.replace('|', '/')} |"
+            f"| {i} | {p.patch} | {p.status} | {p.detail.replace('|', '/')} | {p.drop_when.replace('|', '/')} |"
             for i, p in enumerate(self.patches, 1)
         ]
         summary = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
@@ -66,6 +73,7 @@ class RebaseReport:
             f"Summary: {summary or 'no patches'}",
             f"Overlay: {self.overlay}",
             "",
+            *self.drift.markdown(),
             "Next: once the series applies, add `patches/<name>-<version>/` (pin + series), point",
             "`patch-set` in pyproject.toml at it, build, and run upstream's own tests against the",
             f"new wheel: `nox -s upstream-tests` (upstream's tests come from the {self.to_version} sdist;",
@@ -100,6 +108,7 @@ def try_series(tree: Path, patches: list[PatchInfo], date: int, note=print) -> d
     outcomes = {}
     for info in patches:
         outcome = try_patch(tree, info, date)
+        outcome.drop_when = " ".join(info.trailers.get("Drop-When", []))
         note(f"{outcome.patch}: {outcome.status}" + (f" ({outcome.detail})" if outcome.detail else ""))
         outcomes[outcome.patch] = outcome
     return outcomes
@@ -145,6 +154,8 @@ def rebase_report(
             apply=try_series,
         )
         report.patches.extend(tree.applied.values())
+        # the target release is committed on top of the pinned one: compare the two
+        report.drift = compare(tree.path, f"{tree.base}~1", tree.base, overlay)
         try:
             if keep_tree is not None:  # tags pristine first, then checks and links the overlay
                 attach_overlay(keep_tree, tree.base, overlay, patch_set.replacements, pin.package)

@@ -220,6 +220,8 @@ def test_rebase_report_classifies_every_patch(tmp_path):
         ("core-already-upstream.patch", "already-upstream"),
     ]
     assert "(offset +3)" in report.patches[1].detail
+    # each row carries its patch's Drop-When, the condition a reviewer re-checks
+    assert {p.drop_when for p in report.patches} == {"never, it is a test"}
     assert report.conflicts == 1
     # The command line writes the report and fails because one patch conflicts.
     result = proj.cli("rebase", "2.0", "--sdist", str(new_sdist), "--out", str(tmp_path / "rep"))
@@ -228,6 +230,7 @@ def test_rebase_report_classifies_every_patch(tmp_path):
     md = (tmp_path / "rep" / "fakeup-1.0-to-2.0.md").read_text()
     assert (
         "| conflict |" in md
+        and "| never, it is a test |" in md
         and "Summary: 1 clean, 1 offset, 1 needs-3way, 1 conflict, 1 already-upstream" in md
     )
     assert (tmp_path / "rep" / "fakeup-1.0-to-2.0.json").is_file()
