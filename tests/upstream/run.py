@@ -224,10 +224,13 @@ def run_pytest(
     workers: int = 1,
     global_cleanup: bool = True,
     deselected: tuple[str, ...] = (),
+    lift_cuda_gates: tuple[str, ...] = (),
 ) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
     if not global_cleanup:
         env["ASCEND_SKIP_GLOBAL_CLEANUP"] = "1"  # read by the ascend_outcomes plugin
+    if lift_cuda_gates:
+        env["ASCEND_LIFT_CUDA_GATES"] = os.pathsep.join(lift_cuda_gates)  # (the plugin too)
     with tempfile.TemporaryDirectory() as tmp:
         outcomes_file = Path(tmp) / "outcomes.jsonl"
         env.update(
@@ -363,8 +366,19 @@ def main(argv: list[str] | None = None) -> int:
         global_cleanup = selection.get("global-cleanup", True)
         if not global_cleanup:
             print(f"selection {args.selection}: upstream's per-test global clean-up is skipped")
+        lifted = tuple(selection.get("lift-cuda-gates", ()))
+        for file in lifted:
+            print(f"selection {args.selection}: {file} imported past its CUDA gate")
         outcomes = run_pytest(
-            source, paths, args.timeout, hub_cache, args.outcomes, workers, global_cleanup, deselected
+            source,
+            paths,
+            args.timeout,
+            hub_cache,
+            args.outcomes,
+            workers,
+            global_cleanup,
+            deselected,
+            lift_cuda_gates=lifted,
         )
         seconds = time.monotonic() - started
         if args.outcomes:

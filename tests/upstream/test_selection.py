@@ -142,3 +142,33 @@ def test_a_kept_run_is_judged_again_against_edited_expectations(tmp_path):
         head + '[[expect]]\ntests = ["tests/a/test_x.py::test_pcp"]\noutcome = "fail"\nreason = "cuda"\n'
     )
     assert main(args) == 0
+
+
+GATED = {
+    "pyproject.toml": "[tool.pytest.ini_options]\n",
+    "tests/a/test_plain.py": "def test_ok():\n    pass\n",
+    "tests/a/test_gated.py": (
+        "import pytest\n"
+        "from vllm.platforms import current_platform\n"
+        "if not current_platform.is_cuda_alike():\n"
+        "    pytest.skip('V1 currently only supported on CUDA.', allow_module_level=True)\n"
+        "def test_runs_on_the_platform_as_it_is():\n"
+        "    assert not current_platform.is_cuda() and not current_platform.is_cuda_alike()\n"
+    ),
+}
+
+
+def test_a_lifted_cuda_gate_lets_a_file_import_and_its_tests_run_on_the_platform(tmp_path):
+    """A selection's ``lift-cuda-gates``: the file's module-level CUDA gate passes (the
+    platform answers "CUDA" while it is imported), and its tests then see the platform as
+    it is; without it, the file is skipped as upstream skips it."""
+    from tests.upstream.run import run_pytest
+
+    source = _write(tmp_path / "src", GATED)
+    test = "tests/a/test_gated.py::test_runs_on_the_platform_as_it_is"
+    gated = run_pytest(source, ["tests/a"], 120, tmp_path / "hub")
+    assert test not in gated and gated["tests/a/test_plain.py::test_ok"]["outcome"] == "passed", gated
+    lifted = run_pytest(
+        source, ["tests/a"], 120, tmp_path / "hub", lift_cuda_gates=("tests/a/test_gated.py",)
+    )
+    assert lifted[test]["outcome"] == "passed", lifted

@@ -5,6 +5,13 @@ Triton-kernel replacements registered at session start, as a vLLM worker does.
 Upstream's per-test global clean-up is skipped when ``ASCEND_SKIP_GLOBAL_CLEANUP=1``
 (a selection's ``global-cleanup = false``).
 
+The test files named in ``ASCEND_LIFT_CUDA_GATES`` (``os.pathsep``-separated paths of
+upstream's tree; a selection's ``lift-cuda-gates``) are imported with the platform
+answering "CUDA" to ``is_cuda()`` / ``is_cuda_alike()``, during their import only: upstream
+skips them at module level on every other platform, though what they test (the engine
+core, its client, the async engine) runs on this one. Their tests then run on the
+platform as it is.
+
 Outcomes: passed, failed (the test body), error (setup or teardown), skipped. A test
 that passes but errors in teardown counts as error. Written to the file named by
 ``ASCEND_OUTCOMES`` as each test finishes, so a run that is killed keeps what it did;
@@ -14,6 +21,7 @@ is first on ``sys.path`` during the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -47,6 +55,49 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     for item in items:
         item.add_marker(pytest.mark.skip_global_cleanup)
+
+
+def _lifted() -> set[str]:
+    return {p for p in os.environ.get("ASCEND_LIFT_CUDA_GATES", "").split(os.pathsep) if p}
+
+
+@contextlib.contextmanager
+def _answering_cuda():
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    saved = {name: platform.__dict__.get(name) for name in ("is_cuda", "is_cuda_alike")}
+    for name in saved:
+        setattr(platform, name, classmethod(lambda cls: True))
+    try:
+        yield
+    finally:
+        for name, attribute in saved.items():
+            if attribute is None:
+                delattr(platform, name)
+            else:
+                setattr(platform, name, attribute)
+
+
+def _import_gate_lifted(collector) -> bool:
+    import pytest
+
+    if not isinstance(collector, pytest.Module):
+        return False
+    path = os.path.relpath(str(collector.path), str(collector.config.rootpath))
+    return path in _lifted()
+
+
+def pytest_make_collect_report(collector):
+    """A listed test file is imported (its module-level code: the CUDA gate) while the
+    platform answers "CUDA"; collecting its tests and running them is not."""
+    if not _import_gate_lifted(collector):
+        return None
+    import pytest
+
+    with _answering_cuda(), contextlib.suppress(Exception, pytest.skip.Exception):
+        collector.obj  # noqa: B018 (the import itself, cached on the collector)
+    return None  # pytest collects as usual (and reports an import error as usual)
 
 
 def _summary(report) -> str:
