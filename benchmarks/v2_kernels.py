@@ -101,9 +101,24 @@ def _scenario(batch: int, vocab: int, side: str):
     step = torch.tensor(0, dtype=torch.int64)
     zeros = torch.zeros(batch, dtype=torch.int32)
 
+    model_len_scalar = torch.tensor(4096, dtype=torch.int32)  # 0.34: a device scalar
+
     def draft_inputs():
-        tdar.prepare_decode_inputs(
-            draft_tokens[:batch, 0], seq_lens[:batch], zeros, buffers, sample_src, 4096, MAX_REQS
+        # the speculator's _prepare_decode_inputs launches this kernel (0.34 has no launcher)
+        tdar._prepare_decode_inputs_kernel[(batch + 1,)](
+            draft_tokens[:batch, 0],
+            draft_tokens.stride(0),
+            seq_lens[:batch],
+            zeros,
+            buffers.input_ids,
+            buffers.positions,
+            sample_src,
+            buffers.query_start_loc,
+            buffers.seq_lens,
+            4096,
+            MAX_REQS,
+            BLOCK_SIZE=1024,
+            ADVANCE_DRAFT_POSITIONS=True,
         )
         tdar.update_draft_inputs(
             draft_tokens[:batch, 0],
@@ -114,8 +129,9 @@ def _scenario(batch: int, vocab: int, side: str):
             buffers,
             sample_src,
             batch,
-            4096,
+            model_len_scalar,
             k,
+            True,
         )
 
     # n-gram drafting (k=3, n from 1 to 3) over the 2k-token histories, as propose launches it

@@ -58,13 +58,13 @@ QWEN2 = {
     "max_num_batched_tokens": 64,
     "max_num_seqs": 12,
     "disable_log_stats": False,
-    "compilation_config": {"cudagraph_capture_sizes": CAPTURE_SIZES},
+    "compilation_config": {"decode_cudagraph_capture_request_sizes": CAPTURE_SIZES},
 }
 PREEMPTED = {
     **QWEN2,
     "max_num_seqs": 8,
     "num_gpu_blocks_override": 12,
-    "compilation_config": {"cudagraph_capture_sizes": list(range(1, 9))},
+    "compilation_config": {"decode_cudagraph_capture_request_sizes": list(range(1, 9))},
 }
 # a short batch of 5 (padded to 8); 12 prompts of 3 to 484 tokens arriving together (chunked
 # prefill beside decodes, batch sizes growing through 1..8 and past 8); prefix-cache hits
@@ -82,7 +82,7 @@ MLA_BLOCK16 = {
     "block_size": 16,
     "max_num_seqs": 32,
     "max_num_batched_tokens": 256,
-    "compilation_config": {"cudagraph_capture_sizes": [8, 32]},
+    "compilation_config": {"decode_cudagraph_capture_request_sizes": [8, 32]},
 }
 TP2_EP = {
     **DEEPSEEK,

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support.forked_cli import run_forked
+from tests.support.models import MLA512
 from tests.support.processes import run_concurrently
 
 from .test_cli import _vllm_command
@@ -148,18 +149,48 @@ def test_api_server_side_never_initialises_the_npu_runtime(tiny_models):
         config = EngineArgs(model={str(tiny_models["qwen2"])!r}, dtype="bfloat16").create_engine_config()
         print("PLATFORM", type(current_platform).__name__, config.cache_config.block_size)
         print("RUNTIME_CALLS", torch_npu.npu.runtime_calls)
-        import os
-        print("V2", config.use_v2_model_runner, "ENV", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
     """,
         NPU_HOST,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "PLATFORM NPUPlatform 128" in result.stdout
     assert "RUNTIME_CALLS []" in result.stdout
-    # Model Runner V2 by default though vLLM sees no Triton driver on this host (the platform
-    # registers torch forms of V2's kernels): every reader of the choice must say V2
-    assert "V2 True ENV None" in result.stdout
-    assert "using the V1 model runner" not in result.stdout + result.stderr
+
+
+def test_the_platform_block_size_outlives_upstream_s_backend_pass(tiny_models):
+    """The platform picks the KV block size at config time; upstream's executors later ask
+    each model's attention backends for a preferred size (``get_preferred_block_size``)
+    starting from upstream's own default (64 since 0.34). Answered by upstream's base
+    class, that moved host emulation and the NPU MLA kernel (16 or 128 only) to 64."""
+    code = """
+        import sys
+        from vllm.config import set_current_vllm_config
+        from vllm.config.cache import CacheConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.ascend.attention.backend import AscendAttentionBackend
+        from vllm.ascend.attention.mla import AscendMLABackend
+        for model, backend in zip(sys.argv[1:], (AscendAttentionBackend, AscendMLABackend)):
+            config = EngineArgs(model=model, dtype="bfloat16").create_engine_config()
+            with set_current_vllm_config(config):
+                preferred = backend.get_preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE)
+            print("BLOCK", type(current_platform).__name__, config.cache_config.block_size, preferred)
+    """
+    models = [str(tiny_models["qwen2"]), str(tiny_models[MLA512])]
+    answers = {}
+    for name, env in (("npu", NPU_HOST), ("host", {"VLLM_ASCEND_EMULATE": "1"})):
+        result = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), *models],
+            env={**{k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        answers[name] = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("BLOCK")]
+    # (platform, chosen at config time, the backend's answer): Qwen2 (GQA), DeepSeek (MLA)
+    assert answers["npu"] == [["NPUPlatform", "128", "128"]] * 2, answers
+    assert answers["host"] == [["HostEmulationPlatform", "16", "16"]] * 2, answers
 
 
 # (serve arguments, environment, the error line's start) on an "NPU host" (the double)
@@ -174,13 +205,13 @@ NPU_START_UP_ERRORS = [
     (
         ("--dtype", "bfloat16", "--speculative-config", "EAGLE3"),
         {},
-        "error: the Ascend model runner (Model Runner V2) does not run speculative method 'eagle3' "
+        "error: the Ascend model runner does not run speculative method 'eagle3' "
         "(speculative methods it runs: mtp, ngram, ngram_gpu, draft_model, eagle)",
     ),
     (
         ("--dtype", "bfloat16"),
         {"VLLM_USE_V2_MODEL_RUNNER": "0"},
-        "error: the Ascend distribution runs Model Runner V2 only",
+        "error: VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed",
     ),
 ]
 

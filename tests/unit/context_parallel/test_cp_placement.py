@@ -21,7 +21,6 @@ from vllm.ascend.context_parallel.step import RankLayout, build_step, zigzag_run
 from vllm.ascend.kernels import attention as gqa_kernels
 from vllm.ascend.kernels import mla as mla_kernels
 from vllm.ascend.kernels.context_parallel import reference_combine_partials
-from vllm.ascend.kernels.slot_mapping import compute_slot_mapping
 
 
 @st.composite
@@ -118,31 +117,37 @@ def test_the_production_layouts_are_accepted(layout):
 
 @settings(max_examples=60, deadline=None)
 @given(layouts(), st.lists(st.integers(1, 40), min_size=1, max_size=4), st.data())
-def test_slot_mapping_kernel_follows_the_placement(layout, q_lens, data):
+def test_the_runners_slot_mapping_follows_the_placement(layout, q_lens, data):
+    """The Ascend runner's block tables (worker/block_tables.py) map each token to the slot
+    the placement gives it on the rank that owns it, and to the pad slot elsewhere."""
+    from vllm.platforms import current_platform
+
+    from vllm.ascend.worker.block_tables import NPUBlockTables
+
+    current_platform.register_triton_kernel_overrides()  # the staged writes' torch forms (cached)
     max_blocks = 8 + 40 // layout.virtual_block_size
     contexts = [data.draw(st.integers(0, max_blocks * layout.virtual_block_size - q)) for q in q_lens]
     size = len(q_lens) * max_blocks
     table = torch.randperm(size + 5)[:size].view(len(q_lens), max_blocks).to(torch.int32)
-    qsl = torch.tensor([0] + q_lens).cumsum(0)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(c, c + q) for c, q in zip(contexts, q_lens)])
     n = int(qsl[-1])
     for cp_rank in range(layout.cp):
-        out = torch.empty(n + 3, dtype=torch.int64)
-        compute_slot_mapping(
-            n,
-            n + 3,
-            qsl,
-            positions,
-            table,
-            max_blocks,
-            out,
-            layout.block_size,
-            layout.cp,
-            cp_rank,
-            layout.interleave,
-            -1,
-            1024,
+        tables = NPUBlockTables(
+            block_sizes=[layout.block_size],
+            max_num_reqs=len(q_lens),
+            max_num_batched_tokens=n + 3,
+            max_num_blocks_per_group=[max_blocks],
+            device=torch.device("cpu"),
+            cp_size=layout.cp,
+            cp_rank=cp_rank,
+            cp_interleave=layout.interleave,
         )
+        for r in range(len(q_lens)):
+            tables.append_block_ids(r, (table[r].tolist(),), overwrite=True)
+        tables.apply_staged_writes()
+        idx = torch.arange(len(q_lens), dtype=torch.int32)
+        out = tables.compute_slot_mappings(idx, qsl, positions, n + 3)[0]
         expected = []
         for r, (c, q) in enumerate(zip(contexts, q_lens)):
             for t in range(c, c + q):

@@ -59,7 +59,7 @@ def test_the_npu_kernels_capture_decode_graphs_by_default(tmp_path, monkeypatch)
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     config = _engine_config(tmp_path, _qwen2(), max_num_seqs=8)
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
-    assert config.compilation_config.cudagraph_capture_sizes  # upstream's sizes
+    assert config.compilation_config.decode_cudagraph_capture_request_sizes  # upstream's sizes
     eager = _engine_config(tmp_path, _qwen2(), max_num_seqs=8, enforce_eager=True)
     assert eager.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
 
@@ -70,7 +70,7 @@ def test_the_reference_kernels_never_capture(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "reference")
     config = _engine_config(tmp_path, _qwen2(), dtype="float32")
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-    assert not config.compilation_config.cudagraph_capture_sizes
+    assert not config.compilation_config.decode_cudagraph_capture_request_sizes
 
 
 @pytest.mark.parametrize(

@@ -6,53 +6,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from vllm.ascend.kernels import attention, mla, moe, slot_mapping
-
-
-@settings(max_examples=40, deadline=None)
-@given(data=st.data(), block_size=st.sampled_from([1, 4, 16]))
-def test_slot_mapping_matches_brute_force(data, block_size):
-    max_blocks = 8
-    capacity = max_blocks * block_size
-    lens = data.draw(st.lists(st.integers(0, min(9, capacity)), min_size=1, max_size=5))
-    starts = [data.draw(st.integers(0, capacity - n)) for n in lens]
-    table = torch.tensor(
-        data.draw(
-            st.lists(
-                st.lists(st.integers(0, 50), min_size=max_blocks, max_size=max_blocks),
-                min_size=len(lens),
-                max_size=len(lens),
-            )
-        ),
-        dtype=torch.int32,
-    )
-    positions, expected = [], []
-    for r, (n, s) in enumerate(zip(lens, starts)):
-        for p in range(s, s + n):
-            positions.append(p)
-            expected.append(int(table[r, p // block_size]) * block_size + p % block_size)
-    qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0).tolist()), dtype=torch.int32)
-    out = torch.full((len(positions) + 3,), 777, dtype=torch.int64)
-    slot_mapping.compute_slot_mapping(
-        len(positions),
-        len(positions) + 3,
-        qsl,
-        torch.tensor(positions, dtype=torch.int64),
-        table,
-        max_blocks,
-        out,
-        block_size,
-        1,
-        0,
-        1,
-        -1,
-        1024,
-    )
-    assert out[: len(positions)].tolist() == expected
-    assert out[len(positions) :].tolist() == [-1, -1, -1]
+from vllm.ascend.kernels import attention, mla, moe
 
 
 def _dense_attention(q, k, v, context, scale, window=None, soft_cap=None, sinks=None):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.unit.kernels import v2_kernel_cases as cases
-from tests.unit.kernels.test_spec_decode_kernels import no_host_reads
+from tests.unit.kernels.host_reads import no_host_reads
 
 ROOT = Path(__file__).resolve().parents[3]
 EXACT_FLOAT = {"staged_write"}  # copies: bit for bit

@@ -226,42 +226,107 @@ def case_temperature(g, side, guard):
     return [logits]
 
 
+def _row_mapping(g, rows: int) -> torch.Tensor:
+    """A batch-sharded draft logits cache's row mapping: ``rows`` request slots hold one
+    row each, the others -1 (cached by another rank)."""
+    mapping = torch.full((MAX_REQS,), -1, dtype=torch.int32)
+    mapping[torch.randperm(MAX_REQS, generator=g)[:rows]] = torch.randperm(rows, generator=g).to(torch.int32)
+    return mapping
+
+
 def case_gumbel_sample(g, side, guard):
+    """Upstream's Gumbel sampler (the per-block kernel, then the combine kernel) four
+    ways: plain with a bias added, a drafter caching its logits in a replicated cache,
+    in a row-mapped (batch-sharded) cache with a bias, and from a separate cache source;
+    float32 or float16 logits over one or three 1024-wide blocks, padded tokens."""
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
-    n, idx, cu = _batch(g)
-    if bool(torch.randint(0, 2, (1,), generator=g)):  # decode: one token per request
-        cu = torch.arange(n + 1, dtype=torch.int32)
-    tokens = int(cu[-1])
-    expanded = idx.repeat_interleave((cu[1:] - cu[:-1]).long())
-    temp = torch.rand(MAX_REQS, generator=g) + 0.3
-    temp[torch.randperm(MAX_REQS, generator=g)[:2]] = 0.0  # greedy requests
-    seeds = torch.randint(-(2**62), 2**62, (MAX_REQS,), generator=g, dtype=torch.int64)
-    pos = _ints(g, 1000, (tokens,), torch.int64)
-    logits = torch.randn(tokens, VOCAB, generator=g) * 3
-    flags = torch.randint(0, 2, (3,), generator=g).tolist()
-    cache = col = None
-    if flags[2]:  # a drafter keeping its logits for the rejection sampler
-        cache = torch.zeros(MAX_REQS, 5, VOCAB)
+    out = []
+    for mode in ("bias", "cache", "mapped", "source"):
+        n, idx, cu = _batch(g)
+        if bool(torch.randint(0, 2, (1,), generator=g)):  # decode: one token per request
+            cu = torch.arange(n + 1, dtype=torch.int32)
         per = (cu[1:] - cu[:-1]).long()
-        if bool((per == 1).all()):  # one token per request: one column for the step
-            col = torch.tensor(int(torch.randint(0, 5, (1,), generator=g)))
-        else:  # each token its own column (its position in its request)
-            col = torch.cat([torch.arange(int(k)) for k in per])
+        tokens = int(cu[-1])
+        expanded = idx.repeat_interleave(per)
+        expanded[torch.rand(tokens, generator=g) < 0.15] = -1  # padded tokens
+        vocab = [VOCAB, 2500][int(torch.randint(0, 2, (1,), generator=g))]
+        # (a half dtype checks that the biased sum is rounded to it; float16, as Triton's
+        # interpreter truncates float32 to bfloat16 where GPUs and torch round to nearest)
+        dtype = [torch.float32, torch.float16][int(torch.randint(0, 2, (1,), generator=g))]
+        temp = torch.rand(MAX_REQS, generator=g) + 0.3
+        temp[torch.randperm(MAX_REQS, generator=g)[:2]] = 0.0  # greedy requests
+        seeds = torch.randint(-(2**62), 2**62, (MAX_REQS,), generator=g, dtype=torch.int64)
+        pos = _ints(g, 1000, (tokens,), torch.int64)
+        logits = (torch.randn(tokens, vocab, generator=g) * 3).to(dtype)
+        flags = torch.randint(0, 2, (2,), generator=g).tolist()
+        bias = cache = col = source = mapping = None
+        if mode in ("bias", "mapped"):  # (dspark's bias): the biased sum is what is sampled
+            bias = (torch.randn(tokens, vocab, generator=g) * 2).to(dtype)
+            if dtype == torch.float16:
+                # two top logits whose biased sums tie once rounded to float16 (the first
+                # wins a greedy row), though the later one's is larger in float32
+                lo, hi = (int(x) for x in torch.randperm(vocab, generator=g)[:2].sort().values)
+                logits[:, lo] = logits[:, hi] = 1000.0
+                bias[:, lo], bias[:, hi] = 0.1, 0.2
+        if mode != "bias":  # a drafter keeping its logits for the rejection sampler
+            rows = MAX_REQS
+            if mode == "mapped":  # this rank caches some requests, in rows of its own
+                rows = 3
+                mapping = _row_mapping(g, rows)
+            cache = torch.full((rows, 5, vocab), -7.0, dtype=dtype)
+            if bool((per == 1).all()):  # one token per request: one column for the step
+                col = torch.tensor(int(torch.randint(0, 5, (1,), generator=g)))
+            else:  # each token its own column (its position in its request)
+                col = torch.cat([torch.arange(int(k)) for k in per])
+            if mode == "source":
+                source = torch.randn(tokens, vocab, generator=g).to(dtype)
+        with guard():
+            sampled = gumbel_sample(
+                logits,
+                expanded,
+                temp,
+                seeds,
+                pos,
+                apply_temperature=True,
+                is_drafting=bool(flags[0]),
+                logits_cache=cache,
+                logits_cache_col=col,
+                use_fp64=bool(flags[1]),
+                logits_cache_source=source,
+                logits_cache_row_mapping=mapping,
+                bias=bias,
+            )
+        out += [sampled, cache]
+    return out
+
+
+def case_gumbel_combine(g, side, guard):
+    """The combine kernel alone, over block maxima with ties, -inf rows and NaNs (the
+    first NaN block wins, else the first block holding the maximum)."""
+    from vllm.triton_utils import triton
+    from vllm.v1.worker.gpu.sample import gumbel
+
+    rows, blocks = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+    values = _ints(g, 4, (rows, blocks)).to(torch.float32)  # few values: ties
+    values[torch.rand(rows, blocks, generator=g) < 0.2] = float("-inf")
+    values[0] = float("-inf")
+    values[torch.rand(rows, blocks, generator=g) < 0.1] = float("nan")
+    if bool(torch.randint(0, 2, (1,), generator=g)):
+        values = values.to(torch.float64)
+    argmax = _ints(g, 100000, (rows, blocks), torch.int64)
+    sampled = torch.full((rows,), -5, dtype=torch.int64)
     with guard():
-        sampled = gumbel_sample(
-            logits,
-            expanded,
-            temp,
-            seeds,
-            pos,
-            apply_temperature=True,
-            is_drafting=bool(flags[0]),
-            logits_cache=cache,
-            logits_cache_col=col,
-            use_fp64=bool(flags[1]),
+        gumbel._gumbel_combine_kernel[(rows,)](
+            argmax,
+            argmax.stride(0),
+            values,
+            values.stride(0),
+            sampled,
+            blocks,
+            PADDED_NUM_BLOCKS=triton.next_power_of_2(blocks),
         )
-    return [sampled, cache]
+    return [sampled]
 
 
 def _logit_rows(g):
@@ -723,11 +788,22 @@ def _interpreter_log1p() -> None:
     rejection_sampler_utils.tldevice = SimpleNamespace(log1p=log1p)
 
 
+def _draft_logits_cache(g, mapped: bool):
+    """A stand-in for upstream's DraftLogitsCache (``values``, ``row_mapping``): replicated
+    (a row per request slot), or batch-sharded (3 rows; requests of other ranks at -1,
+    read as row 0 as upstream reads them)."""
+    rows = 3 if mapped else MAX_REQS
+    values = torch.randn(rows, SPEC_STEPS, SPEC_VOCAB, generator=g) * 2
+    mapping = _row_mapping(g, rows) if mapped else None
+    return SimpleNamespace(values=values, row_mapping=mapping)
+
+
 def case_rejection_sample(g, side, guard):
     """Upstream's whole standard rejection sampler (statistics, the accept/reject walk,
     resampling, insertion) over greedy and random requests and placeholder drafts, for
-    each of: one-hot drafts or the draft's logits, real or synthetic acceptance, float32
-    or float64 noise."""
+    each of: one-hot drafts or the draft's logits (a replicated or a row-mapped cache),
+    real or synthetic acceptance, float32 or float64 noise; some targets with whole
+    vocabulary blocks masked (top-k/top-p), resampled with or without skipping them."""
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
 
     if side == "oracle":
@@ -742,11 +818,21 @@ def case_rejection_sample(g, side, guard):
         lucky = (torch.rand(rows, generator=g) < 0.7) & (local > 0)
         logits[lucky.nonzero()[:, 0] - 1, draft_sampled[lucky]] += 12.0
         draft_sampled[(torch.rand(rows, generator=g) < 0.1) & (local > 0)] = -1  # placeholders
+        skip = bool(torch.randint(0, 2, (1,), generator=g))
+        if bool(torch.randint(0, 2, (1,), generator=g)):  # top-k/top-p left a few blocks
+            for r in range(rows):
+                kept = torch.randperm(9, generator=g)[: int(torch.randint(1, 4, (1,), generator=g))]
+                masked = torch.ones(9 * 1024, dtype=torch.bool)
+                for b in kept.tolist():
+                    masked[b * 1024 : (b + 1) * 1024] = False
+                logits[r, masked[:SPEC_VOCAB]] = float("-inf")
         temp = torch.rand(MAX_REQS, generator=g) + 0.5
         temp[torch.randperm(MAX_REQS, generator=g)[:3]] = 0.0
         seeds = torch.randint(-(2**62), 2**62, (MAX_REQS,), generator=g, dtype=torch.int64)
         pos = _ints(g, 1000, (rows,), torch.int64)
-        draft_logits = torch.randn(MAX_REQS, SPEC_STEPS, SPEC_VOCAB, generator=g) * 2 if flags & 1 else None
+        draft_logits = None
+        if flags & 1:
+            draft_logits = _draft_logits_cache(g, mapped=bool(torch.randint(0, 2, (1,), generator=g)))
         rates = torch.tensor([0.9, 0.6, 0.3]) if flags & 2 else None
         with guard():
             sampled, num_sampled = rejection_sample(
@@ -763,6 +849,7 @@ def case_rejection_sample(g, side, guard):
                 SPEC_STEPS,
                 rates,
                 use_fp64=bool(flags & 4),
+                skip_masked_vocab_blocks=skip,
             )
         # entries past num_sampled are left unwritten (torch.empty) on both sides
         kept = torch.arange(SPEC_STEPS + 1)[None, :] < num_sampled[:, None]
@@ -816,7 +903,9 @@ def case_draft_prefill_inputs(g, side, guard):
 
 
 def case_draft_decode_inputs(g, side, guard):
-    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepare_decode_inputs
+    """The decode-step inputs (upstream launches the kernel from the speculator's
+    ``_prepare_decode_inputs``, with these arguments)."""
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar import speculator
 
     n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
     drafts = _ints(g, VOCAB, (MAX_REQS, SPEC_STEPS), torch.int64)
@@ -829,40 +918,60 @@ def case_draft_decode_inputs(g, side, guard):
     sample_src = _ints(g, 99, (MAX_REQS,), torch.int64)
     advance = bool(torch.randint(0, 2, (1,), generator=g))
     with guard():
-        prepare_decode_inputs(
-            drafts[:n, 0], target_seq_lens, num_rejected, buffers, sample_src, MODEL_LEN, MAX_REQS, advance
+        speculator._prepare_decode_inputs_kernel[(n + 1,)](
+            drafts[:n, 0],
+            drafts.stride(0),
+            target_seq_lens,
+            num_rejected,
+            buffers.input_ids,
+            buffers.positions,
+            sample_src,
+            buffers.query_start_loc,
+            buffers.seq_lens,
+            MODEL_LEN,
+            MAX_REQS,
+            BLOCK_SIZE=1024,
+            ADVANCE_DRAFT_POSITIONS=advance,
         )
     return [sample_src, *vars(buffers).values()]
 
 
 def case_update_draft_inputs(g, side, guard):
+    """Each draft step (the last one records its tokens only), advancing positions or
+    not, against a model length held in a device scalar (int32; auto-fit may lower it
+    after graph capture) that some positions and lengths reach."""
     from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import update_draft_inputs
 
-    n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
-    hidden = 40
-    drafts = _ints(g, VOCAB, (n,), torch.int64)
-    step = torch.tensor(int(torch.randint(0, SPEC_STEPS, (1,), generator=g)), dtype=torch.int64)
-    hidden_states = torch.randn(n + 2, hidden, generator=g)
-    out = _ints(g, VOCAB, (MAX_REQS, SPEC_STEPS), torch.int64)
-    next_hidden = torch.randn(MAX_REQS, hidden, generator=g)
-    buffers = _draft_buffers(g)
-    sample_src = _ints(g, 99, (MAX_REQS,), torch.int64)
-    advance = bool(torch.randint(0, 2, (1,), generator=g))
-    with guard():
-        update_draft_inputs(
-            drafts,
-            step,
-            hidden_states,
-            out,
-            next_hidden,
-            buffers,
-            sample_src,
-            n,
-            MODEL_LEN,
-            SPEC_STEPS,
-            advance,
-        )
-    return [out, next_hidden, sample_src, *vars(buffers).values()]
+    results = []
+    for advance in (False, True):
+        for current in range(SPEC_STEPS):
+            n = int(torch.randint(1, MAX_REQS + 1, (1,), generator=g))
+            hidden = 40
+            drafts = _ints(g, VOCAB, (n,), torch.int64)
+            step = torch.tensor(current, dtype=torch.int64)
+            hidden_states = torch.randn(n + 2, hidden, generator=g)
+            out = _ints(g, VOCAB, (MAX_REQS, SPEC_STEPS), torch.int64)
+            next_hidden = torch.randn(MAX_REQS, hidden, generator=g)
+            buffers = _draft_buffers(g)
+            sample_src = _ints(g, 99, (MAX_REQS,), torch.int64)
+            limit = int(torch.randint(8, MODEL_LEN + 1, (1,), generator=g))
+            max_model_len = torch.tensor(limit, dtype=torch.int32)
+            with guard():
+                update_draft_inputs(
+                    drafts,
+                    step,
+                    hidden_states,
+                    out,
+                    next_hidden,
+                    buffers,
+                    sample_src,
+                    n,
+                    max_model_len,
+                    SPEC_STEPS,
+                    advance,
+                )
+            results += [out, next_hidden, sample_src, *vars(buffers).values()]
+    return results
 
 
 CASES = {name.removeprefix("case_"): fn for name, fn in dict(globals()).items() if name.startswith("case_")}

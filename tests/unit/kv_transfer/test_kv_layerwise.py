@@ -122,21 +122,29 @@ def _request(request_id: str, prompt: int, params: dict):
 
 
 def _output(new: list, cached: list, scheduled: dict):
-    """An upstream SchedulerOutput: ``new`` (req, block ids, computed), ``cached``
-    (req id, new block ids or None, computed, resumed)."""
+    """An upstream SchedulerOutput: ``new`` (req, block ids, computed; a resumed request
+    comes as a new one), ``cached`` (req id, new block ids or None, computed)."""
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
     cached_data = CachedRequestData.make_empty()
-    for req_id, block_ids, computed, resumed in cached:
+    for req_id, block_ids, computed in cached:
         cached_data.req_ids.append(req_id)
         cached_data.new_block_ids.append(block_ids)
         cached_data.num_computed_tokens.append(computed)
         cached_data.num_output_tokens.append(0)
-        if resumed:
-            cached_data.resumed_req_ids.add(req_id)
     return SchedulerOutput(
         scheduled_new_reqs=[
-            NewRequestData(r.request_id, r.prompt_token_ids, [], None, None, ids, computed, None)
+            NewRequestData(
+                r.request_id,
+                r.prompt_token_ids,
+                [],
+                None,
+                None,
+                ids,
+                computed,
+                None,
+                prefill_token_ids=list(r.prompt_token_ids),
+            )
             for r, ids, computed in new
         ],
         scheduled_cached_reqs=cached_data,
@@ -144,7 +152,6 @@ def _output(new: list, cached: list, scheduled: dict):
         total_num_scheduled_tokens=sum(scheduled.values()),
         scheduled_spec_decode_tokens={},
         scheduled_encoder_inputs={},
-        num_common_prefix_blocks=[0],
         finished_req_ids=set(),
         free_encoder_mm_hashes=[],
     )
@@ -183,12 +190,10 @@ def test_published_once_with_the_whole_table_in_the_step_of_the_last_prompt_toke
         new_ids = list(range(next_block, next_block + need))
         next_block += need
         table = table + new_ids
-        if step == 0:
+        if step == 0 or resumed:  # a resumed request is scheduled as a new one, whole table
             out = _output([(request, (list(table),), computed)], [], {"r": scheduled})
         else:
-            out = _output(
-                [], [("r", (list(table) if resumed else new_ids,), computed, bool(resumed))], {"r": scheduled}
-            )
+            out = _output([], [("r", (new_ids,), computed)], {"r": scheduled})
         meta = sched.build_connector_meta(out)
         publishes += meta.publishes
         if computed + scheduled >= tokens and expected is None:

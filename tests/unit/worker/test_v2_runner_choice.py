@@ -1,6 +1,6 @@
-"""The Ascend worker builds Model Runner V2 only: what it runs passes the start-up check,
-and everything upstream would move to its V1 runner is refused in one line that names
-why (upstream's own list of V2 gaps is asked for real)."""
+"""The Ascend model runner is upstream's Model Runner V2 (the only runner since 0.34): what
+it runs passes the start-up check, what it does not is refused in one line that names why,
+and asking for the removed V1 runner is refused as upstream refuses it."""
 
 from __future__ import annotations
 
@@ -9,26 +9,27 @@ from types import SimpleNamespace
 import pytest
 
 import vllm.envs as vllm_envs
-from vllm.config import VllmConfig
 
 from vllm.ascend.errors import AscendConfigError
-from vllm.ascend.platform.npu import _check_runner, v2_unsupported_features
+from vllm.ascend.platform.npu import NPUPlatform, _check_runner, v2_unsupported_features
 
 PROMPT_EMBEDS = SimpleNamespace(enable_prompt_embeds=True, uses_mrope=False)
 MROPE = SimpleNamespace(enable_prompt_embeds=False, uses_mrope=True)
 
 
-def _spec(method, parallel_drafting=False):
-    return SimpleNamespace(method=method, parallel_drafting=parallel_drafting, use_heterogeneous_vocab=False)
+def _spec(method, parallel_drafting=False, adaptive=False):
+    return SimpleNamespace(
+        method=method,
+        parallel_drafting=parallel_drafting,
+        use_heterogeneous_vocab=False,
+        enable_adaptive_verification=adaptive,
+    )
 
 
-class _Config(SimpleNamespace):
-    def _get_v2_model_runner_unsupported_features(self):
-        return VllmConfig._get_v2_model_runner_unsupported_features(self)
-
-
-def _config(pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=None, backend="mp", pp=1):
-    return _Config(
+def _config(
+    pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=None, backend="mp", pp=1, sharded_sampling=None
+):
+    return SimpleNamespace(
         model_config=model,
         parallel_config=SimpleNamespace(
             prefill_context_parallel_size=pcp,
@@ -36,6 +37,7 @@ def _config(pcp=1, dcp=1, spec=None, kv=None, model=None, watermark=None, backen
             distributed_executor_backend=backend,
             pipeline_parallel_size=pp,
             use_ubatching=False,
+            enable_batch_sharded_sampling=sharded_sampling,
         ),
         speculative_config=spec,
         kv_transfer_config=kv,
@@ -77,11 +79,11 @@ def test_what_runs(config):
     [
         (_config(spec=_spec("eagle3")), "speculative method 'eagle3'"),
         (_config(spec=_spec("medusa")), "speculative method 'medusa'"),
-        # upstream names this one too: said once
         (_config(spec=_spec("suffix")), "speculative method 'suffix'"),
-        # upstream's own gaps
-        (_config(spec=_spec("eagle", parallel_drafting=True)), "parallel drafting"),
-        (_config(backend="external_launcher", pp=2), "pipeline parallelism with external_launcher"),
+        # opt-in upstream paths whose Triton kernels have no torch form here
+        (_config(spec=_spec("mtp", adaptive=True)), "adaptive verification"),
+        (_config(sharded_sampling=True), "batch-sharded sampling"),
+        (_config(model=SimpleNamespace(enable_trace_replay=True)), "trace replay"),
     ],
 )
 def test_what_does_not_run_is_refused_in_one_line(config, named):
@@ -94,13 +96,23 @@ def test_what_does_not_run_is_refused_in_one_line(config, named):
         assert "mtp" in message and "eagle" in message, message
 
 
-def test_asking_for_the_v1_runner_is_refused(monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    if hasattr(vllm_envs.__getattr__, "cache_clear"):
-        vllm_envs.__getattr__.cache_clear()
-    with pytest.raises(AscendConfigError, match="VLLM_USE_V2_MODEL_RUNNER") as err:
-        _check_runner(_config())
+@pytest.mark.parametrize("value", ["0", "false"])
+def test_asking_for_the_v1_runner_is_refused(monkeypatch, value):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    with pytest.raises(
+        AscendConfigError, match=f"VLLM_USE_V2_MODEL_RUNNER={value} is no longer supported"
+    ) as err:
+        NPUPlatform.validate_environ(hard_fail=True)
     assert "\n" not in str(err.value)
+
+
+def test_the_redundant_v2_switch_is_not_an_unknown_variable(monkeypatch):
+    import os
+
+    for name in [n for n in os.environ if n.startswith("VLLM_ASCEND_TEST")]:  # the suite's own
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    NPUPlatform.validate_environ(hard_fail=True)
 
 
 def test_watermarking_and_hisparse_are_refused():

@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from vllm.config import get_current_vllm_config
+from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -46,6 +47,17 @@ from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.step_cache import once_per_step
 
 
+def platform_block_size(default_block_size: int) -> int:
+    """The KV block size the platform set at config time (``check_and_update_config``,
+    logged with its reason), for upstream's later pass that asks each attention backend
+    for a preferred size: started from upstream's own default (64 since 0.34), that pass
+    would otherwise move host emulation and the NPU MLA kernel (16 or 128) to 64."""
+    config = get_current_vllm_config_or_none()
+    if config is None or config.cache_config is None or config.cache_config.block_size is None:
+        return default_block_size
+    return config.cache_config.block_size
+
+
 class AscendAttentionBackend(AttentionBackend):
     # What the backend code handles; the platform narrows it to what the selected
     # kernels take (float16/bfloat16 for the torch_npu kernels).
@@ -68,6 +80,10 @@ class AscendAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
         return kernels.supported_block_sizes()
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return platform_block_size(default_block_size)
 
     @classmethod
     def supports_sink(cls) -> bool:

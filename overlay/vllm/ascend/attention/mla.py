@@ -50,7 +50,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention import prefill_chunks
-from vllm.ascend.attention.backend import host_seq_lens
+from vllm.ascend.attention.backend import host_seq_lens, platform_block_size
 from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.graph import host_params
@@ -187,6 +187,10 @@ class AscendMLABackend(MLACommonBackend):
         from vllm.v1.attention.backend import MultipleOf
 
         return [128, 16] if npu_kernels() else [MultipleOf(1)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return platform_block_size(default_block_size)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

@@ -35,9 +35,11 @@ class AscendGraph:
 
 
 class _CaptureSession:
-    """Counts and times the captures of one graph-capture context (for the start-up log)."""
+    """One graph-capture context: the stream its graphs are captured on (what upstream's
+    manager reads back as ``context.stream``), counted and timed for the start-up log."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream) -> None:
+        self.stream = stream
         self.graphs = 0
         self.started = time.perf_counter()
 
@@ -46,18 +48,20 @@ _session: _CaptureSession | None = None
 
 
 @contextmanager
-def capture_context():
-    """Around all of a manager's captures: capture on a side stream of this process's device
-    (the NPU refuses the default stream), then return to the stream that was current.
-    Capture errors CANN names by code become one line that says what to change."""
+def capture_context(stream=None):
+    """Around all of a manager's captures: capture on ``stream`` (a manager sharing another's
+    capture stream) or a new side stream of this process's device (the NPU refuses the
+    default stream), then return to the stream that was current. Capture errors CANN names
+    by code become one line that says what to change."""
     global _session
     device = ascend_device.current()
-    previous, stream = device.current_stream(), device.stream()
+    previous = device.current_stream()
+    stream = stream if stream is not None else device.stream()
     stream.wait_stream(previous)
-    _session = _CaptureSession()
+    _session = _CaptureSession(stream)
     try:
         with device.stream_context(stream), capture_errors():
-            yield
+            yield _session
     finally:
         session, _session = _session, None
         previous.wait_stream(stream)
@@ -99,6 +103,6 @@ def capture_errors():
             raise
         raise AscendStartupError(
             f"ACL graph capture failed: {_RESOURCE_ERRORS[found.group(1)]}: capture fewer graphs "
-            "(a smaller --max-cudagraph-capture-size, or fewer sizes in --cudagraph-capture-sizes) "
-            "or run without graphs (--enforce-eager)"
+            "(a smaller -cc.max_decode_cudagraph_capture_requests, or fewer request counts in "
+            "-cc.decode_cudagraph_capture_request_sizes) or run without graphs (--enforce-eager)"
         ) from e

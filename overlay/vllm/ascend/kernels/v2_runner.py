@@ -443,6 +443,17 @@ def gumbel_noised(logits, temp, seed, pos, is_drafting: bool, use_fp64: bool, ap
     return torch.where(hot[:, None], logits + noise.to(logits.dtype), logits)
 
 
+def draft_logits_row(req_state_idx: torch.Tensor, row_mapping: torch.Tensor | None) -> torch.Tensor:
+    """spec_decode/draft_logits.py's ``draft_logits_row``: each request's row in this
+    rank's draft logits cache (int64), -1 for none. Without a row mapping (a replicated
+    cache) the row is the request slot itself; negative slots (padding) map to -1."""
+    req = req_state_idx.to(torch.int64)
+    if row_mapping is None:
+        return req
+    row = row_mapping[req.clamp(min=0)].to(torch.int64)
+    return torch.where(req >= 0, row, -1)
+
+
 _GUMBEL_ROWS = 64  # rows at a time: the noise holds several int64 copies of the logits
 
 
@@ -457,8 +468,11 @@ def gumbel_sample(
     logits_cache_col_ptr,
     logits_cache_source_ptr,
     logits_cache_source_stride,
+    logits_cache_row_mapping_ptr,
     logits_ptr,
     logits_stride,
+    bias_ptr,
+    bias_stride,
     expanded_idx_mapping_ptr,
     seeds_ptr,
     pos_ptr,
@@ -469,6 +483,7 @@ def gumbel_sample(
     APPLY_TEMPERATURE,
     USE_FP64,
     PER_TOKEN_COL,
+    HAS_BIAS=False,
     **launch,
 ):
     num_tokens = logits_ptr.shape[0]
@@ -481,16 +496,33 @@ def gumbel_sample(
     temp = torch.where(real, temp_ptr[req].to(torch.float32), 0.0)
     seed = torch.where(real, seeds_ptr[req].to(torch.int64), 0)
     pos = pos_ptr[:num_tokens].to(torch.int64)
+    logits = logits_ptr[:, :vocab_size]
+    if HAS_BIAS:
+        # added in float32 and rounded to the logits dtype, as ``logits + bias`` would be
+        bias = bias_ptr[:num_tokens, :vocab_size].to(torch.float32)
+        logits = (logits.to(torch.float32) + bias).to(logits.dtype)
     if logits_cache_ptr is not None:
-        # the logits before temperature, for the rejection sampler to divide again
+        # the logits before temperature (the source's, else the ones sampled, bias
+        # included), for the rejection sampler to divide again
         if PER_TOKEN_COL:
             col = logits_cache_col_ptr[:num_tokens].to(torch.int64)
         else:
             col = logits_cache_col_ptr.reshape(1).to(torch.int64).expand(num_tokens)
-        source = logits_cache_source_ptr[:num_tokens, :vocab_size]
+        if logits_cache_source_ptr is not None:
+            source = logits_cache_source_ptr[:num_tokens, :vocab_size]
+        else:
+            source = logits
+        row = draft_logits_row(req_raw, logits_cache_row_mapping_ptr)
+        cached = row >= 0  # -1: no row of this rank's cache (or a padded token)
         cache = logits_cache_ptr[:, :, :vocab_size]
-        kept = torch.where(real[:, None], source.to(cache.dtype), cache[req, col])
-        cache[req, col] = kept
+        # tokens without a row repeat one cached token's write (the same entry, the same
+        # values), so no two writes to one entry differ; with none cached, that entry
+        # gets its own values back
+        first = cached.to(torch.int32).argmax()
+        first_row, first_col = row[first].clamp(min=0), col[first]
+        first_values = torch.where(cached[first], source[first].to(cache.dtype), cache[first_row, first_col])
+        at = (torch.where(cached, row, first_row), torch.where(cached, col, first_col))
+        cache[at] = torch.where(cached[:, None], source.to(cache.dtype), first_values)
         seed = seed ^ (col << 32)  # each speculative step draws its own noise
 
     num_blocks = local_argmax_ptr.shape[1]
@@ -498,7 +530,7 @@ def gumbel_sample(
     for start in range(0, num_tokens, _GUMBEL_ROWS):
         rows = slice(start, start + _GUMBEL_ROWS)
         scores = gumbel_noised(
-            logits_ptr[rows, :vocab_size].to(torch.float32),
+            logits[rows].to(torch.float32),
             temp[rows],
             seed[rows],
             pos[rows],
@@ -511,6 +543,34 @@ def gumbel_sample(
         first = torch.arange(num_blocks, device=where.device) * int(BLOCK_SIZE)
         local_argmax_ptr[rows, :num_blocks] = (where + first).to(local_argmax_ptr.dtype)
         local_max_ptr[rows, :num_blocks] = best.to(local_max_ptr.dtype)
+
+
+def gumbel_combine(
+    local_argmax_ptr,
+    local_argmax_stride,
+    local_max_ptr,
+    local_max_stride,
+    sampled_ptr,
+    num_blocks,
+    PADDED_NUM_BLOCKS=None,
+    **launch,
+):
+    """Each row's sampled token: the local argmax of its winning block, the first NaN
+    block if any, else the first block holding the maximum (torch.argmax's choice, made
+    explicit so the device's argmax tie and NaN rules do not matter)."""
+    rows, blocks = sampled_ptr.shape[0], int(num_blocks)
+    if rows == 0:
+        return
+    values = local_max_ptr[:rows, :blocks]
+    block = torch.arange(blocks, device=values.device)
+    nan = torch.isnan(values)
+    first_nan = torch.where(nan, block, blocks).amin(dim=1)
+    clean = torch.where(nan, float("-inf"), values)
+    top = clean.amax(dim=1, keepdim=True)
+    first_top = torch.where(clean == top, block, blocks).amin(dim=1)
+    winner = torch.where(first_nan < blocks, first_nan, first_top)
+    sampled = local_argmax_ptr[:rows, :blocks].gather(1, winner[:, None])[:, 0]
+    sampled_ptr.copy_(sampled.to(sampled_ptr.dtype))
 
 
 KERNELS = {
@@ -526,6 +586,7 @@ KERNELS = {
     _V2 + "mm.rope._prepare_rope_positions_kernel": prepare_rope_positions,
     _V2 + "sample.gumbel._temperature_kernel": apply_temperature,
     _V2 + "sample.gumbel._gumbel_sample_kernel": gumbel_sample,
+    _V2 + "sample.gumbel._gumbel_combine_kernel": gumbel_combine,
 }
 
 

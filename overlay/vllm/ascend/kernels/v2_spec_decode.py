@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm.ascend.kernels import request_of_token
-from vllm.ascend.kernels.v2_runner import _MASK32, _masked_set, gumbel_noised
+from vllm.ascend.kernels.v2_runner import _MASK32, _masked_set, draft_logits_row, gumbel_noised
 
 _SD = "vllm.v1.worker.gpu.spec_decode."
 _NEG_INF = float("-inf")
@@ -93,6 +93,13 @@ def _global_lse(local_max: torch.Tensor, local_sumexp: torch.Tensor) -> torch.Te
     return top + torch.log((local_sumexp * torch.exp(local_max - top[..., None])).sum(dim=-1))
 
 
+def _draft_rows(req: torch.Tensor, row_mapping: torch.Tensor | None) -> torch.Tensor:
+    """The rows the verification kernels read the draft logits from: each request's row
+    in this rank's cache, a missing row (-1) read as row 0 as upstream's
+    ``tl.maximum(draft_logits_row(...), 0)`` does (its drafts are marked stale)."""
+    return draft_logits_row(req, row_mapping).clamp(min=0)
+
+
 def _argmax_of_blocks(local_max: torch.Tensor, local_argmax: torch.Tensor) -> torch.Tensor:
     """The token of the block with the largest maximum (NaN blocks never win)."""
     clean = torch.where(torch.isnan(local_max), _NEG_INF, local_max)
@@ -154,6 +161,7 @@ def compute_local_logits_stats(
     draft_logits_ptr,
     draft_logits_stride_0,
     draft_logits_stride_1,
+    draft_logits_row_mapping_ptr,
     expanded_idx_mapping_ptr,
     expanded_local_pos_ptr,
     temp_ptr,
@@ -185,7 +193,8 @@ def compute_local_logits_stats(
     _set_rows(target_local_sumexp_ptr, sumexp, rows & ~greedy[:, None])
     if HAS_DRAFT_LOGITS:
         step = local_pos.clamp(max=draft_logits_ptr.shape[1] - 1)
-        draft = draft_logits_ptr[req, step, : int(vocab_size)].to(torch.float32)
+        rows_of = _draft_rows(req, draft_logits_row_mapping_ptr)
+        draft = draft_logits_ptr[rows_of, step, : int(vocab_size)].to(torch.float32)
         draft = draft / torch.where(greedy, 1.0, temp)[:, None]  # stored before temperature
         draft_blocks = _blocks(draft, num_blocks, size)
         draft_top = draft_blocks.max(dim=-1).values
@@ -217,6 +226,7 @@ def rejection(
     draft_logits_ptr,
     draft_logits_stride_0,
     draft_logits_stride_1,
+    draft_logits_row_mapping_ptr,
     draft_local_max_ptr,
     draft_local_max_stride,
     draft_local_sumexp_ptr,
@@ -273,7 +283,8 @@ def rejection(
     target_logprob = torch.where(valid, target_logit, _NEG_INF) - target_lse
     if HAS_DRAFT_LOGITS:
         draft_step = step.clamp(max=draft_logits_ptr.shape[1] - 1)
-        draft_logit = draft_logits_ptr[req[:, None], draft_step, draft].to(torch.float32)
+        draft_row = _draft_rows(req, draft_logits_row_mapping_ptr)[:, None]
+        draft_logit = draft_logits_ptr[draft_row, draft_step, draft].to(torch.float32)
         draft_logit = torch.where(valid, draft_logit, _NEG_INF) / torch.where(greedy, 1.0, temp[:, None])
         draft_lse = _global_lse(draft_local_max_ptr[row, :blocks], draft_local_sumexp_ptr[row, :blocks])
         draft_logprob = draft_logit - draft_lse
@@ -316,6 +327,7 @@ def resample(
     draft_logits_ptr,
     draft_logits_stride_0,
     draft_logits_stride_1,
+    draft_logits_row_mapping_ptr,
     draft_rejected_logsumexp_ptr,
     rejected_step_ptr,
     cu_num_logits_ptr,
@@ -339,6 +351,7 @@ def resample(
     CONTEXT_WIDTH=1,
     WATERMARK=False,
     DEDUPLICATE_CONTEXTS=False,
+    SKIP_MASKED_BLOCKS=False,
     **launch,
 ):
     if USE_BLOCK_VERIFICATION:
@@ -365,7 +378,8 @@ def resample(
         # r(x) = max(p(x) - q(x), 0), in log space
         step = resample_step.clamp(max=draft_logits_ptr.shape[1] - 1)
         draft = (
-            draft_logits_ptr[req, step, :vocab].to(torch.float32) / torch.where(greedy, 1.0, temp)[:, None]
+            draft_logits_ptr[_draft_rows(req, draft_logits_row_mapping_ptr), step, :vocab].to(torch.float32)
+            / torch.where(greedy, 1.0, temp)[:, None]
         )
         target_log_probs = logits - target_rejected_logsumexp_ptr[:num_reqs, None]
         draft_log_probs = draft - draft_rejected_logsumexp_ptr[:num_reqs, None]
@@ -380,6 +394,12 @@ def resample(
     size = int(BLOCK_SIZE)
     best, where = _blocks(scores, num_blocks, size).max(dim=-1)
     first = torch.arange(num_blocks, device=where.device) * size
+    if SKIP_MASKED_BLOCKS:
+        # a block where no target logit survives (top-k/top-p) is skipped: its first
+        # token with -inf, whatever the residual or the noise would give
+        masked = _blocks(logits, num_blocks, size).amax(dim=-1) == _NEG_INF
+        where = torch.where(masked, 0, where)
+        best = torch.where(masked, _NEG_INF, best)
     run = (~(greedy & ~is_bonus))[:, None]  # greedy rejections keep the target argmax already written
     _set_rows(resampled_local_argmax_ptr, where + first, run)
     _set_rows(resampled_local_max_ptr, best, run)
@@ -513,14 +533,15 @@ def update_draft_inputs(
     hidden_states_ptr,
     hidden_states_stride,
     hidden_size,
-    max_model_len,
+    max_model_len_ptr,
     num_speculative_steps,
     BLOCK_SIZE=None,
     ADVANCE_DRAFT_POSITIONS=True,
     **launch,
 ):
     """Record this step's draft tokens; before the last step, also make them (and the
-    hidden states) the next step's inputs. The step stays on the device."""
+    hidden states) the next step's inputs. The step and the model length (a scalar
+    tensor, which may shrink after graph capture) stay on the device."""
     num_reqs = draft_tokens_ptr.shape[0]
     if num_reqs == 0:
         return
@@ -536,11 +557,13 @@ def update_draft_inputs(
     hidden = next_input_hidden_states_ptr[:num_reqs, :size]
     hidden.copy_(torch.where(more[:, None], hidden_states_ptr[:num_reqs, :size].to(hidden.dtype), hidden))
     if ADVANCE_DRAFT_POSITIONS:
-        limit = int(max_model_len)
+        limit = max_model_len_ptr.reshape(1).to(torch.int64)
         pos = positions_ptr[:num_reqs]
-        pos.copy_(torch.where(more, (pos + 1).clamp(max=limit - 1), pos))
+        advanced = torch.minimum(pos.to(torch.int64) + 1, limit - 1)
+        pos.copy_(torch.where(more, advanced.to(pos.dtype), pos))
         seq = seq_lens_ptr[:num_reqs]
-        seq.copy_(torch.where(more, (seq + 1).clamp(max=limit), seq))
+        advanced = torch.minimum(seq.to(torch.int64) + 1, limit)
+        seq.copy_(torch.where(more, advanced.to(seq.dtype), seq))
 
 
 # -- the n-gram drafter (spec_decode/ngram/speculator.py) ------------------------------

@@ -11,6 +11,7 @@ group moves by its own block table (``groups.py``).
 
 from __future__ import annotations
 
+from vllm.config.kv_transfer import KVCacheAccess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -33,6 +34,12 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         return VLLM_LAYOUT
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config) -> KVCacheAccess:
+        # the workers register the device KV cache with the transport (Mooncake's engine or
+        # LLM-DataDist), as upstream's Mooncake connector does
+        return KVCacheAccess.REGISTERS
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = P2PSettings.from_config(vllm_config)
@@ -48,6 +55,9 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request) -> bool:
+        return self._scheduler.may_load_async(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

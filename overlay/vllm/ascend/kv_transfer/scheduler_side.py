@@ -326,6 +326,19 @@ class P2PScheduler:
     def _key(remote: RemotePrefill) -> tuple:
         return remote.remote_engine_id, remote.remote_request_id
 
+    def may_load_async(self, request) -> bool:
+        """Whether the request may still pull (upstream's ``--max-num-inflight-kv-loads``
+        starts such requests while the batch is full): not one refused or pulled already, nor
+        one that reads no external KV. Cheap: the trust check is made when it is scheduled."""
+        params = request.kv_transfer_params
+        return bool(
+            self.settings.consumer
+            and params
+            and params.get("do_remote_prefill")
+            and request.request_id not in self._over
+            and not getattr(request, "skip_reading_external_kv", False)
+        )
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         remote = self.remote_of(request)
         if remote is None:
@@ -415,14 +428,13 @@ class P2PScheduler:
             if outgoing is not None:
                 outgoing.tables = [list(b) for b in new.block_ids]
                 computed[new.req_id] = new.num_computed_tokens
-        cached = out.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set())
+        cached = out.scheduled_cached_reqs  # (a resumed request comes as a new one)
         for i, req_id in enumerate(cached.req_ids):
             outgoing = self._outgoing.get(req_id)
             if outgoing is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in resumed or outgoing.tables is None:
+            if outgoing.tables is None:
                 outgoing.tables = [list(b) for b in new_ids] if new_ids is not None else outgoing.tables
             elif new_ids is not None:
                 for table, more in zip(outgoing.tables, new_ids):

@@ -139,14 +139,10 @@ def _check_npu_attention_shapes(vllm_config) -> None:
 def _register_kernel_overrides() -> None:
     """Upstream's Triton kernels that have no torch fallback, replaced by the kernels
     facade. Once per process: registering again would wrap the wrappers."""
-    from vllm.ascend.kernels.slot_mapping import register_slot_mapping_override
-    from vllm.ascend.kernels.spec_decode import register_spec_decode_overrides
     from vllm.ascend.kernels.v2_runner import register_v2_runner_overrides
     from vllm.ascend.kernels.v2_sampling import register_v2_sampling_overrides
     from vllm.ascend.kernels.v2_spec_decode import register_v2_spec_decode_overrides
 
-    register_slot_mapping_override()
-    register_spec_decode_overrides()
     register_v2_runner_overrides()
     register_v2_sampling_overrides()
     register_v2_spec_decode_overrides()
@@ -157,27 +153,17 @@ def _adjust(what: str, reason: str) -> None:
 
 
 def _check_runner(vllm_config: VllmConfig) -> None:
-    """The Ascend worker builds Model Runner V2 only (the V1 runner was removed), so every
-    configuration upstream would move to V1 is refused here, in one line that names why:
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` or what V2 does not run (upstream's list plus
-    ``v2_unsupported_features``)."""
-    import vllm.envs as vllm_envs
-
+    """What the Ascend model runner (upstream's Model Runner V2, the only runner since 0.34)
+    does not run, refused here in one line that names why (upstream refuses what its own
+    runner lacks itself, after this check)."""
     if vllm_config.watermark_config is not None or vllm_config.attention_config.hisparse_config is not None:
         raise AscendConfigError("watermarking and HiSparse are not supported on Ascend yet")
-    if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False:
-        raise AscendConfigError(
-            "the Ascend distribution runs Model Runner V2 only (it has no V1 runner): "
-            "unset VLLM_USE_V2_MODEL_RUNNER or set it to 1"
-        )
-    unsupported = list(dict.fromkeys(vllm_config._get_v2_model_runner_unsupported_features()))
+    unsupported = v2_unsupported_features(vllm_config)
     if unsupported:
-        spec = vllm_config.speculative_config
-        hint = ""
-        if spec is not None and spec.method not in V2_SPEC_METHODS:
-            hint = f" (speculative methods it runs: {', '.join(V2_SPEC_METHODS)})"
+        methods = any(u.startswith("speculative method") for u in unsupported)
         raise AscendConfigError(
-            f"the Ascend model runner (Model Runner V2) does not run {'; '.join(unsupported)}{hint}"
+            f"the Ascend model runner does not run {'; '.join(unsupported)}"
+            + (f" (speculative methods it runs: {', '.join(V2_SPEC_METHODS)})" if methods else "")
         )
 
 
@@ -274,24 +260,33 @@ def _choose_graph_mode(vllm_config: VllmConfig) -> None:
 
     compilation_config = vllm_config.compilation_config
     if compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
-        compilation_config.cudagraph_capture_sizes = []
-        compilation_config.max_cudagraph_capture_size = 0
+        _no_graph_sizes(compilation_config)
         return
     reason = graph_refusal(vllm_config)
     if reason is not None:
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-        compilation_config.cudagraph_capture_sizes = []
-        compilation_config.max_cudagraph_capture_size = 0
+        _no_graph_sizes(compilation_config)
         _adjust("decode graphs off", reason)
         return
     if compilation_config.cudagraph_mode != CUDAGraphMode.FULL_DECODE_ONLY:
         compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    # upstream sized decode graphs by request count (n requests x 1 + k tokens each)
+    sizes = compilation_config.decode_cudagraph_capture_request_sizes or []
     _adjust(
-        "decode graphs (FULL_DECODE_ONLY) for "
-        f"{len(compilation_config.cudagraph_capture_sizes or [])} batch sizes up to "
-        f"{compilation_config.max_cudagraph_capture_size} tokens",
+        f"decode graphs (FULL_DECODE_ONLY) for {len(sizes)} batch sizes up to "
+        f"{compilation_config.max_decode_cudagraph_capture_requests} requests",
         "ACL graphs through torch_npu; steps with a prefill run eagerly; --enforce-eager turns them off",
     )
+
+
+def _no_graph_sizes(compilation_config) -> None:
+    """No graphs: none to size (the sizes upstream resolved say what would be captured)."""
+    compilation_config.cudagraph_capture_sizes = []
+    compilation_config.max_cudagraph_capture_size = 0
+    compilation_config.prefill_cudagraph_capture_token_sizes = []
+    compilation_config.max_prefill_cudagraph_capture_tokens = 0
+    compilation_config.decode_cudagraph_capture_request_sizes = []
+    compilation_config.max_decode_cudagraph_capture_requests = 0
 
 
 def _check_not_bootstrapping() -> None:
@@ -317,6 +312,14 @@ def v2_unsupported_features(vllm_config: VllmConfig) -> list[str]:
     if spec is not None and spec.method not in V2_SPEC_METHODS:
         # the torch forms (kernels/v2_spec_decode.py) cover these drafters' kernels only
         unsupported.append(f"speculative method '{spec.method}'")
+    # opt-in paths whose Triton kernels have no torch form here (they would be launched)
+    if spec is not None and getattr(spec, "enable_adaptive_verification", False):
+        unsupported.append("adaptive verification")
+    if getattr(vllm_config.parallel_config, "enable_batch_sharded_sampling", False):
+        unsupported.append("batch-sharded sampling")
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "enable_trace_replay", False):
+        unsupported.append("trace replay")
     return unsupported
 
 
@@ -446,10 +449,6 @@ class NPUPlatform(Platform):
         return True
 
     @classmethod
-    def model_runner_v2_unsupported_features(cls, vllm_config: VllmConfig) -> list[str]:
-        return v2_unsupported_features(vllm_config)
-
-    @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
         from vllm.ascend.kernels import kernel_dtypes, npu_kernels
 
@@ -489,10 +488,10 @@ class NPUPlatform(Platform):
         return AscendGraph()
 
     @classmethod
-    def graph_capture_context(cls, device):
+    def graph_capture_context(cls, device, stream=None):
         from vllm.ascend.graph.capture import capture_context
 
-        return capture_context()
+        return capture_context(stream)
 
     @classmethod
     def capture_graph(cls, graph, pool, stream):
@@ -589,7 +588,17 @@ class NPUPlatform(Platform):
 
         from vllm.ascend.envs import unknown_variables
 
-        for name, likely in unknown_variables(os.environ, envs.environment_variables).items():
+        runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        if runner not in (None, "1"):  # as upstream says it (its V1 runner is gone), in one line
+            raise AscendConfigError(
+                f"VLLM_USE_V2_MODEL_RUNNER={runner} is no longer supported: Model Runner V1 has been "
+                "removed. Unset this variable."
+            )
+        for name in os.environ:
+            if hint := envs.removed_environment_variables.get(name):
+                raise AscendConfigError(f"{name} has been removed. {hint}")
+        known = [*envs.environment_variables, "VLLM_USE_V2_MODEL_RUNNER"]
+        for name, likely in unknown_variables(os.environ, known).items():
             hint = f" (did you mean {likely}?)" if likely else ""
             if hard_fail:
                 raise ValueError(f"Unknown vLLM environment variable detected: {name}{hint}")

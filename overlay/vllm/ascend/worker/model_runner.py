@@ -84,7 +84,12 @@ class NPUModelRunner(GPUModelRunner):
         spec = self.vllm_config.speculative_config
         profiling.init_profiling_kv_cache(
             self,
-            profiling.dummy_split(self.max_num_tokens, self.max_num_reqs, self.speculator),
+            profiling.dummy_split(
+                self.max_num_tokens,
+                self.max_num_reqs,
+                self.speculator,
+                spec.max_num_new_slots_for_drafting if spec is not None else 0,
+            ),
             draft_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self._profiling_with_attention = True

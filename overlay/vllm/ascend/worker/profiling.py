@@ -22,14 +22,15 @@ def even_split(num_tokens: int, max_num_reqs: int) -> list[int]:
     return [base + (i >= num_reqs - extra) for i in range(num_reqs)]
 
 
-def dummy_split(max_num_tokens: int, max_num_reqs: int, speculator=None) -> list[int]:
+def dummy_split(max_num_tokens: int, max_num_reqs: int, speculator=None, draft_slots: int = 0) -> list[int]:
     """The request lengths of the profile's dummy batch as V2's ``_dummy_run`` makes them: with
-    a speculator, no more requests than its queries per request allow, and room for its extra
-    query rows."""
+    a speculator, no more requests than its queries per request allow, and room for the
+    ``draft_slots`` each request's drafting adds (the speculative config's
+    ``max_num_new_slots_for_drafting``)."""
     num_tokens, num_reqs = max_num_tokens, min(max_num_tokens, max_num_reqs)
     if speculator is not None:
         num_reqs = min(num_reqs, max_num_tokens // speculator.num_query_per_req)
-        num_tokens = min(num_tokens, max_num_tokens - num_reqs * speculator.num_extra_query_per_req)
+        num_tokens = min(num_tokens, max_num_tokens - num_reqs * draft_slots)
     return even_split(num_tokens, num_reqs)
 
 
