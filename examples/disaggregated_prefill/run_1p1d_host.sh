@@ -2,7 +2,7 @@
 # 1 prefill + 1 decode instance and the proxy on this machine, in host emulation (no NPU):
 # the decode instance pulls each prompt's KV cache from the prefill instance over Mooncake (TCP).
 #
-#   pip install 'dist/vllm-0.33.0+ascend.1-py3-none-any.whl[mooncake-host]'
+#   pip install 'dist/vllm-0.34.0+ascend.1-py3-none-any.whl[mooncake-host]'
 #   apt-get install libibverbs1 libnuma1        # the Mooncake engine's system libraries
 #   examples/disaggregated_prefill/run_1p1d_host.sh [MODEL_DIR]
 #
