@@ -147,6 +147,13 @@ def selection_paths(name: str, selections: dict, source: Path, patch_set_dir: Pa
     counted: every test of every selection imports them."""
     selection = selections[name]
     paths = list(selection["paths"])
+    gone = [path for path in paths if not (source / path).exists()]
+    if gone:  # pytest would end with "no tests ran" and nothing said about why
+        raise SystemExit(
+            f"error: selection {name!r} names paths that upstream's tests at {source} do not "
+            f"have: {', '.join(gone)}; remove them from upstream-expectations.toml "
+            "(or name what replaced them)"
+        )
     within = selection.get("importers-within")
     if not within:
         return paths, {}

@@ -63,6 +63,13 @@ def test_a_selection_gains_the_importers_within_another(tmp_path):
     assert selection_paths("full", selections, source, PATCH_SET) == (selections["full"]["paths"], {})
 
 
+def test_a_selection_path_upstream_no_longer_has_is_named(tmp_path):
+    source = _write(tmp_path, UPSTREAM_TESTS)
+    selections = {"fast": {"paths": ["tests/v1/core/test_direct.py", "tests/v1/core/test_gone.py"]}}
+    with pytest.raises(SystemExit, match=r"do not have: tests/v1/core/test_gone.py; remove them"):
+        selection_paths("fast", selections, source, PATCH_SET)
+
+
 def test_the_committed_fast_selection_takes_the_importers_of_the_full_one():
     from tests.upstream.run import load_expectations
 
