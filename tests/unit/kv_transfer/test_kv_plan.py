@@ -639,3 +639,23 @@ def test_a_token_the_decode_side_keeps_but_prefill_freed_is_refused():
         build_group_plan(layout, layout, 32, [full, [NULL_BLOCK, 2, 3, 4]], [full, [5, 6, 7, 8]])
     with pytest.raises(LayoutError, match="block tables for 1 KV-cache groups, this instance has 2"):
         build_group_plan(layout, layout, 32, [full], [full, full])
+
+
+def test_a_deferred_plan_works_out_its_group_column_when_read_first():
+    """A plan of whole periods plus a partial one works its columns out when one is first
+    read. ``group`` has a default, and a plain dataclass default is also a class attribute:
+    read first, it answered None instead of working the columns out, so a group plan made
+    of such a plan failed to stack its columns (which column is read first depends on the
+    process's string hashing: it failed a clean-clone CI run, all six cases of
+    test_kv_addressing's KV-cache-group test)."""
+    plan_module.clear_plan_caches()
+    layout = CPLayout(tp=1, block_size=16)
+    tokens = 2 * 16 + 13  # two whole periods and a partial one
+    plan = build_plan(layout, layout, tokens, list(range(1, 4)), list(range(1, 4)))
+    assert "_deferred" in plan.__dict__  # the case under test
+    group = plan.group
+    assert isinstance(group, np.ndarray) and group.tolist() == [0] * len(plan)
+    # and its reads are those of the same plan made from empty caches
+    plan_module.clear_plan_caches()
+    eager = build_plan(layout, layout, tokens, list(range(1, 4)), list(range(1, 4)))
+    assert [r.positions.tolist() for r in eager.reads()] == [r.positions.tolist() for r in plan.reads()]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -102,7 +102,10 @@ class Plan:
     runs_count: np.ndarray
     run_token: np.ndarray
     run_length: np.ndarray
-    group: np.ndarray | None = None  # per read: its KV-cache group (None: all group 0)
+    # per read: its KV-cache group (None: all group 0). A factory, not a plain default: a
+    # plain default is also a class attribute, which a deferred plan (its columns popped)
+    # would answer for ``group`` instead of working its columns out (``__getattr__``)
+    group: np.ndarray | None = field(default_factory=lambda: None)
     # which decode CP ranks read which prefill CP rank's tokens (decode.cp x prefill.cp
     # booleans): it orders the readers of replicas, so a partial period is planned with
     # the full period's
