@@ -106,6 +106,34 @@ def test_gqa_write_and_attention_equal_reference(data, kv_heads, group, head_siz
     torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 4]),
+    block_size=st.sampled_from([128, 256]),
+)
+def test_paged_decode_with_lse_equals_reference(data, kv_heads, group, block_size):
+    """The context-parallel decode (one query row per request, with the softmax
+    log-sum-exp): a request this rank holds no key of gets out 0 and lse -inf, as the
+    reference gives it, whatever the fused op leaves there."""
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    max_blocks, head_size = 2, 64
+    seq_lens = data.draw(st.lists(st.integers(0, block_size * max_blocks), min_size=1, max_size=4))
+    num_blocks = 1 + max_blocks * len(seq_lens)
+    table = torch.arange(1, num_blocks, dtype=torch.int32).view(len(seq_lens), max_blocks)
+    shape = (num_blocks, kv_heads, block_size, head_size)
+    k_plane, v_plane = torch.randn(shape, dtype=BF16), torch.randn(shape, dtype=BF16)
+    query = torch.randn(len(seq_lens), kv_heads * group, head_size, dtype=BF16)
+    args = (query, k_plane, v_plane, table, seq_lens, head_size**-0.5)
+    out_npu, lse_npu = attention.npu_paged_decode(*args)
+    out_ref, lse_ref = attention.reference_paged_decode(*args)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), **TOL)
+    empty = torch.tensor([n == 0 for n in seq_lens])
+    assert torch.isneginf(lse_npu[empty]).all() and (out_npu[empty] == 0).all()
+    torch.testing.assert_close(lse_npu[~empty].float(), lse_ref[~empty].float(), **TOL)
+
+
 @pytest.mark.parametrize(
     "q_lens,window,expected",
     [
