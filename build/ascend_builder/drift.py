@@ -223,25 +223,30 @@ def _gone(old: _Release, new: _Release, module: str, name: str | None) -> str | 
     return None
 
 
-def _class_members(source: str | None, cls: str) -> dict[str, list[str]]:
-    """Members of ``cls``: name -> parameter names (empty for attributes)."""
+def _class_body(source: str | None, cls: str) -> list[ast.stmt]:
+    """The statements of class ``cls`` in ``source`` (none if either is missing)."""
     if source is None:
-        return {}
+        return []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef) and node.name == cls:
-            members = {}
-            for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    args = item.args
-                    members[item.name] = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
-                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    members[item.target.id] = []
-                elif isinstance(item, ast.Assign):
-                    for target in item.targets:
-                        if isinstance(target, ast.Name):
-                            members[target.id] = []
-            return members
-    return {}
+            return node.body
+    return []
+
+
+def _class_members(source: str | None, cls: str) -> dict[str, list[str]]:
+    """Members of ``cls``: name -> parameter names (empty for attributes)."""
+    members = {}
+    for item in _class_body(source, cls):
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = item.args
+            members[item.name] = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            members[item.target.id] = []
+        elif isinstance(item, ast.Assign):
+            for target in item.targets:
+                if isinstance(target, ast.Name):
+                    members[target.id] = []
+    return members
 
 
 def platform_changes(old: _Release, new: _Release, sources: dict[str, str]) -> list[str]:
@@ -286,20 +291,15 @@ def config_changes(old: _Release, new: _Release, sources: dict[str, str]) -> lis
 
 def _class_defaults(source: str | None, cls: str) -> dict[str, str]:
     """Class-level assignments of ``cls``: name -> the value's source text."""
-    if source is None:
-        return {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            out = {}
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value:
-                    out[item.target.id] = ast.unparse(item.value)
-                elif isinstance(item, ast.Assign):
-                    for target in item.targets:
-                        if isinstance(target, ast.Name):
-                            out[target.id] = ast.unparse(item.value)
-            return out
-    return {}
+    out = {}
+    for item in _class_body(source, cls):
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value:
+            out[item.target.id] = ast.unparse(item.value)
+        elif isinstance(item, ast.Assign):
+            for target in item.targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = ast.unparse(item.value)
+    return out
 
 
 def default_changes(old: _Release, new: _Release, sources: dict[str, str]) -> list[str]:
