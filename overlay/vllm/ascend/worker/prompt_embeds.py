@@ -40,14 +40,14 @@ class NPUPromptEmbedsState:
         if embeds is None:
             return
         rows = embeds.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        # a prompt that mixes token ids and embeddings marks its token ids: list[bool]
+        # in the scheduler's NewRequestData
         mask = new_req_data.prompt_is_token_ids
         if mask is None:
             mask = torch.zeros(rows.shape[0], dtype=torch.bool, device=self.device)
-        self.requests[req_id] = (
-            req_index,
-            rows.reshape(-1, self.hidden_size),
-            mask.to(self.device, torch.bool),
-        )
+        else:
+            mask = torch.as_tensor(mask, dtype=torch.bool).to(self.device, non_blocking=True)
+        self.requests[req_id] = (req_index, rows.reshape(-1, self.hidden_size), mask)
 
     def remove_request(self, req_id: str) -> None:
         # its rows stay in ``rows`` until the next request is added: its slot is not scheduled
