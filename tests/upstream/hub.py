@@ -95,6 +95,44 @@ def _opt(hidden, layers, heads, ffn, proj, pre_norm) -> dict:
     )
 
 
+LLAMA3_TOKENS = {
+    "bos": "<|begin_of_text|>",
+    "eos": "<|eot_id|>",
+    "extra": ["<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
+}
+GEMMA_TOKENS = {"bos": "<bos>", "eos": "<eos>", "extra": ["<start_of_turn>", "<end_of_turn>"]}
+
+
+def _llama32_1b() -> dict:
+    """Llama 3.2 1B as its model card publishes it (the base and the instruct model share it)."""
+    return _llama(
+        2048,
+        16,
+        32,
+        8,
+        8192,
+        128256,
+        131072,
+        head_dim=64,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ) | {"tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+
+
+# what Qwen2-VL and Qwen2.5-VL configs share: vision token ids and M-RoPE sections
+QWEN_VL_IDS = dict(
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+)
 QWEN_TOKENS = {
     "bos": "<|endoftext|>",
     "eos": "<|im_end|>",
@@ -164,6 +202,65 @@ MODELS: dict[str, Entry] = {
     "hmellor/tiny-random-LlamaForCausalLM": Entry(
         _llama(16, 2, 4, 4, 64, 32000, 2048, head_dim=4), weights=True
     ),
+    "vllm-project/tiny-random-LlamaForCausalLM": Entry(
+        _llama(16, 2, 4, 4, 64, 32000, 2048, head_dim=4), weights=True
+    ),
+    # the engine-core client and AsyncLLM tests serve it: seeded weights (1.2 B parameters)
+    "meta-llama/Llama-3.2-1B-Instruct": Entry(_llama32_1b(), tokenizer=LLAMA3_TOKENS, weights=True),
+    "meta-llama/Llama-3.2-1B": Entry(_llama32_1b(), tokenizer=LLAMA3_TOKENS),  # its tokenizer only
+    "openai-community/gpt2": Entry(
+        dict(
+            model_type="gpt2",
+            architectures=["GPT2LMHeadModel"],
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            n_positions=1024,
+            n_ctx=1024,
+            vocab_size=50257,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            bos_token_id=50256,
+            eos_token_id=50256,
+        ),
+        tokenizer={"bos": "<|endoftext|>", "eos": "<|endoftext|>"},
+        weights=True,
+    ),
+    "google/gemma-3-1b-it": Entry(
+        dict(
+            model_type="gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=256,
+            hidden_activation="gelu_pytorch_tanh",
+            rms_norm_eps=1e-6,
+            torch_dtype="bfloat16",
+            bos_token_id=2,
+            eos_token_id=[1, 106],
+            pad_token_id=0,
+        ),
+        tokenizer=GEMMA_TOKENS,
+    ),
+    "Qwen/Qwen3-1.7B": Entry(
+        _qwen("qwen3", "Qwen3ForCausalLM", 2048, 28, 16, 8, 6144, 40960, head_dim=128)
+        | {"tie_word_embeddings": True},
+        tokenizer=QWEN_TOKENS,
+    ),
+    "Qwen/Qwen2.5-1.5B-Instruct": Entry(
+        _qwen("qwen2", "Qwen2ForCausalLM", 1536, 28, 12, 2, 8960, 32768) | {"tie_word_embeddings": True},
+        tokenizer=QWEN_TOKENS,
+    ),
     "llava-hf/llava-1.5-7b-hf": Entry(
         dict(
             model_type="llava",
@@ -221,11 +318,7 @@ MODELS: dict[str, Entry] = {
             11008,
             128000,
             tie_word_embeddings=True,
-            image_token_id=151655,
-            video_token_id=151656,
-            vision_start_token_id=151652,
-            vision_end_token_id=151653,
-            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+            **QWEN_VL_IDS,
             vision_config=dict(
                 depth=32,
                 hidden_size=1280,

@@ -161,8 +161,31 @@ def selection_paths(name: str, selections: dict, source: Path, patch_set_dir: Pa
         raise SystemExit(f"error: selection {name!r}: importers-within names no selection {within!r}")
     modules = set(patched_modules(patch_set_dir, packages=False))
     found = importers(source, selections[within]["paths"], modules)
-    added = {file: mods for file, mods in found.items() if not _selected(file, paths)}
+    left_out = _importers_left_out(name, selection)
+    added = {
+        file: mods
+        for file, mods in found.items()
+        if not _selected(file, paths) and not _selected(file, left_out)
+    }
     return paths + sorted(added), added
+
+
+def _importers_left_out(name: str, selection: dict) -> list[str]:
+    """A selection's ``importers-leave-out``: directories of the other selection whose
+    importers it does not take (engine, server and end-to-end tests reach every patched
+    module through upstream's helpers, and each starts an engine). Each says why."""
+    return _explained(name, selection, "importers-leave-out", "path")
+
+
+def _explained(name: str, selection: dict, key: str, field: str) -> list[str]:
+    """The ``field`` of each entry of a selection's ``key`` list; each must say ``why``."""
+    values = []
+    for entry in selection.get(key, ()):
+        value, why = entry.get(field, ""), entry.get("why", "").strip()
+        if not value or not why:
+            raise SystemExit(f"error: selection {name!r}: a {key} entry needs a {field} and why, got {entry}")
+        values.append(value)
+    return values
 
 
 def deselected_tests(name: str, selection: dict, expectations: list[Expectation]) -> tuple[str, ...]:
@@ -177,20 +200,13 @@ def deselected_tests(name: str, selection: dict, expectations: list[Expectation]
                 "deselect only tests the expectations explain"
             )
     # tests that pass, left out for their time alone (``deselect-passing``): each says why
-    passing = []
-    for entry in selection.get("deselect-passing", ()):
-        test, why = entry.get("test", ""), entry.get("why", "").strip()
-        if not test or not why:
-            raise SystemExit(
-                f"error: selection {name!r}: a deselect-passing entry needs a test and why "
-                f"(its measured time), got {entry}"
-            )
+    passing = _explained(name, selection, "deselect-passing", "test")  # why: its measured time
+    for test in passing:
         if any(e.matches(test) for e in expectations):
             raise SystemExit(
                 f"error: selection {name!r} deselects {test} as passing, but an [[expect]] entry "
                 "lists it: put it in deselect"
             )
-        passing.append(test)
     return deselected + tuple(passing)
 
 
@@ -232,6 +248,7 @@ def run_pytest(
     global_cleanup: bool = True,
     deselected: tuple[str, ...] = (),
     lift_cuda_gates: tuple[str, ...] = (),
+    host_kv_cache_mb: int = 256,
 ) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
     if not global_cleanup:
@@ -248,8 +265,9 @@ def run_pytest(
             HF_HOME=str(Path(tmp) / "hf-home"),
             ASCEND_OUTCOMES=str(outcomes_file),
             PYTHONPATH=str(HERE / "plugin"),
-            # room for one sequence of 2048 tokens of a 0.6B model (Qwen3-0.6B, float16)
-            VLLM_ASCEND_HOST_KV_CACHE_MB="256",
+            # the platform's default (256: one 2048-token sequence of Qwen3-0.6B in
+            # float16), or a selection's ``host-kv-cache-mb``
+            VLLM_ASCEND_HOST_KV_CACHE_MB=str(host_kv_cache_mb),
         )
         cmd = [
             sys.executable,
@@ -386,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             global_cleanup,
             deselected,
             lift_cuda_gates=lifted,
+            host_kv_cache_mb=selection.get("host-kv-cache-mb", 256),
         )
         seconds = time.monotonic() - started
         if args.outcomes:

@@ -6,11 +6,11 @@ Upstream's per-test global clean-up is skipped when ``ASCEND_SKIP_GLOBAL_CLEANUP
 (a selection's ``global-cleanup = false``).
 
 The test files named in ``ASCEND_LIFT_CUDA_GATES`` (``os.pathsep``-separated paths of
-upstream's tree; a selection's ``lift-cuda-gates``) are imported with the platform
-answering "CUDA" to ``is_cuda()`` / ``is_cuda_alike()``, during their import only: upstream
-skips them at module level on every other platform, though what they test (the engine
-core, its client, the async engine) runs on this one. Their tests then run on the
-platform as it is.
+upstream's tree; a selection's ``lift-cuda-gates``) are collected with the platform
+answering "CUDA" to ``is_cuda()`` / ``is_cuda_alike()`` in their module-level gates
+alone: upstream skips them at module level on every other platform, though what they
+test (the engine core, its client, the async engine) runs on this one. Everything else
+(upstream modules they import, ``skipif`` marks, the tests) sees the platform as it is.
 
 Outcomes: passed, failed (the test body), error (setup or teardown), skipped. A test
 that passes but errors in teardown counts as error. Written to the file named by
@@ -21,9 +21,12 @@ is first on ``sys.path`` during the run.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
+import sys
+from pathlib import Path
 
 _results: dict[str, dict] = {}
 _writer = True  # False in pytest-xdist workers: their reports reach the controller, which writes
@@ -61,14 +64,45 @@ def _lifted() -> set[str]:
     return {p for p in os.environ.get("ASCEND_LIFT_CUDA_GATES", "").split(os.pathsep) if p}
 
 
+def _gate_lines(path: str) -> set[int]:
+    """The lines of a file's module-level CUDA gates: the condition of each top-level
+    ``if`` whose body calls ``pytest.skip(..., allow_module_level=True)``."""
+    lines: set[int] = set()
+    for node in ast.parse(Path(path).read_text(), path).body:
+        if not isinstance(node, ast.If):
+            continue
+        skips = any(
+            isinstance(call, ast.Call) and any(k.arg == "allow_module_level" for k in call.keywords)
+            for statement in node.body
+            for call in ast.walk(statement)
+        )
+        if skips:
+            lines.update(range(node.test.lineno, node.test.end_lineno + 1))
+    return lines
+
+
 @contextlib.contextmanager
-def _answering_cuda():
+def _answering_cuda(module_file: str):
+    """``is_cuda()`` / ``is_cuda_alike()`` answer "CUDA" to the file's gate conditions
+    alone: upstream modules it imports meanwhile (asked "CUDA?", ``fa_utils`` would import
+    FlashAttention) and its tests' own ``skipif`` marks see the platform as it is."""
     from vllm.platforms import current_platform
 
     platform = type(current_platform)
+    gates = _gate_lines(module_file)
     saved = {name: platform.__dict__.get(name) for name in ("is_cuda", "is_cuda_alike")}
+
+    def answer(name):
+        own = getattr(current_platform, name)  # bound before it is replaced
+
+        def asked(cls):
+            caller = sys._getframe(1)
+            return (caller.f_code.co_filename == module_file and caller.f_lineno in gates) or own()
+
+        return classmethod(asked)
+
     for name in saved:
-        setattr(platform, name, classmethod(lambda cls: True))
+        setattr(platform, name, answer(name))
     try:
         yield
     finally:
@@ -89,15 +123,15 @@ def _import_gate_lifted(collector) -> bool:
 
 
 def pytest_make_collect_report(collector):
-    """A listed test file is imported (its module-level code: the CUDA gate) while the
-    platform answers "CUDA"; collecting its tests and running them is not."""
+    """A listed test file is collected (imported, its tests gathered) while its gate
+    conditions hear "CUDA"; an import that then fails is reported as the collection error
+    it is, not hidden behind the gate's skip."""
     if not _import_gate_lifted(collector):
         return None
-    import pytest
+    from _pytest.runner import pytest_make_collect_report as collect
 
-    with _answering_cuda(), contextlib.suppress(Exception, pytest.skip.Exception):
-        collector.obj  # noqa: B018 (the import itself, cached on the collector)
-    return None  # pytest collects as usual (and reports an import error as usual)
+    with _answering_cuda(str(collector.path)):
+        return collect(collector)
 
 
 def _summary(report) -> str:
