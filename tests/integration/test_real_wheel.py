@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import textwrap
 import time
 import tomllib
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -114,7 +116,7 @@ def _pip_install(python: str, requirement: str, *options: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def fresh_venv(wheels, tmp_path_factory) -> tuple[str, dict]:
+def fresh_venv(wheels, tmp_path_factory) -> Iterator[tuple[str, dict]]:
     """The README's CPU-host install: the pinned torch, then the wheel (no extras)."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -126,7 +128,9 @@ def fresh_venv(wheels, tmp_path_factory) -> tuple[str, dict]:
     _pip_install(python, f"torch=={TORCH}", *offline)
     _pip_install(python, str(wheels[0]))
     env = {k: v for k, v in os.environ.items() if k not in FRESH_ENV_DROP}
-    return python, env
+    yield python, env
+    # 4-7 GB that no later test reads: CI machines share their disk
+    shutil.rmtree(venv, ignore_errors=True)
 
 
 def test_installs_into_fresh_venv_and_matches_the_pins(fresh_venv, tmp_path):

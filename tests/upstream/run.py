@@ -56,7 +56,13 @@ def default_expectations() -> Path:
 ACCEPTS = {"pass": {"passed"}, "fail": {"failed", "error"}, "skip": {"skipped"}}
 NEEDS_REF = {"upstream-bug", "not-offered", "ascend-semantics", "slow"}
 # Variables of this project's own test session that must not leak into upstream's run.
-DROP_ENV = ("PYTHONPATH", "TORCH_NPU_DOUBLE_WHEEL", "TORCH_NPU_DOUBLE_DEVICES", "VLLM_ASCEND_KERNELS")
+DROP_ENV = (
+    "PYTHONPATH",
+    "TORCH_NPU_DOUBLE_WHEEL",
+    "TORCH_NPU_DOUBLE_DEVICES",
+    "VLLM_ASCEND_KERNELS",
+    "VLLM_ASCEND_HOST_KV_CACHE_MB",  # a selection's host-kv-cache-mb, or the platform's default
+)
 
 
 @dataclass(frozen=True)
@@ -161,31 +167,8 @@ def selection_paths(name: str, selections: dict, source: Path, patch_set_dir: Pa
         raise SystemExit(f"error: selection {name!r}: importers-within names no selection {within!r}")
     modules = set(patched_modules(patch_set_dir, packages=False))
     found = importers(source, selections[within]["paths"], modules)
-    left_out = _importers_left_out(name, selection)
-    added = {
-        file: mods
-        for file, mods in found.items()
-        if not _selected(file, paths) and not _selected(file, left_out)
-    }
+    added = {file: mods for file, mods in found.items() if not _selected(file, paths)}
     return paths + sorted(added), added
-
-
-def _importers_left_out(name: str, selection: dict) -> list[str]:
-    """A selection's ``importers-leave-out``: directories of the other selection whose
-    importers it does not take (engine, server and end-to-end tests reach every patched
-    module through upstream's helpers, and each starts an engine). Each says why."""
-    return _explained(name, selection, "importers-leave-out", "path")
-
-
-def _explained(name: str, selection: dict, key: str, field: str) -> list[str]:
-    """The ``field`` of each entry of a selection's ``key`` list; each must say ``why``."""
-    values = []
-    for entry in selection.get(key, ()):
-        value, why = entry.get(field, ""), entry.get("why", "").strip()
-        if not value or not why:
-            raise SystemExit(f"error: selection {name!r}: a {key} entry needs a {field} and why, got {entry}")
-        values.append(value)
-    return values
 
 
 def deselected_tests(name: str, selection: dict, expectations: list[Expectation]) -> tuple[str, ...]:
@@ -200,13 +183,20 @@ def deselected_tests(name: str, selection: dict, expectations: list[Expectation]
                 "deselect only tests the expectations explain"
             )
     # tests that pass, left out for their time alone (``deselect-passing``): each says why
-    passing = _explained(name, selection, "deselect-passing", "test")  # why: its measured time
-    for test in passing:
+    passing = []
+    for entry in selection.get("deselect-passing", ()):
+        test, why = entry.get("test", ""), entry.get("why", "").strip()
+        if not test or not why:
+            raise SystemExit(
+                f"error: selection {name!r}: a deselect-passing entry needs a test and why "
+                f"(its measured time), got {entry}"
+            )
         if any(e.matches(test) for e in expectations):
             raise SystemExit(
                 f"error: selection {name!r} deselects {test} as passing, but an [[expect]] entry "
                 "lists it: put it in deselect"
             )
+        passing.append(test)
     return deselected + tuple(passing)
 
 
@@ -248,9 +238,11 @@ def run_pytest(
     global_cleanup: bool = True,
     deselected: tuple[str, ...] = (),
     lift_cuda_gates: tuple[str, ...] = (),
-    host_kv_cache_mb: int = 256,
+    host_kv_cache_mb: int | None = None,
 ) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
+    if host_kv_cache_mb is not None:  # otherwise the platform's default (256 MiB)
+        env["VLLM_ASCEND_HOST_KV_CACHE_MB"] = str(host_kv_cache_mb)
     if not global_cleanup:
         env["ASCEND_SKIP_GLOBAL_CLEANUP"] = "1"  # read by the ascend_outcomes plugin
     if lift_cuda_gates:
@@ -265,9 +257,6 @@ def run_pytest(
             HF_HOME=str(Path(tmp) / "hf-home"),
             ASCEND_OUTCOMES=str(outcomes_file),
             PYTHONPATH=str(HERE / "plugin"),
-            # the platform's default (256: one 2048-token sequence of Qwen3-0.6B in
-            # float16), or a selection's ``host-kv-cache-mb``
-            VLLM_ASCEND_HOST_KV_CACHE_MB=str(host_kv_cache_mb),
         )
         cmd = [
             sys.executable,
@@ -404,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             global_cleanup,
             deselected,
             lift_cuda_gates=lifted,
-            host_kv_cache_mb=selection.get("host-kv-cache-mb", 256),
+            host_kv_cache_mb=selection.get("host-kv-cache-mb"),
         )
         seconds = time.monotonic() - started
         if args.outcomes:

@@ -63,22 +63,6 @@ def test_a_selection_gains_the_importers_within_another(tmp_path):
     assert selection_paths("full", selections, source, PATCH_SET) == (selections["full"]["paths"], {})
 
 
-def test_a_selection_leaves_out_the_importers_under_the_directories_it_names(tmp_path):
-    source = _write(tmp_path, UPSTREAM_TESTS)
-    fast = {
-        "paths": ["tests/v1/core/test_direct.py"],
-        "importers-within": "full",
-        "importers-leave-out": [{"path": "tests/v1/worker", "why": "starts engines"}],
-    }
-    selections = {"fast": fast, "full": {"paths": ["tests/v1/core", "tests/v1/worker"]}}
-    paths, added = selection_paths("fast", selections, source, PATCH_SET)
-    assert "tests/v1/worker/test_other_dir.py" not in paths
-    assert sorted(added) == ["tests/v1/core/test_from_package.py", "tests/v1/core/test_helper.py"]
-    fast["importers-leave-out"] = [{"path": "tests/v1/worker"}]  # no why: refused
-    with pytest.raises(SystemExit, match="needs a path and why"):
-        selection_paths("fast", selections, source, PATCH_SET)
-
-
 def test_a_selection_path_upstream_no_longer_has_is_named(tmp_path):
     source = _write(tmp_path, UPSTREAM_TESTS)
     selections = {"fast": {"paths": ["tests/v1/core/test_direct.py", "tests/v1/core/test_gone.py"]}}

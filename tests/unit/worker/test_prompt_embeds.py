@@ -28,11 +28,10 @@ def _request(req_id: str, length: int, embedded: bool, mixed: list[bool] | None,
     )
 
 
-def _oracle(new_reqs, slots, computed, scheduled, inputs):
+def _oracle(new_reqs, computed, scheduled, inputs):
     out = inputs.clone()
     row = 0
-    for req, slot, done, count in zip(new_reqs, slots, computed, scheduled, strict=True):
-        del slot
+    for req, done, count in zip(new_reqs, computed, scheduled, strict=True):
         for offset in range(count):
             position = done + offset
             embeds = req.prompt_embeds
@@ -79,7 +78,7 @@ def test_the_scheduled_rows_take_the_given_embeddings_except_token_ids(step):
     num_computed = torch.zeros(MAX_REQS, dtype=torch.int32)
     num_computed[slots] = torch.tensor(computed, dtype=torch.int32)
     inputs = torch.full((num_tokens + 3, HIDDEN), -7.0)  # padded rows stay as they are
-    expected = _oracle(reqs, slots, computed, scheduled, inputs)
+    expected = _oracle(reqs, computed, scheduled, inputs)
     state.apply(batch, num_computed, inputs)
     assert torch.equal(inputs, expected)
 
