@@ -106,9 +106,9 @@ GEMMA_TOKENS = {"bos": "<bos>", "eos": "<eos>", "extra": ["<start_of_turn>", "<e
 TINY_LLAMA = Entry(_llama(16, 2, 4, 4, 64, 32000, 2048, head_dim=4), weights=True)
 
 
-def _llama32_1b() -> dict:
-    """Llama 3.2 1B as its model card publishes it (the base and the instruct model share it)."""
-    return _llama(
+# Llama 3.2 1B as its model card publishes it (the base and the instruct model share it)
+LLAMA32_1B = Entry(
+    _llama(
         2048,
         16,
         32,
@@ -125,7 +125,10 @@ def _llama32_1b() -> dict:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
-    ) | {"tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+    )
+    | {"tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+    tokenizer=LLAMA3_TOKENS,
+)
 
 
 # what Qwen2-VL and Qwen2.5-VL configs share: vision token ids and M-RoPE sections
@@ -208,8 +211,8 @@ MODELS: dict[str, Entry] = {
     # config and tokenizer only: with seeded weights (1.2 B parameters) upstream's logprob
     # tests that name it served it for ~20 minutes of CI and still failed against the real
     # model's numbers
-    "meta-llama/Llama-3.2-1B-Instruct": Entry(_llama32_1b(), tokenizer=LLAMA3_TOKENS),
-    "meta-llama/Llama-3.2-1B": Entry(_llama32_1b(), tokenizer=LLAMA3_TOKENS),
+    "meta-llama/Llama-3.2-1B-Instruct": LLAMA32_1B,
+    "meta-llama/Llama-3.2-1B": LLAMA32_1B,
     "openai-community/gpt2": Entry(
         dict(
             model_type="gpt2",

@@ -241,7 +241,7 @@ def run_pytest(
     host_kv_cache_mb: int | None = None,
 ) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
-    if host_kv_cache_mb is not None:  # otherwise the platform's default (256 MiB)
+    if host_kv_cache_mb is not None:  # otherwise the platform's own default
         env["VLLM_ASCEND_HOST_KV_CACHE_MB"] = str(host_kv_cache_mb)
     if not global_cleanup:
         env["ASCEND_SKIP_GLOBAL_CLEANUP"] = "1"  # read by the ascend_outcomes plugin
