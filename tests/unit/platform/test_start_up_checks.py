@@ -111,3 +111,17 @@ def test_sleep_mode_settings_without_an_ascend_form_are_refused_by_name(setting,
     npu._check_sleep_mode(
         SimpleNamespace(enable_sleep_mode=True, sleep_mode_backend="cumem", enable_nccl_comm_suspend=False)
     )
+
+
+def test_workers_spawn_unless_the_caller_chose_a_start_method(monkeypatch):
+    warned = []
+    monkeypatch.setattr(npu.logger, "warning", lambda fmt, *args: warned.append(fmt % args))
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    npu._default_multiproc_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and not warned
+
+    # a caller's choice is kept (upstream's own tests fork to inherit a monkeypatch) and said
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    npu._default_multiproc_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert len(warned) == 1 and "VLLM_WORKER_MULTIPROC_METHOD=fork is kept" in warned[0]

@@ -230,6 +230,23 @@ def graph_refusal(vllm_config: VllmConfig) -> str | None:
     return None
 
 
+def _default_multiproc_method() -> None:
+    """Workers start with ``spawn`` unless the caller chose otherwise: a forked worker
+    inherits the parent's device runtime half-initialised on an NPU. A caller's choice is
+    kept (upstream's XPU platform does the same) and said, since ``fork`` is safe only
+    while the parent has not opened the device (always so in host emulation)."""
+    chosen = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    if chosen is None:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    elif chosen != "spawn":
+        logger.warning(
+            "VLLM_WORKER_MULTIPROC_METHOD=%s is kept as set; on an NPU, workers forked after "
+            "this process opened the device cannot use it: unset it (the platform's default "
+            "is spawn) if workers fail to start",
+            chosen,
+        )
+
+
 def _check_pd_trust(vllm_config: VllmConfig) -> None:
     """P/D with the Ascend connector needs the deployment's secret (kv_transfer/trust.py), or
     ``insecure`` said on purpose; refused at start-up with what to set."""
@@ -676,8 +693,7 @@ class NPUPlatform(Platform):
                 raise AscendConfigError(str(exc)) from None
 
         _check_pd_trust(vllm_config)
-        # Worker processes must not inherit a half-initialised device runtime.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        _default_multiproc_method()
         # No side streams for shared experts on this platform.
         os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
 
