@@ -54,7 +54,8 @@ def test_without_nnal_the_first_atb_call_fails_and_the_start_up_check_says_why()
     code = """
         import vllm, torch, torch_npu
         from vllm.ascend.device.npu_runtime import atb_failure
-        from vllm.ascend.platform.npu import _check_atb
+        from types import SimpleNamespace
+        from vllm.ascend.platform.checks import check_atb
         print("IMPORTED", torch_npu.npu_swiglu is torch.ops.npu.npu_swiglu)  # non-ATB ops untouched
         try:
             torch_npu._npu_reshape_and_cache(None, None, None, None, None)
@@ -63,9 +64,9 @@ def test_without_nnal_the_first_atb_call_fails_and_the_start_up_check_says_why()
         except Exception:  # past the guard: the dispatcher rejects the arguments
             print("REACHED_OP yes")
         print("FAILURE", atb_failure())
-        _check_atb(False)  # a model without MLA does not need ATB
+        check_atb(SimpleNamespace(model_config=SimpleNamespace(use_mla=False)))  # no MLA: no ATB needed
         try:
-            _check_atb(True)
+            check_atb(SimpleNamespace(model_config=SimpleNamespace(use_mla=True)))
         except Exception as exc:
             print("CHECK", type(exc).__name__, str(exc))
     """

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.ascend.context_parallel.config import check_npu_partials, validate_context_parallel
-from vllm.ascend.platform.npu import _check_npu_attention_shapes
+from vllm.ascend.platform.checks import check_npu_attention_shapes
 
 
 @pytest.fixture
@@ -84,13 +84,13 @@ def test_context_parallel_config_applies_the_limit_with_the_npu_kernels_only(npu
 )
 def test_attention_head_limits_are_start_up_errors(kwargs, message, npu_kernels):
     with pytest.raises(ValueError, match=message):
-        _check_npu_attention_shapes(_config(**kwargs))
+        check_npu_attention_shapes(_config(**kwargs))
 
 
 def test_attention_head_limits_accept_what_the_kernels_take(npu_kernels, monkeypatch):
-    _check_npu_attention_shapes(_config(heads=128, kv_heads=2, head_size=128))  # 64 per KV head
-    _check_npu_attention_shapes(_config(tp=2, heads=512, kv_heads=8))  # 256 per rank
-    _check_npu_attention_shapes(_config(mla=True, heads=128))
-    _check_npu_attention_shapes(_config(tp=2, dcp=2, mla=True, heads=128))  # DCP gathers 128
+    check_npu_attention_shapes(_config(heads=128, kv_heads=2, head_size=128))  # 64 per KV head
+    check_npu_attention_shapes(_config(tp=2, heads=512, kv_heads=8))  # 256 per rank
+    check_npu_attention_shapes(_config(mla=True, heads=128))
+    check_npu_attention_shapes(_config(tp=2, dcp=2, mla=True, heads=128))  # DCP gathers 128
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "reference")
-    _check_npu_attention_shapes(_config(heads=512, kv_heads=8, head_size=72))
+    check_npu_attention_shapes(_config(heads=512, kv_heads=8, head_size=72))

@@ -86,7 +86,7 @@ def test_the_reference_kernels_never_capture(tmp_path, monkeypatch):
 def test_refused_combinations_keep_graphs_off_and_say_why(tmp_path, monkeypatch, make, engine_args, reason):
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm.ascend.platform.npu import graph_refusal
+    from vllm.ascend.graph.policy import graph_refusal
 
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     config = _engine_config(tmp_path, make(), **engine_args)
@@ -99,7 +99,7 @@ def test_graphs_stay_off_where_attention_would_be_one_opaque_custom_op(tmp_path,
     mode while the op runs), so an attention call there would never be updated."""
     from vllm.platforms import current_platform
 
-    from vllm.ascend.platform.npu import graph_refusal
+    from vllm.ascend.graph.policy import graph_refusal
 
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "npu")
     config = _engine_config(tmp_path, _qwen2(), max_num_seqs=8)

@@ -344,7 +344,8 @@ def test_an_instance_without_the_secret_refuses_to_start_unless_insecure(monkeyp
     not concerned."""
     from types import SimpleNamespace
 
-    from vllm.ascend.platform.npu import AscendConfigError, _check_pd_trust
+    from vllm.ascend.errors import AscendConfigError
+    from vllm.ascend.platform.checks import check_pd_trust
 
     def config(extra, connector="AscendP2PConnector"):
         kv = SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra)
@@ -352,13 +353,13 @@ def test_an_instance_without_the_secret_refuses_to_start_unless_insecure(monkeyp
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     with pytest.raises(AscendConfigError, match="VLLM_ASCEND_KV_SECRET"):
-        _check_pd_trust(config({}))
+        check_pd_trust(config({}))
     with pytest.raises(AscendConfigError, match="VLLM_ASCEND_KV_SECRET"):
-        _check_pd_trust(config({"insecure": "yes"}))  # only true is insecure
+        check_pd_trust(config({"insecure": "yes"}))  # only true is insecure
     with caplog.at_level("WARNING"):
-        _check_pd_trust(config({"insecure": True}))
+        check_pd_trust(config({"insecure": True}))
     assert "without a shared secret" in caplog.text
-    _check_pd_trust(config({}, connector="NixlConnector"))
-    _check_pd_trust(SimpleNamespace(kv_transfer_config=None))
+    check_pd_trust(config({}, connector="NixlConnector"))
+    check_pd_trust(SimpleNamespace(kv_transfer_config=None))
     monkeypatch.setenv(SECRET_ENV, "k" * 32)
-    _check_pd_trust(config({}))
+    check_pd_trust(config({}))

@@ -18,7 +18,7 @@ import pytest
 
 from vllm.ascend import envs
 from vllm.ascend.errors import AscendConfigError, AscendStartupError
-from vllm.ascend.platform import npu
+from vllm.ascend.platform import checks, npu
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -107,9 +107,13 @@ def test_sleep_mode_settings_without_an_ascend_form_are_refused_by_name(setting,
         }
     )
     with pytest.raises(AscendConfigError, match=named):
-        npu._check_sleep_mode(model_config)
-    npu._check_sleep_mode(
-        SimpleNamespace(enable_sleep_mode=True, sleep_mode_backend="cumem", enable_nccl_comm_suspend=False)
+        checks.check_sleep_mode(SimpleNamespace(model_config=model_config))
+    checks.check_sleep_mode(
+        SimpleNamespace(
+            model_config=SimpleNamespace(
+                enable_sleep_mode=True, sleep_mode_backend="cumem", enable_nccl_comm_suspend=False
+            )
+        )
     )
 
 

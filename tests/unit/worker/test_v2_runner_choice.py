@@ -11,7 +11,8 @@ import pytest
 import vllm.envs as vllm_envs
 
 from vllm.ascend.errors import AscendConfigError
-from vllm.ascend.platform.npu import NPUPlatform, _check_runner, v2_unsupported_features
+from vllm.ascend.platform.checks import check_runner, v2_unsupported_features
+from vllm.ascend.platform.npu import NPUPlatform
 
 PROMPT_EMBEDS = SimpleNamespace(enable_prompt_embeds=True, uses_mrope=False)
 MROPE = SimpleNamespace(enable_prompt_embeds=False, uses_mrope=True)
@@ -71,7 +72,7 @@ def _runner_env_unset(monkeypatch):
 )
 def test_what_runs(config):
     assert v2_unsupported_features(config) == []
-    _check_runner(config)
+    check_runner(config)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,7 @@ def test_what_runs(config):
 )
 def test_what_does_not_run_is_refused_in_one_line(config, named):
     with pytest.raises(AscendConfigError) as err:
-        _check_runner(config)
+        check_runner(config)
     message = str(err.value)
     assert named in message and "\n" not in message, message
     assert message.count(named) == 1, message
@@ -117,8 +118,8 @@ def test_the_redundant_v2_switch_is_not_an_unknown_variable(monkeypatch):
 
 def test_watermarking_and_hisparse_are_refused():
     with pytest.raises(AscendConfigError, match="watermarking"):
-        _check_runner(_config(watermark=object()))
+        check_runner(_config(watermark=object()))
     hisparse = _config()
     hisparse.attention_config.hisparse_config = object()
     with pytest.raises(AscendConfigError, match="HiSparse"):
-        _check_runner(hisparse)
+        check_runner(hisparse)

@@ -118,7 +118,7 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # decode graphs of uniform batches (1 + k tokens per request with drafts) on the NPU
-        # kernels; context parallelism keeps them off (platform/npu.py, graph_refusal)
+        # kernels; context parallelism keeps them off (graph/policy.py, graph_refusal)
         return AttentionCGSupport.UNIFORM_BATCH if npu_kernels() else AttentionCGSupport.NEVER
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> AscendAttentionMetadata:

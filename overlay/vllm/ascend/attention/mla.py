@@ -183,10 +183,7 @@ class AscendMLABackend(MLACommonBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        # torch_npu's MLA form of npu_fused_infer_attention_score: block_size 16 or 128.
-        from vllm.v1.attention.backend import MultipleOf
-
-        return [128, 16] if npu_kernels() else [MultipleOf(1)]
+        return kernels.supported_block_sizes()
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:

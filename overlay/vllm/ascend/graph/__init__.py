@@ -10,6 +10,6 @@ with torch_npu's ``auto_dispatch_capture``, which makes every such call a task g
 ``NPUGraph.update`` can rewrite; before every replay the graph is updated with the lengths
 of the step the attention metadata builders built last (``host_params.py``).
 
-How graph mode is chosen, capture sizes, what is refused and what is NPU-unverified:
-docs/runtime.md, "Graph capture".
+How graph mode is chosen, capture sizes and what is refused: ``policy.py``; with what
+is NPU-unverified: docs/runtime.md, "Graph capture".
 """

@@ -20,6 +20,17 @@ from vllm.ascend.kernels import pick, torch_npu
 MASK_SIZE = 2048  # the optimised causal mask torch_npu's sparse modes 2-4 take
 # npu_fused_infer_attention_score_v2's learnable_sink: value head size at most 128
 NPU_SINK_MAX_HEAD_SIZE = 128
+# npu_fused_infer_attention_score's page attention: block sizes 128..512 in steps of 128
+# when a query has more than one token; 128 is the size its kernels are built for
+NPU_BLOCK_SIZES = (128, 256, 384, 512)
+NPU_DEFAULT_BLOCK_SIZE = 128
+# its limits that depend only on the model and the parallel layout (torch_npu 2.14.0
+# _op_plugin_docs.py): "支持N轴小于等于256, 支持D轴小于等于512"; "输入类型全为float16、bfloat16时,
+# D轴需16对齐."; "需要满足num_heads整除num_key_value_heads, num_heads与num_key_value_heads的比值不能大于64."
+NPU_MAX_HEADS = 256
+NPU_MAX_HEAD_SIZE = 512
+NPU_HEAD_SIZE_ALIGN = 16
+NPU_MAX_GROUP = 64
 _masks: dict[torch.device, torch.Tensor] = {}
 
 
@@ -335,12 +346,10 @@ paged_attention = pick(reference_paged_attention, npu_paged_attention)
 
 
 def supported_block_sizes() -> list:
-    """Kernel block sizes of the selected kernels (vLLM's ``MultipleOf`` or ints).
-
-    torch_npu's page attention takes 128..512 in steps of 128 when a query has more
-    than one token; the reference kernels take any size."""
+    """Kernel block sizes of the selected kernels (vLLM's ``MultipleOf`` or ints): the
+    reference kernels take any size."""
     from vllm.v1.attention.backend import MultipleOf
 
     from vllm.ascend.kernels import npu_kernels
 
-    return [128, 256, 384, 512] if npu_kernels() else [MultipleOf(1)]
+    return list(NPU_BLOCK_SIZES) if npu_kernels() else [MultipleOf(1)]

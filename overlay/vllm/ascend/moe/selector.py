@@ -188,7 +188,7 @@ def choose(
     step above its capacity (the op's BS limit): such steps run AllToAll. In a decode
     graph (``in_graph``) AllToAll runs AllGather: its all-to-all takes split sizes counted
     on the device as host lists, which a captured graph cannot read (a forced AllToAll
-    keeps graphs off: platform/npu.py)."""
+    keeps graphs off: graph/policy.py)."""
     if forced is None:
         comm = select(max_tokens, layout)
     elif forced is MoEComm.MC2 and max_tokens > layout.mc2_capacity:

@@ -7,7 +7,7 @@ layer answering for the CPU, gloo instead of HCCL, and the reference kernels.
 
 from __future__ import annotations
 
-from vllm.ascend.platform.npu import NPU_BLOCK_SIZE, NPUPlatform
+from vllm.ascend.platform.npu import NPUPlatform
 
 HOST_BLOCK_SIZE = 16
 
@@ -35,7 +35,7 @@ class HostEmulationPlatform(NPUPlatform):
     def default_block_size(cls) -> int:
         from vllm.ascend.kernels import npu_kernels
 
-        return NPU_BLOCK_SIZE if npu_kernels() else HOST_BLOCK_SIZE
+        return super().default_block_size() if npu_kernels() else HOST_BLOCK_SIZE
 
     @classmethod
     def block_size_reason(cls) -> str:

@@ -8,13 +8,32 @@ What this platform has not been built or tested for is refused here, in one line
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# "deepseek_mtp" is rewritten to "mtp" by upstream's config; the rest run in
-# tests/engine/test_model_runner_v2.py (the start-up check refuses the others)
-TESTED_METHODS = ("mtp", "ngram", "draft_model", "eagle")
+
+@dataclass(frozen=True)
+class Method:
+    tested: bool  # served in tests/engine/test_model_runner_v2.py
+    in_graphs: bool  # its drafter runs in decode graphs (the speculator's own graph managers)
+
+
+# The speculative methods the Ascend runner runs (the start-up check refuses the others;
+# "deepseek_mtp" is rewritten to "mtp" by upstream's config). The torch forms of
+# kernels/v2_spec_decode.py cover these drafters' kernels only; `ngram_gpu` runs the same
+# drafter as `ngram` with no test of its own.
+METHODS = {
+    "mtp": Method(tested=True, in_graphs=True),
+    "ngram": Method(tested=True, in_graphs=False),
+    "ngram_gpu": Method(tested=False, in_graphs=False),
+    "draft_model": Method(tested=True, in_graphs=False),
+    "eagle": Method(tested=True, in_graphs=True),
+}
+TESTED_METHODS = tuple(name for name, method in METHODS.items() if method.tested)
+GRAPH_METHODS = tuple(name for name, method in METHODS.items() if method.in_graphs)
 
 
 def validate_speculative_config(vllm_config) -> None:

@@ -1,6 +1,6 @@
 """The Ascend model runner: upstream's Model Runner V2 (``vllm/v1/worker/gpu``), the only
 runner the distribution builds. What V2 does not run on Ascend is refused at start-up
-(``platform/npu.py``, ``_check_runner``).
+(``platform/checks.py``, ``check_runner``).
 
 A thin subclass: V2 asks the platform for its streams and events (hook patch
 ``v2-runner-make-its-streams-and-events-through-the-platform``), its Triton kernels
