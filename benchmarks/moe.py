@@ -55,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tests.support.moe_ranks import run
+    from vllm.ascend.kernels import mc2 as mc2_kernels
     from vllm.ascend.moe import selector
 
     grid = [int(t) for t in args.tokens.split(",")]
@@ -133,7 +134,7 @@ def main() -> None:
     print(
         f"\nselector's choice is the fastest in {exact}/{total} cells ({100 * exact / total:.0f} %), "
         f"within {TIE:.0%} of the fastest in {close}/{total} ({100 * close / total:.0f} %); "
-        f"mc2 n/a above {selector.MC2_TOKENS_PER_RANK['host']} tokens per rank; "
+        f"mc2 n/a above {mc2_kernels.TOKENS_PER_RANK['host']} tokens per rank; "
         f"host AllToAll from EP {selector.HOST_ALLTOALL_MIN_EP} and "
         f"{selector.HOST_ALLTOALL_MIN_TOKENS} tokens"
     )

@@ -29,10 +29,22 @@ import torch.distributed as dist
 
 from vllm.ascend.kernels import pick, torch_npu
 
-MAX_TOP_K = 16
-# The per-rank BS limit the reference enforces (the largest any SoC allows; the
-# per-SoC limits are checked when the strategy is chosen, vllm.ascend.moe.selector).
-MAX_BATCH = 512
+# The ops' limits (torch_npu 2.14.0 docs of dispatch_v2 / combine_v2) under the
+# algorithms MC2_COMM_ALG names: fullmesh on A2, fullmesh_v1 on A3. The strategy
+# selector (vllm.ascend.moe.selector) reads them when it chooses MC2.
+MAX_TOP_K = 16  # "0<K<=16"
+MAX_EXPERTS = 1024  # moe_expert_num range [1, 1024]
+# tokens per rank one dispatch may carry (BS: A2 fullmesh "0<BS<=256", A3 "0<BS<=512";
+# vllm-ascend caps at 512; the reference, run in host emulation, takes the largest)
+TOKENS_PER_RANK = {"A2": 256, "A3": 512, "other": 256, "host": 512}
+MAX_BATCH = max(TOKENS_PER_RANK.values())  # what the reference enforces
+# ep_world_size: A2 fullmesh {2..8, 16, 32, 64, 128, 256}; A3 [2, 768]
+A2_EP_SIZES = frozenset({2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256})
+A3_MAX_EP = 768
+# H: A2 fullmesh (0, 7168] and a multiple of 32; A3 [1024, 8192]
+A2_MAX_HIDDEN = 7168
+A2_HIDDEN_ALIGN = 32
+A3_HIDDEN = (1024, 8192)
 # The algorithm MC2 runs, passed explicitly as ``comm_alg`` and never left to the
 # environment: on A2, ``""`` means "hierarchy" when HCCL_INTRA_PCIE_ENABLE=1 and
 # HCCL_INTRA_ROCE_ENABLE=0, and hierarchy takes no active mask, only EP 16/32/64, and

@@ -28,28 +28,18 @@ class MoEComm(enum.Enum):
 
 CHOICES = tuple(c.value for c in MoEComm)
 
-# Tokens per TP rank one MC2 dispatch may carry (BS limit of dispatch_v2: A2 fullmesh
-# "0<BS<=256", A3 "0<BS<=512"; vllm-ascend caps at 512).
-MC2_TOKENS_PER_RANK = {"A2": 256, "A3": 512, "other": 256, "host": 512}
-# A2 uses MC2 only for large EP with few experts per device (vllm-ascend _select_a2).
+# A2 uses MC2 only for large EP with few experts per device (vllm-ascend _select_a2);
+# the MC2 ops' own limits are kernels/mc2.py's.
 A2_MC2_MIN_EP = 16
 A2_MC2_MAX_EXPERTS_PER_DEVICE = 24
-MC2_MAX_TOP_K = 16  # "0<K<=16"
-MC2_MAX_EXPERTS = 1024  # moe_expert_num range [1, 1024]
-# ep_world_size: A2 fullmesh {2..8, 16, 32, 64, 128, 256}; A3 [2, 768].
-A2_MC2_EP_SIZES = frozenset({2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256})
-A3_MC2_MAX_EP = 768
-# H: A2 fullmesh (0, 7168] and a multiple of 32; A3 [1024, 8192].
-A2_MC2_MAX_HIDDEN = 7168
-A3_MC2_HIDDEN = (1024, 8192)
 # Host emulation (gloo on CPU): AllToAll beats AllGather only with at least this many EP
 # ranks and tokens (max across DP); below, AllGather's two collectives win. Measured with
 # `nox -s bench -- moe` on the CI machine; see docs/moe.md.
 HOST_ALLTOALL_MIN_EP = 4
 HOST_ALLTOALL_MIN_TOKENS = 256
 
-# The limits above and the buffer formula below are those of the algorithm the MC2 kernels
-# pass explicitly (kernels/mc2.py MC2_COMM_ALG): fullmesh on A2, fullmesh_v1 on A3.
+# The buffer formula below is that of the algorithm the MC2 kernels pass explicitly
+# (kernels/mc2.py MC2_COMM_ALG): fullmesh on A2, fullmesh_v1 on A3.
 _MB = 1 << 20
 
 
@@ -115,8 +105,10 @@ class MoELayout:
 def mc2_capacity(max_num_seqs: int, num_speculative_tokens: int, tp_size: int, soc: str) -> int:
     """Tokens per DP rank (across its TP group) that MC2 may carry in one step: a decode
     batch (every request with its draft tokens), at most the per-rank BS limit per TP rank."""
+    from vllm.ascend.kernels import mc2
+
     per_tp_rank = math.ceil(max_num_seqs * (1 + num_speculative_tokens) / tp_size)
-    return min(per_tp_rank, MC2_TOKENS_PER_RANK[soc]) * tp_size
+    return min(per_tp_rank, mc2.TOKENS_PER_RANK[soc]) * tp_size
 
 
 def mc2_padded_tokens(max_tokens: int, tp_size: int) -> int:
@@ -132,22 +124,24 @@ def unusable_reason(comm: MoEComm, layout: MoELayout) -> str | None:
         return f"{comm.value} needs expert parallelism (--enable-expert-parallel with DP x TP > 1)"
     if comm is MoEComm.ALLTOALL:
         return None
+    from vllm.ascend.kernels import mc2
+
     e, ep, k, h = layout.num_experts, layout.ep_size, layout.top_k, layout.hidden_size
     if not layout.linear_placement:
         return "mc2 needs linear expert placement without EPLB (--expert-placement-strategy linear)"
     if e % ep:
         return f"mc2 needs the {e} routed experts to split evenly over the {ep} EP ranks"
-    if k > MC2_MAX_TOP_K or e > MC2_MAX_EXPERTS:
-        return f"mc2 takes top-k <= {MC2_MAX_TOP_K} and <= {MC2_MAX_EXPERTS} experts (model: top-k {k}, {e})"
-    if layout.soc == "A2" and (ep not in A2_MC2_EP_SIZES or h > A2_MC2_MAX_HIDDEN or h % 32):
+    if k > mc2.MAX_TOP_K or e > mc2.MAX_EXPERTS:
+        return f"mc2 takes top-k <= {mc2.MAX_TOP_K} and <= {mc2.MAX_EXPERTS} experts (model: top-k {k}, {e})"
+    if layout.soc == "A2" and (ep not in mc2.A2_EP_SIZES or h > mc2.A2_MAX_HIDDEN or h % mc2.A2_HIDDEN_ALIGN):
         return (
-            f"mc2 on Atlas A2 needs an EP size in {sorted(A2_MC2_EP_SIZES)} and hidden size <= "
-            f"{A2_MC2_MAX_HIDDEN}, a multiple of 32 (EP {ep}, hidden {h})"
+            f"mc2 on Atlas A2 needs an EP size in {sorted(mc2.A2_EP_SIZES)} and hidden size <= "
+            f"{mc2.A2_MAX_HIDDEN}, a multiple of {mc2.A2_HIDDEN_ALIGN} (EP {ep}, hidden {h})"
         )
-    if layout.soc == "A3" and (ep > A3_MC2_MAX_EP or not A3_MC2_HIDDEN[0] <= h <= A3_MC2_HIDDEN[1]):
+    if layout.soc == "A3" and (ep > mc2.A3_MAX_EP or not mc2.A3_HIDDEN[0] <= h <= mc2.A3_HIDDEN[1]):
         return (
-            f"mc2 on Atlas A3 needs EP <= {A3_MC2_MAX_EP} and hidden size in "
-            f"[{A3_MC2_HIDDEN[0]}, {A3_MC2_HIDDEN[1]}] (EP {ep}, hidden {h})"
+            f"mc2 on Atlas A3 needs EP <= {mc2.A3_MAX_EP} and hidden size in "
+            f"[{mc2.A3_HIDDEN[0]}, {mc2.A3_HIDDEN[1]}] (EP {ep}, hidden {h})"
         )
     if layout.soc == "other":
         return "mc2 is only wired for Atlas A2 and A3"
