@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import nox
@@ -16,7 +15,12 @@ from nox.command import CommandFailed
 ROOT = Path(__file__).resolve().parent
 BUILDER_ENV = {"PYTHONPATH": str(ROOT / "build")}
 sys.path.insert(0, str(ROOT / "build"))
-from ascend_builder.config import pinned_version, wheelhouse_dir  # noqa: E402  (stdlib only)
+# the builder's own reading of the configuration and the patch sets (stdlib only)
+from ascend_builder.benchmarks import benchmarks  # noqa: E402
+from ascend_builder.benchmarks import script as benchmark_script  # noqa: E402
+from ascend_builder.config import load_config, pinned_version, wheelhouse_dir  # noqa: E402
+from ascend_builder.patchfile import parse_patch  # noqa: E402
+from ascend_builder.patchset import load_patch_set  # noqa: E402
 
 BUILD_REQUIREMENTS = str(ROOT / "build" / "requirements.txt")
 
@@ -118,12 +122,12 @@ def tests(session: nox.Session) -> None:
         _upstream_conformance(session, "--selection", "fast", "--outcomes", str(outcomes))
 
 
-def _default_patch_set() -> tuple[str, str]:
-    """The default patch set (pyproject.toml) and the editable install's version for it."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
-    patch_set = config["patch-set"]
-    upstream = tomllib.loads((ROOT / "patches" / patch_set / "patchset.toml").read_text())["upstream"]
-    return patch_set, f"{upstream['version']}+ascend.{config['build-number']}.dev"
+def _patch_set_version(patch_set: str | None = None) -> tuple[str, str]:
+    """A patch set (default: pyproject.toml's) and the editable install's version for it,
+    as the builder reads them."""
+    config = load_config(patch_set=patch_set)
+    upstream = load_patch_set(config.patch_set_dir).pin.version
+    return config.patch_set, f"{upstream}+ascend.{config.build_number}.dev"
 
 
 def _install_stamp(tree: Path, version: str) -> str:
@@ -139,21 +143,7 @@ def _install_stamp(tree: Path, version: str) -> str:
 def _stale_work_tree(tree: Path, patch_dir: Path) -> str | None:
     """Why the work tree's patch commits are not the patch set's (by subject, in series
     order), or None. Catches a tree made before the patches changed."""
-    series = [
-        line.strip()
-        for line in (patch_dir / "series").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    wanted = []
-    for name in series:
-        lines = (patch_dir / name).read_text().splitlines()
-        start = next(i for i, line in enumerate(lines) if line.startswith("Subject: "))
-        subject = lines[start].removeprefix("Subject: ").removeprefix("[PATCH] ")
-        for line in lines[start + 1 :]:  # a long subject continues on indented lines
-            if not line.startswith(" "):
-                break
-            subject += line
-        wanted.append(subject.strip())
+    wanted = [parse_patch(path).subject for path in load_patch_set(patch_dir).patch_paths()]
     log = subprocess.run(
         ["git", "-C", str(tree), "log", "--reverse", "--format=%s", "HEAD"],
         capture_output=True,
@@ -174,7 +164,7 @@ def unit(session: nox.Session) -> None:
     (`nox -s tree -- --force` recreates it). Args replace the pytest arguments."""
     _install_torch(session)  # torch first: setup.py imports it
     session.install("-r", BUILD_REQUIREMENTS, "-r", TEST_REQUIREMENTS)
-    patch_set, version = _default_patch_set()
+    patch_set, version = _patch_set_version()
     tree = ROOT / "work" / patch_set
     if not tree.exists():
         _builder(session, "tree")
@@ -251,12 +241,8 @@ def tree(session: nox.Session) -> None:
     _builder(session, "tree", *args)
     if "--no-install" in session.posargs:
         return
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vllm-ascend"]
-    patch_set = config["patch-set"]
-    for i, arg in enumerate(args):
-        if arg == "--patch-set":
-            patch_set = args[i + 1]
-    upstream = tomllib.loads((ROOT / "patches" / patch_set / "patchset.toml").read_text())["upstream"]
+    chosen = next((args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--patch-set"), None)
+    patch_set, version = _patch_set_version(chosen)
     venv = ROOT / ".venv-dev"
     python = str(venv / "bin" / "python")
     if not venv.exists():
@@ -265,7 +251,7 @@ def tree(session: nox.Session) -> None:
     session.run(python, "-m", "pip", "install", "-r", BUILD_REQUIREMENTS, external=True)
     env = {
         "VLLM_TARGET_DEVICE": "empty",
-        "VLLM_VERSION_OVERRIDE": f"{upstream['version']}+ascend.{config['build-number']}.dev",
+        "VLLM_VERSION_OVERRIDE": version,
         "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
     }
     session.run(
@@ -301,45 +287,23 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: `build` (raw upstream build vs. distribution build), `serve`
-    (host-emulation start-up time and tokens/s of the tiny models), `moe` (the MoE
-    communication strategies on gloo: bytes, latency, the selector's choice), `mtp`
-    (DeepSeek MTP: acceptance, accepted tokens per step, tokens/s with and without),
-    `cp` (context parallelism: start-up and tokens/s of DCP/PCP layouts vs. TP=1), `plan`
-    (the P/D transfer plan: planning time, bytes needed vs. moved) or `kv-transfer` (P/D
-    pulls: raw Mooncake vs. the connector, control overhead, pull threads, TTFT of colocated,
-    1P1D pull after prefill and 1P1D layer-wise) or
-    `quant` (W8A8 checkpoints vs. float: linear and expert weight bytes, host tokens/s),
-    `v2-kernels` (Model Runner V2's per-step kernels: the torch forms vs. Triton's interpreter) or
-    `launches` (device ops per decoder layer per decode step in NPU-path mode, upstream's
-    native op forms vs. the Ascend forms; host synchronisations and host time per step) or
-    `graph` (per decode step in NPU-path mode, eager vs. decode graphs: host launches and
-    host time)."""
-    names = (
-        "build",
-        "serve",
-        "moe",
-        "mtp",
-        "cp",
-        "plan",
-        "kv-transfer",
-        "quant",
-        "v2-kernels",
-        "launches",
-        "graph",
-    )
+    """Benchmarks, each side by side in one run: `nox -s bench -- NAME [ARGS]`; with no NAME,
+    the list of them and what each measures (from build/ascend_builder/bench.py and the
+    programs in benchmarks/)."""
+    names = benchmarks()
     if not session.posargs or session.posargs[0] not in names:
-        session.error("name a benchmark: nox -s bench -- " + " | ".join(names))
+        for name, summary in names.items():
+            session.log(f"{name:<11} {summary}")
+        session.error("name a benchmark (listed above): nox -s bench -- NAME [ARGS]")
     _install_torch(session)
     session.install("-r", BUILD_REQUIREMENTS)
     if session.posargs[0] == "build":
         _builder(session, "bench", *session.posargs)
         return
     _install_built_wheel(session)
-    script = session.posargs[0].replace("-", "_")
     session.run(
         "python",
-        str(ROOT / "benchmarks" / f"{script}.py"),
+        str(benchmark_script(session.posargs[0])),
         *session.posargs[1:],
         env={"VLLM_ASCEND_EMULATE": "1"},
     )

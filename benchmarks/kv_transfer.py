@@ -1,4 +1,6 @@
-"""P/D KV transfer benchmark (``nox -s bench -- kv-transfer``), in one run:
+"""P/D KV transfer: raw Mooncake batch reads vs. the connector's pull of the same bytes,
+control-plane time per request, pull threads, and TTFT and tokens/s of colocated, 1P1D
+pull-after-prefill and 1P1D layer-wise serving. In one run (``nox -s bench -- kv-transfer``):
 
 1. Pulls at real KV shapes. A peer process holds the prefill ranks' KV caches, laid out as
    the Ascend backends store them (per layer, planes of blocks; head-major blocks),

@@ -1,4 +1,4 @@
-"""``nox -s bench -- build``: raw upstream wheel build vs. the distribution build, side by side."""
+"""Raw upstream wheel build vs. the distribution build, side by side (``nox -s bench -- build``)."""
 
 from __future__ import annotations
 
