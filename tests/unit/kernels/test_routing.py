@@ -211,13 +211,13 @@ def test_layer_routing_refuses_with_the_layer_and_the_reason(change, match):
 
 
 def test_method_routes_with_the_models_own_function_when_it_has_one():
-    from vllm.ascend.moe.method import AscendRouting
+    from vllm.ascend.moe.method import AscendMoEMethod
 
     def custom(hidden_states, gating_output, topk, renormalize):
         return torch.sigmoid(gating_output).topk(topk, dim=-1)
 
     logits = torch.randn(3, 8)
-    w, ids = AscendRouting().select_experts(_layer(custom_routing_function=custom), None, logits)
+    w, ids = AscendMoEMethod().select_experts(_layer(custom_routing_function=custom), None, logits)
     assert w.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids, torch.sigmoid(logits).topk(2, dim=-1).indices.to(torch.int32))
 

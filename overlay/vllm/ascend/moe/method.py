@@ -4,7 +4,7 @@ and the Ascend local experts (``experts.py``).
 
 Registered as the out-of-tree replacement of upstream's ``UnquantizedFusedMoEMethod``
 (upstream's builds no kernel on an out-of-tree platform). Routing is the method's
-own (``AscendRouting``): the method is *monolithic* in upstream's terms, so the runner
+own (``AscendMoEMethod``): the method is *monolithic* in upstream's terms, so the runner
 hands it the router logits instead of calling upstream's router, whose plain softmax
 top-k is a CUDA kernel (``_moe_C.topk_softmax``); the kernels facade's ``routing.route``
 computes every scoring option upstream's layer offers (softmax or sigmoid, with or
@@ -22,7 +22,7 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-from vllm.ascend.kernels.moe import activation_name
+from vllm.ascend.kernels.moe import ACTIVATIONS, activation_name
 from vllm.ascend.kernels.routing import Routing, route
 from vllm.ascend.moe.experts import AscendExperts
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
@@ -85,10 +85,45 @@ def layer_routing(layer) -> Routing:
     return routing
 
 
-class AscendRouting:
-    """Routing inside the MoE method: upstream calls ``apply_monolithic`` with the router
-    logits; the method routes (``routing.route``, or the model's own routing function)
-    and runs its modular kernel."""
+def check_activation(layer, moe_config, supported: tuple[str, ...]) -> None:
+    """Refuse, when weights are loaded, an activation the layer's experts do not run."""
+    name = activation_name(getattr(layer, "activation", "silu"))
+    where = getattr(layer, "layer_name", "a MoE layer")
+    if name not in supported:
+        raise NotImplementedError(
+            f"{where}: these Ascend MoE experts run {' and '.join(supported)} activations, not {name}"
+        )
+    limit = getattr(moe_config, "swiglu_limit", None)
+    alpha = getattr(moe_config, "swiglu_alpha", None)
+    if name == "silu" and (limit is not None or alpha is not None):
+        raise NotImplementedError(
+            f"{where}: SiLU experts with a clamp limit or alpha (swiglu_limit={limit}, "
+            f"swiglu_alpha={alpha}) are not supported by the Ascend MoE"
+        )
+
+
+class AscendMoEMethod:
+    """What every Ascend MoE method shares, float or quantized experts. Routing inside the
+    method: upstream calls ``apply_monolithic`` with the router logits; the method routes
+    (``routing.route``, or the model's own routing function) and runs its modular kernel,
+    built once weights are loaded (``set_up_kernel``)."""
+
+    def set_up_kernel(self, layer, experts_for) -> None:
+        """The layer's routing (refused at load, not at the first step) and the modular
+        kernel: the Ascend strategies as prepare/finalize, ``experts_for(quant_config)``
+        as the local experts."""
+        if layer.custom_routing_function is None:
+            layer._ascend_routing = layer_routing(layer)
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_kernel = mk.FusedMoEKernel(
+            AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),
+            experts_for(self.moe_quant_config),
+        )
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return apply_kernel(
+            self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        )
 
     @property
     def is_monolithic(self) -> bool:
@@ -114,32 +149,11 @@ class AscendRouting:
 
 
 @UnquantizedFusedMoEMethod.register_oot
-class AscendUnquantizedFusedMoEMethod(AscendRouting, UnquantizedFusedMoEMethod):
+class AscendUnquantizedFusedMoEMethod(AscendMoEMethod, UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # Weights stay as loaded: w13 [E, 2I, H], w2 [E, H, I] (and w13_bias, w2_bias).
-        activation = activation_name(getattr(layer, "activation", "silu"))  # refused at load
-        limit = getattr(self.moe, "swiglu_limit", None)
-        alpha = getattr(self.moe, "swiglu_alpha", None)
-        if activation == "silu" and (limit is not None or alpha is not None):
-            raise NotImplementedError(
-                f"{getattr(layer, 'layer_name', 'a MoE layer')}: SiLU experts with a clamp limit or alpha "
-                f"(swiglu_limit={limit}, swiglu_alpha={alpha}) are not supported by the Ascend MoE"
-            )
-        if layer.custom_routing_function is None:
-            layer._ascend_routing = layer_routing(layer)  # refused at load, not at the first step
-        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        self.moe_kernel = mk.FusedMoEKernel(
-            AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),
-            AscendExperts(self.moe, self.moe_quant_config),
-        )
+        check_activation(layer, self.moe, ACTIVATIONS)
+        self.set_up_kernel(layer, lambda quant_config: AscendExperts(self.moe, quant_config))
 
-    def _apply_kernel(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return apply_kernel(
-            self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-        )
-
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return self._apply_kernel(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-
-    forward_native = _apply_kernel
-    forward_oot = _apply_kernel
+    forward_native = AscendMoEMethod.apply
+    forward_oot = AscendMoEMethod.apply

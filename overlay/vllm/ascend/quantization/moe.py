@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
@@ -24,8 +22,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm.ascend.kernels.moe import moe_experts_w8a8_dynamic
 from vllm.ascend.moe.experts import AscendExperts
-from vllm.ascend.moe.method import AscendRouting, apply_kernel, layer_routing
-from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
+from vllm.ascend.moe.method import AscendMoEMethod, check_activation
 
 
 class AscendW8A8DynamicExperts(AscendExperts):
@@ -68,7 +65,7 @@ class AscendW8A8DynamicExperts(AscendExperts):
         )
 
 
-class AscendW8A8DynamicMoEMethod(AscendRouting, FusedMoEMethodBase):  # routing: moe/method.py
+class AscendW8A8DynamicMoEMethod(AscendMoEMethod, FusedMoEMethodBase):  # set-up, routing: moe/method.py
     def create_weights(
         self,
         layer,
@@ -100,11 +97,7 @@ class AscendW8A8DynamicMoEMethod(AscendRouting, FusedMoEMethodBase):  # routing:
         return FUSED_MOE_UNQUANTIZED_CONFIG  # activations cross ranks unquantized
 
     def process_weights_after_loading(self, layer) -> None:
-        activation = getattr(layer, "activation", "silu")
-        if "silu" not in str(getattr(activation, "value", activation)).lower():
-            raise NotImplementedError(f"Ascend MoE supports SiLU experts only, not {activation}")
-        if layer.custom_routing_function is None:
-            layer._ascend_routing = layer_routing(layer)  # refused at load, not at the first step
+        check_activation(layer, self.moe, ("silu",))  # moe_experts_w8a8_dynamic: SwiGLU
         for name in ("w13", "w2"):
             if torch.any(getattr(layer, f"{name}_weight_offset").data != 0):
                 raise ValueError(
@@ -114,13 +107,6 @@ class AscendW8A8DynamicMoEMethod(AscendRouting, FusedMoEMethodBase):  # routing:
             scale = getattr(layer, f"{name}_weight_scale").data.squeeze(-1).contiguous()
             setattr(layer, f"{name}_weight_scale", torch.nn.Parameter(scale, requires_grad=False))
             delattr(layer, f"{name}_weight_offset")
-        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        self.moe_kernel = mk.FusedMoEKernel(
-            AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),
-            AscendW8A8DynamicExperts(self.moe, self.moe_quant_config, layer),
-        )
-
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return apply_kernel(
-            self.moe_kernel, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        self.set_up_kernel(
+            layer, lambda quant_config: AscendW8A8DynamicExperts(self.moe, quant_config, layer)
         )
