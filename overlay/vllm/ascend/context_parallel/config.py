@@ -12,12 +12,6 @@ from __future__ import annotations
 from vllm.ascend.attention.kv_layout import connector_addresses_planes
 from vllm.ascend.context_parallel.placement import CPLayout
 
-# npu_attention_update, which merges the PCP x DCP ranks' partial results on the NPU
-# (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md):
-# "序列并行的并行度SP取值范围[1, 16]。" and "head_dim取值范围[8, 512]且是8的倍数。"
-NPU_MAX_PARTIALS = 16
-NPU_PARTIAL_HEAD_DIM = (8, 512, 8)  # min, max, multiple of
-
 
 def context_parallel_layout(vllm_config) -> CPLayout:
     pc, model = vllm_config.parallel_config, vllm_config.model_config
@@ -34,7 +28,10 @@ def context_parallel_layout(vllm_config) -> CPLayout:
 
 def check_npu_partials(pcp: int, dcp: int, head_dim: int) -> None:
     """The NPU cross-rank correction (``npu_attention_update``) takes at most
-    NPU_MAX_PARTIALS partial results of a head size in NPU_PARTIAL_HEAD_DIM. ValueError."""
+    NPU_MAX_PARTIALS partial results of a head size in NPU_PARTIAL_HEAD_DIM (its limits,
+    beside it in ``kernels/context_parallel.py``). ValueError."""
+    from vllm.ascend.kernels.context_parallel import NPU_MAX_PARTIALS, NPU_PARTIAL_HEAD_DIM
+
     if pcp * dcp > NPU_MAX_PARTIALS:
         raise ValueError(
             f"prefill x decode context parallel size {pcp} x {dcp} = {pcp * dcp} is more than the "

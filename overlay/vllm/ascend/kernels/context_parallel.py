@@ -21,6 +21,12 @@ import torch
 
 from vllm.ascend.kernels import pick, torch_npu
 
+# npu_attention_update, the NPU form of combine_partials (Ascend/op-plugin
+# docs/zh/custom_APIs/torch_npu/torch_npu-npu_attention_update.md):
+# "序列并行的并行度SP取值范围[1, 16]。" and "head_dim取值范围[8, 512]且是8的倍数。"
+NPU_MAX_PARTIALS = 16
+NPU_PARTIAL_HEAD_DIM = (8, 512, 8)  # min, max, multiple of
+
 
 def reference_combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     lse = torch.logsumexp(lses, dim=0)  # [T, H]
