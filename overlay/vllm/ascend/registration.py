@@ -14,7 +14,7 @@ from functools import cache
 
 @cache
 def register_runtime_components() -> None:
-    from vllm.ascend.platform.npu import register_attention_backends
+    from vllm.ascend.attention.registry import register_attention_backends
 
     register_attention_backends()
     import vllm.ascend.moe.method  # noqa: F401  (registers through its decorator)

@@ -18,6 +18,12 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm.ascend import device as ascend_device
+from vllm.ascend.attention.registry import (
+    ATTENTION_BACKEND,
+    BACKEND_PATHS,
+    MLA_BACKEND,
+    register_attention_backends,
+)
 from vllm.ascend.errors import AscendConfigError, AscendStartupError
 from vllm.ascend.platform.checks import check_dtype, run_checks
 
@@ -28,22 +34,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-ATTENTION_BACKEND = "ASCEND_ATTN"
-MLA_BACKEND = "ASCEND_MLA"
-_BACKEND_PATHS = {
-    ATTENTION_BACKEND: "vllm.ascend.attention.backend.AscendAttentionBackend",
-    MLA_BACKEND: "vllm.ascend.attention.mla.AscendMLABackend",
-}
 WORKER_CLS = "vllm.ascend.worker.worker.NPUWorker"
-
-
-def register_attention_backends() -> None:
-    """Make our backend names members of vLLM's backend enum (per process, idempotent)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    for name, path in _BACKEND_PATHS.items():
-        if name not in AttentionBackendEnum.__members__:
-            register_backend(name, path)
 
 
 @functools.cache
@@ -319,7 +310,7 @@ class NPUPlatform(Platform):
             logger.info_once(
                 "Ascend platform: ignoring attention backend %s, using %s", selected_backend, name
             )
-        return _BACKEND_PATHS[name]
+        return BACKEND_PATHS[name]
 
     @classmethod
     def get_mla_prefill_backend_cls(cls, mla_selector_config):
