@@ -444,7 +444,7 @@ def test_context_parallel_layouts_the_platform_cannot_run_are_one_line(case, ref
     ],
 )
 def test_context_parallel_config_checks(change, refused, monkeypatch):
-    from vllm.ascend.context_parallel.config import validate_context_parallel
+    from vllm.ascend.platform.checks import check_context_parallel
 
     monkeypatch.setenv("VLLM_ASCEND_EMULATE", "1")  # the reference kernels' rules
 
@@ -472,10 +472,10 @@ def test_context_parallel_config_checks(change, refused, monkeypatch):
         kv_transfer_config=change.get("kv_transfer_config"),
     )
     if refused is None:
-        validate_context_parallel(config)
+        check_context_parallel(config)
     else:
         with pytest.raises(ValueError, match=refused):
-            validate_context_parallel(config)
+            check_context_parallel(config)
 
 
 def test_upstream_parallel_config_accepts_the_production_context_parallel_layouts():

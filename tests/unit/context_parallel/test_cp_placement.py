@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm.ascend.attention.cp_step import RankLayout, build_step, zigzag_runs
 from vllm.ascend.context_parallel.placement import (
     CPLayout,
     LayoutError,
@@ -17,7 +18,6 @@ from vllm.ascend.context_parallel.placement import (
     owner,
     place,
 )
-from vllm.ascend.context_parallel.step import RankLayout, build_step, zigzag_runs
 from vllm.ascend.kernels import attention as gqa_kernels
 from vllm.ascend.kernels import mla as mla_kernels
 from vllm.ascend.kernels.context_parallel import reference_combine_partials

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm.ascend.context_parallel.config import check_npu_partials, validate_context_parallel
-from vllm.ascend.platform.checks import check_npu_attention_shapes
+from vllm.ascend.platform.checks import check_context_parallel, check_npu_attention_shapes, check_npu_partials
 
 
 @pytest.fixture
@@ -62,12 +61,12 @@ def test_partial_results_limit():
 def test_context_parallel_config_applies_the_limit_with_the_npu_kernels_only(npu_kernels, monkeypatch):
     too_many = _config(tp=16, pcp=2, dcp=16, mla=True)
     with pytest.raises(ValueError, match="npu_attention_update"):
-        validate_context_parallel(too_many)
-    validate_context_parallel(_config(tp=8, pcp=2, dcp=8, mla=True))  # 16 partials
+        check_context_parallel(too_many)
+    check_context_parallel(_config(tp=8, pcp=2, dcp=8, mla=True))  # 16 partials
     with pytest.raises(ValueError, match="head size 4"):  # GQA merges head_size-wide outputs
-        validate_context_parallel(_config(tp=2, pcp=2, kv_heads=2, head_size=4))
+        check_context_parallel(_config(tp=2, pcp=2, kv_heads=2, head_size=4))
     monkeypatch.setenv("VLLM_ASCEND_KERNELS", "reference")  # the reference merge has no such limit
-    validate_context_parallel(too_many)
+    check_context_parallel(too_many)
 
 
 @pytest.mark.parametrize(

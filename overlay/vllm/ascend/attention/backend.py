@@ -39,8 +39,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention import prefill_chunks
+from vllm.ascend.attention.cp_step import CPStep, build_step
 from vllm.ascend.attention.kv_layout import gqa_planes
-from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.graph import host_params
 from vllm.ascend.kernels import attention as kernels
 from vllm.ascend.kernels import npu_kernels

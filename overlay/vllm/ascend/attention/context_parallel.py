@@ -2,7 +2,7 @@
 
 The KV cache of a sequence is spread over the ranks of a context-parallel group by
 ``vllm.ascend.context_parallel.placement``; the step's plan (which rows are decode
-rows, which prefill query runs this rank has) is ``vllm.ascend.context_parallel.step``.
+rows, which prefill query runs this rank has) is ``cp_step.py``.
 
 * Decode rows (one query token each, the same on every PCP rank): the query heads of
   the DCP group are gathered, each rank attends over the tokens it holds and returns

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.ascend.attention.prefill_chunks import Plan, Run, build_plan
+from vllm.ascend.attention.prefill_chunks import ChunkPlan, Run, build_chunk_plan
 from vllm.ascend.context_parallel.placement import RankLayout, local_count, local_slot, owner
 from vllm.ascend.envs import PREFILL_CHUNK_MAX
 
@@ -59,7 +59,7 @@ class CPStep:
     # The prefill attention over the gathered histories, chunk by chunk
     # (attention/prefill_chunks.py); each round's ``extra`` says what this rank
     # contributes to the round's gather and how the gathered rows go back in order.
-    prefill_plan: Plan | None = None
+    prefill_plan: ChunkPlan | None = None
 
     @property
     def segment_rows(self) -> list[int]:
@@ -99,7 +99,7 @@ def zigzag_runs(num_tokens: int, pcp: int, pcp_rank: int) -> list[tuple[int, int
     return runs
 
 
-def add_round_gathers(plan: Plan, cp: int, cp_rank: int, interleave: int) -> None:
+def add_round_gathers(plan: ChunkPlan, cp: int, cp_rank: int, interleave: int) -> None:
     """Per round of the prefill plan: the local token range of each chunk this rank
     contributes (``local``), the rows every rank contributes per chunk (``pads``: the most
     any rank holds of it), and ``take``: gathered ``[CP x sum(pads)]`` rows -> the round's
@@ -170,7 +170,7 @@ def build_step(
     )
     if prefills:
         runs = [Run(s.row, s.length, s.request, s.first_position) for s in segments]
-        step.prefill_plan = build_plan(runs, dict(zip(prefills, lens)), chunk)
+        step.prefill_plan = build_chunk_plan(runs, dict(zip(prefills, lens)), chunk)
         add_round_gathers(step.prefill_plan, cp, cp_rank, interleave)
     if rank.pcp > 1:
         _add_pcp_split(step, query_start, runs_of)

@@ -51,8 +51,8 @@ from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.backend import host_seq_lens, platform_block_size
+from vllm.ascend.attention.cp_step import CPStep, build_step
 from vllm.ascend.attention.kv_layout import mla_planes
-from vllm.ascend.context_parallel.step import CPStep, build_step
 from vllm.ascend.graph import host_params
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
@@ -73,7 +73,7 @@ class AscendMLAMetadata(MLACommonMetadata):
     decode_q_len: int = 1
     cp_step: CPStep | None = None
     request_block_table: torch.Tensor | None = None  # every request's row (history reads and gathers)
-    prefill_plan: prefill_chunks.Plan | None = None  # without CP (under CP: cp_step.prefill_plan)
+    prefill_plan: prefill_chunks.ChunkPlan | None = None  # without CP (under CP: cp_step.prefill_plan)
     graph_batch: bool = False  # built for a graph capture (every row may be padding)
 
 
@@ -139,7 +139,9 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         return metadata
 
 
-def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk: int) -> prefill_chunks.Plan:
+def prefill_plan(
+    query_start: list[int], seq_lens: list[int], first: int, chunk: int
+) -> prefill_chunks.ChunkPlan:
     """The chunked prefill of requests ``first ..``: each runs its new tokens (rows counted
     from the first prefill token) over its whole history."""
     base = query_start[first]
@@ -149,7 +151,7 @@ def prefill_plan(query_start: list[int], seq_lens: list[int], first: int, chunk:
         if q_len:
             runs.append(prefill_chunks.Run(query_start[r] - base, q_len, r, seq_lens[r] - q_len))
             lens[r] = seq_lens[r]
-    return prefill_chunks.build_plan(runs, lens, chunk)
+    return prefill_chunks.build_chunk_plan(runs, lens, chunk)
 
 
 def decode_rows(block_table: torch.Tensor, query_start: list[int], seq_lens: list[int]):

@@ -100,7 +100,7 @@ class Round:
 
 
 @dataclass
-class Plan:
+class ChunkPlan:
     rounds: list[Round]
     merge: bool  # some request's history spans several chunks
 
@@ -124,7 +124,7 @@ def _entries(run: Run, start: int, end: int, offset: int):
         yield False, run.row + first - p0, p1 - first, offset, end - start
 
 
-def build_plan(runs: list[Run], history_lens: dict[int, int], chunk: int) -> Plan:
+def build_chunk_plan(runs: list[Run], history_lens: dict[int, int], chunk: int) -> ChunkPlan:
     """The rounds of a step. ``history_lens``: every request's history length (under context
     parallelism the same on every rank of the group, so all join the same gathers, runs or
     not); ``runs`` this rank's query runs (each within its request's history)."""
@@ -171,12 +171,12 @@ def build_plan(runs: list[Run], history_lens: dict[int, int], chunk: int) -> Pla
             # (a causal entry never needs the split: it has at most ``chunk`` <= 65536 rows)
         rounds.append(Round(chunk_list, calls))
     merge = any(length > chunk for length in history_lens.values())
-    return Plan(rounds, merge)
+    return ChunkPlan(rounds, merge)
 
 
 def attend(
     q: torch.Tensor,
-    plan: Plan,
+    plan: ChunkPlan,
     materialize: Callable[[Round], tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     out: torch.Tensor,

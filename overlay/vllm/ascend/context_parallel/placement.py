@@ -203,3 +203,17 @@ def place(layout: CPLayout, position: int) -> Placement:
         for t in range(dcp_rank, layout.tp, layout.dcp)
     )
     return Placement(position, c, pcp_rank, dcp_rank, block, offset, holders)
+
+
+def context_parallel_layout(vllm_config) -> CPLayout:
+    """The layout an engine config asks for (the KV heads only for GQA: MLA has one latent head)."""
+    pc, model = vllm_config.parallel_config, vllm_config.model_config
+    return CPLayout(
+        tp=pc.tensor_parallel_size,
+        pcp=pc.prefill_context_parallel_size,
+        dcp=pc.decode_context_parallel_size,
+        dp=pc.data_parallel_size,
+        interleave=pc.cp_kv_cache_interleave_size,
+        block_size=vllm_config.cache_config.block_size,
+        kv_heads=None if model.use_mla else model.get_total_num_kv_heads(),
+    )

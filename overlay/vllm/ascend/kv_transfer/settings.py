@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.ascend.context_parallel.config import context_parallel_layout
-from vllm.ascend.context_parallel.placement import CPLayout
+from vllm.ascend.context_parallel.placement import CPLayout, context_parallel_layout
 from vllm.ascend.kv_transfer.trust import Trust, load_secret
 
 KNOWN_KEYS = {

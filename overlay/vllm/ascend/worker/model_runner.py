@@ -28,9 +28,8 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.ascend import device as ascend_device
 from vllm.ascend import step_cache
 from vllm.ascend.attention.kv_layout import connector_addresses_planes
-from vllm.ascend.context_parallel import forward as pcp_forward
 from vllm.ascend.kernels import npu_kernels
-from vllm.ascend.worker import profiling
+from vllm.ascend.worker import pcp_forward, profiling
 from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
 

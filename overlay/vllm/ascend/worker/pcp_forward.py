@@ -1,6 +1,6 @@
 """The model call of a step whose tokens prefill context parallel (PCP) splits.
 
-The attention metadata builders plan the step from the whole batch (``step.py``); the
+The attention metadata builders plan the step from the whole batch (``attention/cp_step.py``); the
 runner then runs only this rank's rows of it: the inputs are cut to ``local_index``, the
 slot mappings are put in the gathered-row order the attention layers write from, and after
 the model the PCP ranks' hidden states are all-gathered and put back into the step's
@@ -15,7 +15,7 @@ import torch
 
 from vllm.forward_context import get_forward_context
 
-from vllm.ascend.context_parallel.step import CPStep
+from vllm.ascend.attention.cp_step import CPStep
 
 
 def split_step() -> CPStep | None:
