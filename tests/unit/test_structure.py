@@ -1,6 +1,8 @@
 """Rules of the overlay's shape, read from its source (no import of it):
 
 * no import cycle among ``vllm.ascend`` modules, counting imports inside functions too;
+* imports go down the declared room order (``ROOMS``, bottom to top), never up, and the
+  rooms of one tier import each other without a cycle;
 * no assignment to an attribute of the ``torch`` or ``vllm`` modules (nor ``setattr`` on
   them) except in the few functions that run once while a process is being set up, each
   listed here with its reason (streams and events reach upstream's runner through the
@@ -24,6 +26,37 @@ CONSTRUCTION_ONLY = {
     ): "host emulation only: torch.accelerator has no device to answer for; set once "
     "when the host platform is created",
 }
+
+
+# The rooms of vllm.ascend (its subpackages, and top-level modules by their own name),
+# bottom to top. A room imports only from its own tier or lower ones; rooms of one tier
+# must not import each other in a cycle.
+ROOMS = (
+    # the package itself, settings, errors, and the pure CP placement rule everything shares
+    ("vllm.ascend", "envs", "errors", "context_parallel"),
+    ("device",),  # the only code that touches torch_npu
+    ("distributed", "step_cache"),
+    ("kernels",),
+    # the model-layer rooms, on the kernels
+    ("attention", "moe", "spec_decode", "graph", "quantization", "ops", "lora"),
+    ("kv_transfer", "worker", "registration"),
+    ("platform",),
+    ("bootstrap", "collect_env"),  # process entry points
+)
+# (importing module, imported module) -> why this upward import is right
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else module
+
+
+def _tier(room: str) -> int:
+    for tier, rooms in enumerate(ROOMS):
+        if room in rooms:
+            return tier
+    raise AssertionError(f"room {room!r} is in no tier of ROOMS: add it where it belongs")
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -82,6 +115,33 @@ def test_the_overlay_has_no_import_cycle():
     assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the scan sees the tree
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_imports_go_down_the_room_order():
+    modules = _modules()
+    upward, allowed_seen, rooms = [], set(), {}
+    for name, tree in modules.items():
+        for target in _imports(name, tree, modules):
+            here, there = _room(name), _room(target)
+            if here == there:
+                continue
+            if _tier(there) > _tier(here):
+                if (name, target) in UPWARD_ALLOWED:
+                    allowed_seen.add((name, target))
+                else:
+                    upward.append(f"{name} ({here}) imports {target} ({there})")
+            elif _tier(there) == _tier(here):
+                rooms.setdefault(here, set()).add(there)
+    assert not upward, "imports up the room order (ROOMS):\n" + "\n".join(sorted(upward))
+    assert allowed_seen == set(UPWARD_ALLOWED), f"stale entries: {set(UPWARD_ALLOWED) - allowed_seen}"
+    graph = {room: rooms.get(room, set()) for tier in ROOMS for room in tier}
+    cycle = _cycle(graph)
+    assert cycle is None, "rooms of one tier import each other in a cycle: " + " -> ".join(cycle)
+    assert rooms, "the scan saw no import between rooms of one tier"
+
+
+def test_every_room_has_a_tier():
+    assert {_room(name) for name in _modules()} <= {room for tier in ROOMS for room in tier}
 
 
 def test_the_cycle_finder_finds_cycles():
