@@ -16,7 +16,6 @@ refusal is logged with its size and reason, never its payload.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,10 +23,12 @@ from dataclasses import dataclass
 
 import zmq
 
+from vllm.logger import init_logger
+
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.trust import Trust, TrustError
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class ControlTimeout(TimeoutError):

@@ -17,13 +17,14 @@ nothing vouches for the blocks). A reader that was counted before the release ge
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,9 +43,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm.logger import init_logger
+
 from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, SecretMissing, Trust, load_secret
 
-logger = logging.getLogger("vllm.ascend.kv_transfer.proxy")
+logger = init_logger("vllm.ascend.kv_transfer.proxy")  # its name also when run as __main__
 
 
 @dataclass
@@ -515,7 +516,6 @@ def main(argv: list[str] | None = None) -> None:
             trust = Trust(load_secret(args.kv_secret_file, args.insecure))
         except SecretMissing as e:
             p.error(str(e).replace("kv_connector_extra_config.secret_file", "--kv-secret-file"))
-    logging.basicConfig(level=logging.INFO)
     uvicorn.run(
         build_app(
             args.prefill,

@@ -31,7 +31,6 @@ reader done, so a prefill hold made for ``readers`` of them is freed by the last
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -42,6 +41,7 @@ import msgspec
 from msgspec import Meta
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
 
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient
@@ -50,7 +50,7 @@ from vllm.ascend.kv_transfer.layerwise import Publish, release_messages
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, PULL_FIELDS, prompt_digest
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 MAX_RANKS = 4096  # ranks of one prefill replica, or replicas of one instance

@@ -26,7 +26,6 @@ done messages.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 import zlib
@@ -34,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
+
+from vllm.logger import init_logger
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend.attention.kv_layout import LayerLayout
@@ -59,7 +60,7 @@ from vllm.ascend.kv_transfer.stats import P2PConnectorStats
 from vllm.ascend.kv_transfer.transport import open_transport
 from vllm.ascend.kv_transfer.trust import TrustError
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # seconds from the renewals for their answers (then the done messages' answers decide)
 LEASE_ANSWER_WAIT = 1.0
