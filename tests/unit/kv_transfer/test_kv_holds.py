@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm.ascend.kv_transfer.holds import COUNTED, DROPPED, EARLY, EXPIRED, NOT_HELD, Holds
+from vllm.ascend.kv_transfer.holds import Done, Holds
 
 
 class Clock:
@@ -56,8 +56,8 @@ def test_the_lease_frees_what_decode_never_asks_for_and_renewals_extend_it():
 
 def test_unknown_requests_cannot_grow_memory_without_bound():
     holds = Holds(30, max_early=3, clock=Clock())
-    assert all(holds.done(f"x{i}", "d", [0], 2) == EARLY for i in range(3))
-    assert holds.done("x3", "d", [0], 2) == DROPPED
+    assert all(holds.done(f"x{i}", "d", [0], 2) == Done.EARLY for i in range(3))
+    assert holds.done("x3", "d", [0], 2) == Done.DROPPED
 
 
 def test_reads_reported_after_the_lease_ran_out_are_flagged_stale():
@@ -71,11 +71,11 @@ def test_reads_reported_after_the_lease_ran_out_are_flagged_stale():
     assert holds.take_finished() == {"e", "f", "g"}
     clock.now = 1000  # long after: still known as expired (bounded by count, not time)
     assert holds.take_finished() == set()
-    assert holds.done("f", "d", [1], 2) == EXPIRED and holds.done("g", "d", [0], 1) == EXPIRED
-    assert holds.done("e", "d", [0], 1) == EARLY  # the oldest expiry was forgotten (max_expired=2)
+    assert holds.done("f", "d", [1], 2) == Done.EXPIRED and holds.done("g", "d", [0], 1) == Done.EXPIRED
+    assert holds.done("e", "d", [0], 1) == Done.EARLY  # the oldest expiry was forgotten (max_expired=2)
     holds.hold("h")
-    assert holds.done("h", "d", [0], 1) == COUNTED and holds.take_finished() == {"h"}
-    assert holds.done("h", "d", [0], 1) == COUNTED  # a duplicate after a normal release is harmless
+    assert holds.done("h", "d", [0], 1) == Done.COUNTED and holds.take_finished() == {"h"}
+    assert holds.done("h", "d", [0], 1) == Done.COUNTED  # a duplicate after a normal release is harmless
 
 
 def test_a_request_held_for_several_readers_is_freed_by_the_last():
@@ -83,12 +83,12 @@ def test_a_request_held_for_several_readers_is_freed_by_the_last():
     own, and only the last frees the blocks."""
     holds = Holds(30, clock=Clock())
     holds.hold("n", readers=3)
-    assert holds.done("n", "child-0", [0, 1], 2) == COUNTED
-    assert holds.done("n", "child-0", [0, 1], 2) == COUNTED  # a repeat counts once
-    assert holds.done("n", "child-1", [], 0) == COUNTED  # done without reading (the prefix cache had it)
+    assert holds.done("n", "child-0", [0, 1], 2) == Done.COUNTED
+    assert holds.done("n", "child-0", [0, 1], 2) == Done.COUNTED  # a repeat counts once
+    assert holds.done("n", "child-1", [], 0) == Done.COUNTED  # done without reading (the prefix cache had it)
     assert holds.take_finished() == set()
-    assert holds.done("n", "child-2", [1], 2) == COUNTED and holds.take_finished() == set()
-    assert holds.done("n", "child-2", [0], 2) == COUNTED and holds.take_finished() == {"n"}
+    assert holds.done("n", "child-2", [1], 2) == Done.COUNTED and holds.take_finished() == set()
+    assert holds.done("n", "child-2", [0], 2) == Done.COUNTED and holds.take_finished() == {"n"}
 
 
 def test_a_reader_that_was_not_counted_before_the_release_is_told_not_held():
@@ -96,9 +96,9 @@ def test_a_reader_that_was_not_counted_before_the_release_is_told_not_held():
     reader, learns that nothing vouched for the blocks it read (they may be reused)."""
     holds = Holds(30, clock=Clock())
     holds.hold("a")
-    assert holds.done("a", "first", [0], 1) == COUNTED and holds.take_finished() == {"a"}
-    assert holds.done("a", "second", [0], 1) == NOT_HELD
-    assert holds.done("a", "first", [0], 1) == COUNTED  # the reader that was counted, repeating
+    assert holds.done("a", "first", [0], 1) == Done.COUNTED and holds.take_finished() == {"a"}
+    assert holds.done("a", "second", [0], 1) == Done.NOT_HELD
+    assert holds.done("a", "first", [0], 1) == Done.COUNTED  # the reader that was counted, repeating
     assert holds.renew(["a"]) == 0.0
 
 

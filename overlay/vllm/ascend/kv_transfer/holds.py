@@ -17,6 +17,7 @@ nothing vouches for the blocks). A reader that was counted before the release ge
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import OrderedDict
@@ -35,8 +36,19 @@ class _Hold:
     finished: set = field(default_factory=set)  # readers whose reads are all reported
 
 
-COUNTED, EARLY, EXPIRED, DROPPED, NOT_HELD = "counted", "early", "expired", "dropped", "not held"
-HELD = (COUNTED, EARLY)  # what a reader may keep its reads on
+class Done(enum.Enum):
+    """What ``Holds.done`` answers about a reader's done message (the module's text)."""
+
+    COUNTED = "counted"
+    EARLY = "early"
+    EXPIRED = "expired"
+    DROPPED = "dropped"
+    NOT_HELD = "not held"
+
+    @property
+    def held(self) -> bool:
+        """The blocks were held while the reader read: it may keep its reads."""
+        return self in (Done.COUNTED, Done.EARLY)
 
 
 class Holds:
@@ -65,22 +77,22 @@ class Holds:
                 if request_id in self._holds:  # an earlier message may have released it
                     self._done(request_id, reader, read_ids, total)
 
-    def done(self, request_id: str, reader: str, read_ids, reads_total: int) -> str:
+    def done(self, request_id: str, reader: str, read_ids, reads_total: int) -> Done:
         """Record ``reader``'s done message; what it may conclude (see the module's text)."""
         with self._lock:
             if request_id in self._expired:
-                return EXPIRED
+                return Done.EXPIRED
             if request_id in self._holds:
                 self._done(request_id, reader, read_ids, reads_total)
-                return COUNTED
+                return Done.COUNTED
             released = self._released.get(request_id)
             if released is not None:
-                return COUNTED if reader in released[1] else NOT_HELD
+                return Done.COUNTED if reader in released[1] else Done.NOT_HELD
             if sum(len(v) for v in self._early.values()) >= self._max_early:
-                return DROPPED
+                return Done.DROPPED
             self._early.setdefault(request_id, []).append((reader, list(read_ids), reads_total))
             self._early_deadline.setdefault(request_id, self._clock() + self.lease)
-            return EARLY
+            return Done.EARLY
 
     def _done(self, request_id: str, reader: str, read_ids, reads_total: int) -> None:
         hold = self._holds[request_id]

@@ -50,7 +50,7 @@ from vllm.ascend.kv_transfer.addressing import (
 )
 from vllm.ascend.kv_transfer.control import ControlClient, ControlServer, ControlTimeout
 from vllm.ascend.kv_transfer.groups import TransferGroups
-from vllm.ascend.kv_transfer.holds import DROPPED, EXPIRED, HELD, Holds
+from vllm.ascend.kv_transfer.holds import Done, Holds
 from vllm.ascend.kv_transfer.layerwise import Publications, release_messages
 from vllm.ascend.kv_transfer.lease_check import LeaseCheck
 from vllm.ascend.kv_transfer.plan import build_group_plan
@@ -280,16 +280,16 @@ class P2PWorker:
                 message.request_id, message.reader, message.read_ids, message.reads_total
             )
             self._pacer.news()
-            if status in HELD:
+            if status.held:
                 return wire.Reply(wire.WIRE_VERSION, True, held=True)
-            if status == EXPIRED:
+            if status is Done.EXPIRED:
                 return wire.Reply(
                     wire.WIRE_VERSION,
                     False,
                     "the request's lease ran out before these reads were reported; its blocks were freed",
                     lease_expired=True,
                 )
-            if status == DROPPED:
+            if status is Done.DROPPED:
                 return wire.Reply(wire.WIRE_VERSION, False, "too many done messages for unknown requests")
             # not held: released for other readers, or unknown here; nothing vouched for the blocks
             return wire.Reply(wire.WIRE_VERSION, True, "the request is not held for this reader", held=False)
