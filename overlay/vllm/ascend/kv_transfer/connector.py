@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.ascend.attention.kv_layout import VLLM_LAYOUT
 from vllm.ascend.kv_transfer.groups import TransferGroups
-from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, P2PScheduler
+from vllm.ascend.kv_transfer.metadata import P2PConnectorMetadata
+from vllm.ascend.kv_transfer.scheduler_side import P2PScheduler
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats, P2PPromMetrics
 

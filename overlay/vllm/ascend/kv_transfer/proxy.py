@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.logger import init_logger
 
+from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, SecretMissing, Trust, load_secret
 
 logger = init_logger("vllm.ascend.kv_transfer.proxy")  # its name also when run as __main__
@@ -104,7 +105,6 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
-MAX_READERS = 1024  # as the prefill side bounds them (scheduler_side.MAX_READERS)
 LAYERWISE_VALID_SECONDS = 600.0  # how long a decode instance takes the proxy's layer-wise parameters
 
 
@@ -139,7 +139,9 @@ def readers_of(body: dict) -> int:
     """How many decode requests read one prompt's KV: upstream makes one per sequence
     (``n``; ``best_of`` candidates where given)."""
     counts = [body.get("n", 1), body.get("best_of") or 1]
-    return max(1, min(MAX_READERS, max(c for c in counts if isinstance(c, int) and not isinstance(c, bool))))
+    return max(
+        1, min(wire.MAX_READERS, max(c for c in counts if isinstance(c, int) and not isinstance(c, bool)))
+    )
 
 
 def merge_answers(answers: list[dict], per_prompt: int) -> dict:

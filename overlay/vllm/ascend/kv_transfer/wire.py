@@ -39,6 +39,7 @@ from vllm.ascend.context_parallel.placement import CPLayout
 WIRE_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_READS = 1 << 16  # reads in one message
+MAX_READERS = 1024  # decode requests one prefill request is held for (a parallel-sampling n)
 
 Count = Annotated[int, Meta(ge=0, lt=1 << 31)]
 Address = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit int64

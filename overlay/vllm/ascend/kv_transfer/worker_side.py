@@ -53,8 +53,8 @@ from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.holds import Done, Holds
 from vllm.ascend.kv_transfer.layerwise import Publications, release_messages
 from vllm.ascend.kv_transfer.lease_check import LeaseCheck
+from vllm.ascend.kv_transfer.metadata import P2PConnectorMetadata, RecvSpec
 from vllm.ascend.kv_transfer.plan import build_group_plan
-from vllm.ascend.kv_transfer.scheduler_side import P2PConnectorMetadata, RecvSpec
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats
 from vllm.ascend.kv_transfer.transport import open_transport
