@@ -51,12 +51,19 @@ def render(record: dict) -> str:
             f"{counts.get('unexpected', 0)} |"
         )
     minutes = record["seconds"] / 60
+    workers = record["workers"]
+    head = f"Selection `{record['selection']}`: {record['results']} results in {minutes:.1f} minutes"
+    if isinstance(workers, list):  # a selection with parts: one pytest run each
+        runs = " and ".join(
+            ("its own paths" if run["selection"] == record["selection"] else f"part `{run['selection']}`")
+            + f" ({run['seconds'] / 60:.1f} minutes, {run['workers']} worker(s))"
+            for run in workers
+        )
+        head += f" against `{record['wheel']}`, in {len(workers)} pytest runs: {runs}."
+    else:
+        head += f" on {workers} pytest worker(s), against `{record['wheel']}`."
     lines = [
-        (
-            f"Selection `{record['selection']}`: {record['results']} results in {minutes:.1f} minutes on "
-            f"{record['workers']} pytest worker(s), against `{record['wheel']}`. Passed / expected "
-            "failures and skips by reason / unexpected:"
-        ),
+        head + " Passed / expected failures and skips by reason / unexpected:",
         "",
         "| directory | passed | expected (by reason) | unexpected |",
         "|---|---:|---|---:|",

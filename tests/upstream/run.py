@@ -233,7 +233,6 @@ def run_pytest(
     paths: list[str],
     timeout: int,
     hub_cache: Path,
-    keep: Path | None = None,
     workers: int = 1,
     global_cleanup: bool = True,
     deselected: tuple[str, ...] = (),
@@ -296,10 +295,7 @@ def run_pytest(
             raise SystemExit(
                 f"error: upstream's pytest run did not complete (exit code {code}; see its output above)"
             )
-        text = outcomes_file.read_text()
-        if keep:
-            keep.write_text(text)
-        return {r["test"]: r for r in map(json.loads, text.splitlines())}
+        return {r["test"]: r for r in map(json.loads, outcomes_file.read_text().splitlines())}
 
 
 def _run_file(outcomes: Path) -> Path:
@@ -311,6 +307,76 @@ def read_outcomes(path: Path) -> tuple[dict[str, dict], dict]:
     """The outcomes a run kept with ``--outcomes``, and what ran."""
     outcomes = {r["test"]: r for r in map(json.loads, path.read_text().splitlines())}
     return outcomes, json.loads(_run_file(path).read_text())
+
+
+@dataclass(frozen=True)
+class Part:
+    """One pytest run of a selection: a selection's own paths, or one of its ``parts``
+    (another selection run after it with that selection's own settings)."""
+
+    name: str
+    settings: dict
+    paths: list[str]
+    deselected: tuple[str, ...]
+
+
+def plan_parts(
+    name: str,
+    selections: dict,
+    expectations: list[Expectation],
+    source: Path,
+    patch_set_dir: Path,
+    given: list[str] | None = None,
+) -> list[Part]:
+    """The runs a selection makes: its own paths, then each selection it names in
+    ``parts`` (one level: a part has no parts). Given PATHs run in the part whose paths
+    cover them, the others in the selection's own run, and nothing is deselected."""
+    names = [name, *selections[name].get("parts", ())]
+    for part in names[1:]:
+        if part not in selections:
+            raise SystemExit(f"error: selection {name!r}: parts names no selection {part!r}")
+        if selections[part].get("parts"):
+            raise SystemExit(f"error: selection {name!r}: its part {part!r} has parts of its own")
+    planned = []
+    for part in names:
+        paths, added = selection_paths(part, selections, source, patch_set_dir)
+        for file, modules in added.items():
+            print(f"selection {part}: + {file} (imports {', '.join(modules)})")
+        planned.append((part, paths))
+    if given:
+        owner = {
+            path: next((part for part, paths in planned[1:] if _selected(path, paths)), name)
+            for path in given
+        }
+        planned = [(part, [path for path in given if owner[path] == part]) for part, _ in planned]
+        planned = [(part, paths) for part, paths in planned if paths]
+    runs = []
+    for part, paths in planned:
+        deselected = () if given else deselected_tests(part, selections[part], expectations)
+        for test in deselected:
+            print(f"selection {part}: - {test} (deselected; it runs in wider selections)")
+        runs.append(Part(part, selections[part], paths, deselected))
+    return runs
+
+
+def run_part(part: Part, source: Path, timeout: int, hub_cache: Path, workers: int) -> dict[str, dict]:
+    global_cleanup = part.settings.get("global-cleanup", True)
+    if not global_cleanup:
+        print(f"selection {part.name}: upstream's per-test global clean-up is skipped")
+    lifted = tuple(part.settings.get("lift-cuda-gates", ()))
+    for file in lifted:
+        print(f"selection {part.name}: {file} imported past its CUDA gate")
+    return run_pytest(
+        source,
+        part.paths,
+        timeout,
+        hub_cache,
+        workers=workers,
+        global_cleanup=global_cleanup,
+        deselected=part.deselected,
+        lift_cuda_gates=lifted,
+        host_kv_cache_mb=part.settings.get("host-kv-cache-mb"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,18 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.record and args.paths:
         p.error("--record keeps the counts of a whole selection; give no PATHs")
-    selection = selections[args.selection]
     source = args.source.resolve()
-    if args.paths:
-        paths = args.paths
-    else:
-        paths, added = selection_paths(args.selection, selections, source, args.expectations.parent)
-        for file, modules in added.items():
-            print(f"selection {args.selection}: + {file} (imports {', '.join(modules)})")
-    workers = args.workers or selection.get("workers", 1)
-    deselected = () if args.paths else deselected_tests(args.selection, selection, expectations)
-    for test in deselected:
-        print(f"selection {args.selection}: - {test} (deselected; it runs in wider selections)")
+    parts = plan_parts(args.selection, selections, expectations, source, args.expectations.parent, args.paths)
+    paths = [path for part in parts for path in part.paths]
+    deselected = tuple(test for part in parts for test in part.deselected)
     if args.rejudge:
         outcomes, run = read_outcomes(args.rejudge)
         if run.get("paths") != paths:
@@ -376,29 +434,21 @@ def main(argv: list[str] | None = None) -> int:
         seconds, workers = run["seconds"], run["workers"]
     else:
         hub_cache = ensure_hub(args.cache.resolve())
-        started = time.monotonic()
-        global_cleanup = selection.get("global-cleanup", True)
-        if not global_cleanup:
-            print(f"selection {args.selection}: upstream's per-test global clean-up is skipped")
-        lifted = tuple(selection.get("lift-cuda-gates", ()))
-        for file in lifted:
-            print(f"selection {args.selection}: {file} imported past its CUDA gate")
-        outcomes = run_pytest(
-            source,
-            paths,
-            args.timeout,
-            hub_cache,
-            args.outcomes,
-            workers,
-            global_cleanup,
-            deselected,
-            lift_cuda_gates=lifted,
-            host_kv_cache_mb=selection.get("host-kv-cache-mb"),
-        )
-        seconds = time.monotonic() - started
+        outcomes, timings = {}, []
+        for part in parts:
+            workers = args.workers or part.settings.get("workers", 1)
+            started = time.monotonic()
+            outcomes |= run_part(part, source, args.timeout, hub_cache, workers)
+            timings.append(
+                {"selection": part.name, "seconds": round(time.monotonic() - started), "workers": workers}
+            )
+            if args.outcomes:  # after each part: a later part's crash loses only its own
+                args.outcomes.write_text("".join(json.dumps(r) + "\n" for r in outcomes.values()))
+        seconds = sum(t["seconds"] for t in timings)
+        workers = timings[0]["workers"] if len(timings) == 1 else timings
         if args.outcomes:
             _run_file(args.outcomes).write_text(
-                json.dumps({"paths": paths, "seconds": round(seconds), "workers": workers}) + "\n"
+                json.dumps({"paths": paths, "seconds": seconds, "workers": workers}) + "\n"
             )
     judgement = judge(outcomes, expectations, paths, deselected)
     text, summary = report(judgement, reasons)

@@ -179,3 +179,43 @@ def test_a_lifted_cuda_gate_lets_a_file_import_and_its_tests_run_on_the_platform
         source, ["tests/a"], 120, tmp_path / "hub", lift_cuda_gates=("tests/a/test_gated.py",)
     )
     assert lifted[test]["outcome"] == "passed", lifted
+
+
+def test_a_selection_runs_its_parts_with_their_own_settings(tmp_path):
+    """``parts``: the wider selection runs its own paths, then each part as that part
+    runs alone (here: a CUDA gate lifted only in the part); given PATHs go to the part
+    whose paths cover them."""
+    from tests.upstream.run import plan_parts, run_part
+
+    source = _write(tmp_path / "src", {**GATED, "tests/b/test_gated.py": GATED["tests/a/test_gated.py"]})
+    selections = {
+        "wide": {"paths": ["tests/a"], "parts": ["engine"]},
+        "engine": {"paths": ["tests/b"], "lift-cuda-gates": ["tests/b/test_gated.py"]},
+    }
+    parts = plan_parts("wide", selections, [], source, PATCH_SET)
+    assert [(p.name, p.paths) for p in parts] == [("wide", ["tests/a"]), ("engine", ["tests/b"])]
+    outcomes = {}
+    for part in parts:
+        outcomes |= run_part(part, source, 120, tmp_path / "hub", workers=1)
+    assert outcomes["tests/b/test_gated.py::test_runs_on_the_platform_as_it_is"]["outcome"] == "passed"
+    assert "tests/a/test_gated.py::test_runs_on_the_platform_as_it_is" not in outcomes  # gate kept
+    assert outcomes["tests/a/test_plain.py::test_ok"]["outcome"] == "passed"
+
+    given = plan_parts("wide", selections, [], source, PATCH_SET, ["tests/b/test_gated.py", "tests/a"])
+    assert [(p.name, p.paths) for p in given] == [
+        ("wide", ["tests/a"]),
+        ("engine", ["tests/b/test_gated.py"]),
+    ]
+    with pytest.raises(SystemExit, match="has parts of its own"):
+        plan_parts(
+            "wide", {**selections, "engine": {"paths": ["tests/b"], "parts": ["wide"]}}, [], source, PATCH_SET
+        )
+    with pytest.raises(SystemExit, match="parts names no selection 'gone'"):
+        plan_parts("wide", {"wide": {"paths": ["tests/a"], "parts": ["gone"]}}, [], source, PATCH_SET)
+
+
+def test_the_committed_full_selection_runs_the_serving_one_as_a_part():
+    from tests.upstream.run import load_expectations
+
+    _reasons, selections, _ = load_expectations(default_expectations())
+    assert selections["full"].get("parts") == ["serving"]
