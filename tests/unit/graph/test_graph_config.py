@@ -194,3 +194,19 @@ def test_capture_lengths_refuse_a_cache_too_small_for_the_graph():
 
     with pytest.raises(ValueError, match="more blocks than"):
         capture_lengths([1] * 8, 4, 128, 7)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "npu"])
+def test_the_graph_choice_is_said_for_every_config_even_without_a_model(kernels, monkeypatch):
+    """The start-up line formats whatever upstream resolved (an engine config without a
+    model has no decode graph sizes): a logging error here fails a bare ``VllmConfig()``
+    wherever log records are formatted eagerly (pytest's capture, for one)."""
+    from vllm.config import VllmConfig
+
+    from vllm.ascend.graph import policy
+
+    said = []
+    monkeypatch.setattr(policy.logger, "info_once", lambda fmt, *args: said.append(fmt % args))
+    monkeypatch.setenv("VLLM_ASCEND_KERNELS", kernels)
+    VllmConfig()
+    assert len(said) <= 1 and all(line.startswith("Ascend platform: decode graphs") for line in said)

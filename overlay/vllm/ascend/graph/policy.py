@@ -69,7 +69,7 @@ def choose_graph_mode(vllm_config: VllmConfig) -> None:
     # upstream sizes decode graphs by request count (n requests x 1 + k tokens each)
     sizes = compilation_config.decode_cudagraph_capture_request_sizes or []
     logger.info_once(
-        "Ascend platform: decode graphs (FULL_DECODE_ONLY) for %d batch sizes up to %d requests "
+        "Ascend platform: decode graphs (FULL_DECODE_ONLY) for %d batch sizes up to %s requests "
         "(ACL graphs through torch_npu; steps with a prefill run eagerly; --enforce-eager turns them off)",
         len(sizes),
         compilation_config.max_decode_cudagraph_capture_requests,
