@@ -13,8 +13,9 @@ from pathlib import Path
 from .config import REPO_ROOT
 
 
-def _summary(path: Path) -> str | None:
-    """The first paragraph of a program's docstring, or None for a module that is no program."""
+def _summary(path: Path, program_only: bool = True) -> str | None:
+    """The first sentence of a module's docstring, or None for a module that is no program
+    (``program_only``: no ``if __name__ ...`` at its top level)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_program = any(
         isinstance(node, ast.If)
@@ -23,7 +24,7 @@ def _summary(path: Path) -> str | None:
         and node.test.left.id == "__name__"
         for node in tree.body
     )
-    if not is_program:
+    if program_only and not is_program:
         return None
     return _first_sentence(ast.get_docstring(tree) or "")
 
@@ -36,7 +37,8 @@ def _first_sentence(doc: str) -> str:
 
 def benchmarks(root: Path = REPO_ROOT) -> dict[str, str]:
     """Benchmark name -> what it measures (the first sentence of the script's docstring)."""
-    found = {"build": _summary_of_builder(root)}
+    # the builder's bench.py runs under `python -m ascend_builder bench`, not as a program
+    found = {"build": _summary(root / "build" / "ascend_builder" / "bench.py", program_only=False) or ""}
     for path in sorted((root / "benchmarks").glob("*.py")):
         summary = _summary(path)
         if summary is not None:
@@ -47,8 +49,3 @@ def benchmarks(root: Path = REPO_ROOT) -> dict[str, str]:
 def script(name: str, root: Path = REPO_ROOT) -> Path:
     """The program a benchmark name runs (not ``build``: the builder runs that one)."""
     return root / "benchmarks" / f"{name.replace('-', '_')}.py"
-
-
-def _summary_of_builder(root: Path) -> str:
-    source = (root / "build" / "ascend_builder" / "bench.py").read_text(encoding="utf-8")
-    return _first_sentence(ast.get_docstring(ast.parse(source)) or "")

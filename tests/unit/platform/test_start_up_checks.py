@@ -119,7 +119,7 @@ def test_sleep_mode_settings_without_an_ascend_form_are_refused_by_name(setting,
 
 def test_workers_spawn_unless_the_caller_chose_a_start_method(monkeypatch):
     warned = []
-    monkeypatch.setattr(npu.logger, "warning", lambda fmt, *args: warned.append(fmt % args))
+    monkeypatch.setattr(npu.logger, "warning_once", lambda fmt, *args: warned.append(fmt % args))
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     npu._default_multiproc_method()
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and not warned

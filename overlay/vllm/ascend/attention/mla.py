@@ -56,7 +56,7 @@ from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.graph import host_params
 from vllm.ascend.kernels import mla as kernels
 from vllm.ascend.kernels import npu_kernels
-from vllm.ascend.kernels.attention import gather_range
+from vllm.ascend.kernels.attention import gather_range, supported_block_sizes
 from vllm.ascend.kernels.mla import head_major
 from vllm.ascend.step_cache import once_per_step
 
@@ -185,7 +185,7 @@ class AscendMLABackend(MLACommonBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return kernels.supported_block_sizes()
+        return supported_block_sizes(kernels.NPU_MLA_BLOCK_SIZES)
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:

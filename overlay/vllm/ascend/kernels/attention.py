@@ -22,7 +22,7 @@ MASK_SIZE = 2048  # the optimised causal mask torch_npu's sparse modes 2-4 take
 NPU_SINK_MAX_HEAD_SIZE = 128
 # npu_fused_infer_attention_score's page attention: block sizes 128..512 in steps of 128
 # when a query has more than one token; 128 is the size its kernels are built for
-NPU_BLOCK_SIZES = (128, 256, 384, 512)
+NPU_BLOCK_SIZES: tuple[int, ...] = (128, 256, 384, 512)
 NPU_DEFAULT_BLOCK_SIZE = 128
 # its limits that depend only on the model and the parallel layout (torch_npu 2.14.0
 # _op_plugin_docs.py): "支持N轴小于等于256, 支持D轴小于等于512"; "输入类型全为float16、bfloat16时,
@@ -345,11 +345,12 @@ paged_decode = pick(reference_paged_decode, npu_paged_decode)
 paged_attention = pick(reference_paged_attention, npu_paged_attention)
 
 
-def supported_block_sizes() -> list:
-    """Kernel block sizes of the selected kernels (vLLM's ``MultipleOf`` or ints): the
-    reference kernels take any size."""
+def supported_block_sizes(npu_sizes: tuple[int, ...] = NPU_BLOCK_SIZES) -> list:
+    """Kernel block sizes of the selected kernels (vLLM's ``MultipleOf`` or ints): the NPU
+    kernels' sizes (``npu_sizes``: page attention's by default), or any size for the
+    reference kernels."""
     from vllm.v1.attention.backend import MultipleOf
 
     from vllm.ascend.kernels import npu_kernels
 
-    return list(NPU_BLOCK_SIZES) if npu_kernels() else [MultipleOf(1)]
+    return list(npu_sizes) if npu_kernels() else [MultipleOf(1)]

@@ -51,7 +51,7 @@ from vllm.ascend.kernels.attention import (
 # 32, 64 or 128 query heads (fewer heads are padded).
 NPU_MLA_LATENT, NPU_MLA_ROPE, NPU_MLA_HEADS = 512, 64, (32, 64, 128)
 # the MLA form of npu_fused_infer_attention_score pages its cache in blocks of 128 or 16
-NPU_MLA_BLOCK_SIZES = (128, 16)
+NPU_MLA_BLOCK_SIZES: tuple[int, ...] = (128, 16)
 
 
 def head_major(plane: torch.Tensor) -> torch.Tensor:
@@ -398,13 +398,6 @@ def npu_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, c
             out[rows, h0:h1] = o[:, : h1 - h0, :dv].to(out.dtype)
             lse[rows, h0:h1] = row_lse[:, : h1 - h0, 0]
     return out, lse
-
-
-def supported_block_sizes() -> list:
-    """Kernel block sizes of the selected kernels (the reference kernels take any)."""
-    from vllm.v1.attention.backend import MultipleOf
-
-    return list(NPU_MLA_BLOCK_SIZES) if npu_kernels() else [MultipleOf(1)]
 
 
 def check_npu_dims(kv_lora_rank: int, rope_dim: int) -> None:

@@ -63,7 +63,7 @@ def _default_multiproc_method() -> None:
     if chosen is None:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     elif chosen != "spawn":
-        logger.warning(
+        logger.warning_once(  # once: every engine config of the process passes here
             "VLLM_WORKER_MULTIPROC_METHOD=%s is kept as set; on an NPU, workers forked after "
             "this process opened the device cannot use it: unset it (the platform's default "
             "is spawn) if workers fail to start",
