@@ -6,7 +6,7 @@ pull-after-prefill and 1P1D layer-wise serving. In one run (``nox -s bench -- kv
    the Ascend backends store them (per layer, planes of blocks; head-major blocks),
    registered with the Mooncake TransferEngine over TCP, each rank with a real
    ``ControlServer``. This process is one decode rank: per request it runs what the
-   connector's worker runs (``build_group_plan``, ``addressing.decode_rank_ranges``,
+   connector's worker runs (its ``planner.ReplicaPlanner``: ``plan`` and ``ranges``,
    ``MooncakeTransport.read``, the done messages through ``ControlClient.request_all``)
    and, in the same run, the raw transport on the same bytes: ``batch_transfer_sync_read``
    of one range per (layer, plane, block, head run) computed straight from the block ids,
@@ -329,17 +329,13 @@ def _prefill_peer(case: Case, ranks: list[int], num_blocks: int, control_port: i
 
 def run_case(case: Case, repeats: int) -> dict:
     from vllm.ascend.kv_transfer import wire
-    from vllm.ascend.kv_transfer.addressing import (
-        decode_rank_ranges,
-        layer_regions,
-        plane_regions,
-        plane_table,
-    )
+    from vllm.ascend.kv_transfer.addressing import RankTables, layer_regions, plane_regions, plane_table
     from vllm.ascend.kv_transfer.control import ControlClient
+    from vllm.ascend.kv_transfer.worker_side import LEASE_ANSWER_WAIT
     from vllm.ascend.kv_transfer.lease_check import LeaseCheck
     from vllm.ascend.kv_transfer.plan import build_group_plan
+    from vllm.ascend.kv_transfer.planner import ReplicaPlanner
     from vllm.ascend.kv_transfer.transport import open_transport
-    from vllm.ascend.kv_transfer.worker_side import LEASE_ANSWER_WAIT
 
     shape, (prefill, decode) = SHAPES[case.shape], case.layouts()
     rng = np.random.default_rng(0)
@@ -365,6 +361,10 @@ def run_case(case: Case, repeats: int) -> dict:
         transport.register(plane_regions(layer_regions(mine)))
         transport.connect(address, [r for regions in theirs.values() for r in plane_regions(regions)])
         tables = {rank: plane_table(mine, theirs[rank]) for rank in ranks}
+        # the worker's planner of this prefill replica, as it is built at the handshake
+        planner = ReplicaPlanner(
+            prefill, decode, me, 0, lambda rank: RankTables.build({0: mine}, theirs[rank])
+        )
         client, lease_client = ControlClient(10.0, _trust()), ControlClient(10.0, _trust())
         engine = transport._engine  # the TransferEngine itself, as a raw caller uses it
         raw_s, conn_s = [], []
@@ -385,18 +385,9 @@ def run_case(case: Case, repeats: int) -> dict:
             """The connector's pull, as the worker runs it: its time stamps, whether the read
             ended inside the leases, and the batches read."""
             t0 = time.perf_counter()
-            plan = build_group_plan(prefill, decode, case.tokens, [src_ids], [dst_ids])
+            plan = planner.plan(case.tokens, [src_ids], [dst_ids])
             t1 = time.perf_counter()
-            batches = list(
-                decode_rank_ranges(
-                    plan,
-                    me,
-                    0,
-                    0,
-                    lambda rank: ({0: tables[rank][0]}, {0: tables[rank][1]}),
-                    stable_tables=True,  # as the worker's whole pull
-                )
-            )
+            batches = planner.ranges(plan)
             t2 = time.perf_counter()
             sources = [p for p, *_ in batches]
             check = LeaseCheck(lease_client, [f"127.0.0.1:{port + p}" for p in sources], "bench", request_id)
@@ -496,14 +487,9 @@ def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: lis
     each size: the aggregate rate and the per-request p50, to size the worker's pool."""
 
     from vllm.ascend.kv_transfer import wire
-    from vllm.ascend.kv_transfer.addressing import (
-        decode_rank_ranges,
-        layer_regions,
-        plane_regions,
-        plane_table,
-    )
+    from vllm.ascend.kv_transfer.addressing import RankTables, layer_regions, plane_regions
     from vllm.ascend.kv_transfer.control import ControlClient
-    from vllm.ascend.kv_transfer.plan import build_group_plan
+    from vllm.ascend.kv_transfer.planner import ReplicaPlanner
     from vllm.ascend.kv_transfer.transport import open_transport
 
     case = Case(shape_name, tokens, (("tp", 1),), (("tp", 1),))
@@ -521,16 +507,14 @@ def run_concurrency(shape_name: str, tokens: int, requests: int, pool_sizes: lis
         transport = open_transport("mooncake", "127.0.0.1", {})
         transport.register(plane_regions(layer_regions(mine)))
         transport.connect(address, plane_regions(theirs))
-        src, dst = plane_table(mine, theirs)
+        planner = ReplicaPlanner(prefill, decode, 0, 0, lambda _: RankTables.build({0: mine}, theirs))
         client = ControlClient(10.0, _trust())
         rng = np.random.default_rng(1)
 
         def pull(ids):
             t0 = time.perf_counter()
-            plan = build_group_plan(prefill, decode, tokens, [ids[0]], [ids[1]])
-            for _, local, remote, lengths in decode_rank_ranges(
-                plan, 0, 0, 0, lambda _: ({0: src}, {0: dst}), stable_tables=True
-            ):
+            plan = planner.plan(tokens, [ids[0]], [ids[1]])
+            for _, local, remote, lengths in planner.ranges(plan):
                 transport.read(address, local, remote, lengths)
             done = [m for m in wire.done_messages(plan, "c", "c", frozenset()) if m.decode_rank == 0]
             client.request_all([(f"127.0.0.1:{port + m.prefill_rank}", m) for m in done])

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.context_parallel.placement import CPLayout, place
 from vllm.ascend.kv_transfer import wire
-from vllm.ascend.kv_transfer.addressing import plane_table, read_ranges
+from vllm.ascend.kv_transfer.addressing import RankTables, plane_table, read_ranges
 from vllm.ascend.kv_transfer.plan import build_plan
+from vllm.ascend.kv_transfer.planner import ReplicaPlanner
 
 LAYERS = 2
 HEAD, HEAD_V, LORA, ROPE = 4, 3, 6, 2  # elements (int32)
@@ -69,6 +70,18 @@ class Rank:
         ]
 
 
+def _planner(prefill, decode, d_rank: int, tp_rank: int, rank: Rank, src: dict) -> ReplicaPlanner:
+    """Decode rank ``d_rank``'s planner of the prefill replica ``src`` (rank in replica ->
+    Rank), its plane tables built as the worker builds them at connection."""
+    return ReplicaPlanner(
+        prefill, decode, d_rank, tp_rank, lambda p: RankTables.build({0: rank.mine()}, src[p].regions())
+    )
+
+
+def _tp_rank(decode: CPLayout, decode_dp: int, d_rank: int) -> int:
+    return (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
+
+
 def _instance(layout: CPLayout, dp_rank: int, num_blocks: int) -> dict[int, Rank]:
     return {
         dp_rank * layout.ranks_per_replica + layout.rank(p, t): Rank(layout, t, num_blocks)
@@ -114,13 +127,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("via", ["decode_rank_ranges", "read_ranges"])
+@pytest.mark.parametrize("via", ["planner", "read_ranges"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_pulled_bytes_are_the_decode_placement(name, via):
-    """``via``: the worker's batch over all the prefill ranks a decode rank reads from,
+    """``via``: the worker's planner, over all the prefill ranks a decode rank reads from,
     or one prefill rank at a time."""
-    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges
-
     prefill, decode = CASES[name]
     tokens, decode_dp = 45, decode.dp - 1
     n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
@@ -132,18 +143,9 @@ def test_pulled_bytes_are_the_decode_placement(name, via):
     plan = build_plan(prefill, decode, tokens, p_ids, d_ids, 0, decode_dp)
     for d_rank, rank in dst.items():
         ids = plan.read_ids_of(d_rank)
-        if via == "decode_rank_ranges":
-            tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
-            batches = [
-                batch[1:]
-                for batch in decode_rank_ranges(
-                    plan,
-                    d_rank,
-                    0,
-                    tp_rank,
-                    lambda p, rank=rank: tuple({0: t} for t in plane_table(rank.mine(), src[p].regions())),
-                )
-            ]
+        if via == "planner":
+            planner = _planner(prefill, decode, d_rank, _tp_rank(decode, decode_dp, d_rank), rank, src)
+            batches = [batch[1:] for batch in planner.ranges(plan)]
         else:
             batches = [
                 read_ranges(
@@ -204,47 +206,33 @@ def test_a_run_never_crosses_from_one_read_into_the_next():
 def test_layer_by_layer_reads_copy_the_same_bytes_as_one_pull(name):
     """Layer-wise transfer reads each prefill rank's layers as they are written, in any
     order: the ranges of all those partial reads are exactly the ranges of one pull."""
-    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges, decode_rank_sources, plane_layers
-    from vllm.ascend.kv_transfer.worker_side import PeerRank
-
     prefill, decode = CASES[name]
     tokens, decode_dp = 45, decode.dp - 1
     n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
     src = _instance(prefill, 0, n_p + 3)
     dst = _instance(decode, decode_dp, n_d + 4)
     plan = build_plan(prefill, decode, tokens, list(range(n_p)), list(range(1, n_d + 1)), 0, decode_dp)
+    every_rank = range(prefill.ranks_per_replica)
     for d_rank, rank in dst.items():
-        tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
-        peers = {}
-        for p in range(prefill.ranks_per_replica):
-            theirs = src[p].regions()
-            peers[p] = PeerRank(
-                "",
-                *({0: t} for t in plane_table(rank.mine(), theirs)),
-                {0: plane_layers(rank.mine(), theirs)},
-            )
+        planner = _planner(prefill, decode, d_rank, _tp_rank(decode, decode_dp, d_rank), rank, src)
 
-        def ranges(tables, d_rank=d_rank, tp_rank=tp_rank, whole_blocks=False):
+        def ranges(layers, whole_blocks, planner=planner):
             out = set()
-            for _, local, remote, lengths in decode_rank_ranges(
-                plan, d_rank, 3, tp_rank, tables, whole_blocks
-            ):
+            for _, local, remote, lengths in planner.ranges(plan, 3, layers, whole_blocks):
                 for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
                     out.update((lo + i, re + i) for i in range(0, n, 4))  # int32 elements
             return out
 
         # whole blocks (LLM-DataDist) where both sides store blocks alike
         for whole_blocks in (False, True) if prefill == decode else (False,):
-            whole = ranges(lambda p, peers=peers: (peers[p].src, peers[p].dst), whole_blocks=whole_blocks)
+            whole = ranges(None, whole_blocks)
             by_layer = set()
             for layer in reversed(range(LAYERS)):
-                part = ranges(
-                    lambda p, layer=layer, peers=peers: peers[p].only({layer}), whole_blocks=whole_blocks
-                )
+                part = ranges({p: {layer} for p in every_rank}, whole_blocks)
                 assert not part & by_layer  # no element is read twice
                 by_layer |= part
             assert by_layer == whole and whole
-        assert set(decode_rank_sources(plan, d_rank, 3)) <= set(peers)
+        assert set(planner.sources(plan, 3)) <= set(every_rank)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -252,7 +240,6 @@ def test_a_kv_cache_group_with_no_layer_ready_yet_is_skipped(name):
     """Layer-wise, with two KV-cache groups: while only the first group's layers are
     written, a read of the ready layers is the first group's ranges (the other group has
     no rows yet), on every decode rank and however many prefill ranks it reads from."""
-    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges
     from vllm.ascend.kv_transfer.plan import build_group_plan
 
     prefill, decode = CASES[name]
@@ -264,33 +251,29 @@ def test_a_kv_cache_group_with_no_layer_ready_yet_is_skipped(name):
     one = build_plan(prefill, decode, tokens, *tables, 0, decode_dp)
     two = build_group_plan(prefill, decode, tokens, [tables[0]] * 2, [tables[1]] * 2, 0, decode_dp)
     for d_rank, rank in dst.items():
-        tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
-        table = {p: plane_table(rank.mine(), src[p].regions()) for p in range(prefill.ranks_per_replica)}
+        tp_rank = _tp_rank(decode, decode_dp, d_rank)
 
-        def first_group_only(p, table=table):
-            s, d = table[p]
-            return {0: s, 1: s[:0]}, {0: d, 1: d[:0]}
+        def first_group_only(p, rank=rank):
+            ready = RankTables.build({0: rank.mine()}, src[p].regions())
+            s, d = ready.src[0], ready.dst[0]
+            return RankTables({0: s, 1: s[:0]}, {0: d, 1: d[:0]}, {0: ready.layer_of_row[0], 1: []})
 
         def as_lists(batches):
             return [(p, *(a.tolist() for a in arrays)) for p, *arrays in batches]
 
-        expected = as_lists(
-            decode_rank_ranges(
-                one, d_rank, 0, tp_rank, lambda p, table=table: tuple({0: t} for t in table[p])
-            )
-        )
-        assert as_lists(decode_rank_ranges(two, d_rank, 0, tp_rank, first_group_only)) == expected
+        expected = as_lists(_planner(prefill, decode, d_rank, tp_rank, rank, src).ranges(one))
+        waiting = ReplicaPlanner(prefill, decode, d_rank, tp_rank, first_group_only)
+        assert as_lists(waiting.ranges(two)) == expected
         assert expected or not one.read_ids_of(d_rank).size
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_address_templates_give_every_request_its_own_bytes(name):
-    """A whole pull with stable plane tables takes its ranges from templates kept per plan
-    piece: requests of one shape but other block ids, aligned to the period or not, still
-    copy exactly their own placement, the second request reuses the first one's templates,
-    and with a prefix cached here the ranges are those of the path without templates."""
-    from vllm.ascend.kv_transfer import addressing
-    from vllm.ascend.kv_transfer.addressing import decode_rank_ranges
+    """A whole pull takes its ranges from templates its planner keeps per plan piece:
+    requests of one shape but other block ids, aligned to the period or not, still copy
+    exactly their own placement, the second request reuses the first one's templates, and
+    with a prefix cached here the ranges are those of the reads from there on, one prefill
+    rank at a time."""
     from vllm.ascend.kv_transfer.plan import period
 
     prefill, decode = CASES[name]
@@ -300,11 +283,10 @@ def test_address_templates_give_every_request_its_own_bytes(name):
         n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
         src = _instance(prefill, 0, n_p + 6)
         dst = _instance(decode, decode_dp, n_d + 6)
-        tables = {
-            d_rank: {p: tuple({0: t} for t in plane_table(rank.mine(), src[p].regions())) for p in src}
+        planners = {
+            d_rank: _planner(prefill, decode, d_rank, _tp_rank(decode, decode_dp, d_rank), rank, src)
             for d_rank, rank in dst.items()
         }
-        addressing._TEMPLATES.clear()
         kept = []
         for _ in range(2):  # two requests
             p_ids = (rng.permutation(n_p + 5)[:n_p] + 1).tolist()
@@ -313,17 +295,13 @@ def test_address_templates_give_every_request_its_own_bytes(name):
                 for buffer in rank.buffers:
                     buffer[:] = 0
             _store(src, prefill, 0, p_ids, tokens)
-            plan = build_plan(prefill, decode, tokens, p_ids, d_ids, 0, decode_dp)
-            for d_rank in dst:
-                tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
-                for _, local, remote, lengths in decode_rank_ranges(
-                    plan, d_rank, 0, tp_rank, tables[d_rank].__getitem__, stable_tables=True
-                ):
+            for planner in planners.values():
+                plan = planner.plan(tokens, [p_ids], [d_ids], 0, decode_dp)
+                for _, local, remote, lengths in planner.ranges(plan):
                     for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist()):
                         ctypes.memmove(lo, re, n)
-            # a plan ending inside a period is made of two pieces: its columns are worked out
-            # only when first read (its done messages), not for its ranges
-            assert ("_deferred" in plan.__dict__) == (tokens > cycle and tokens % cycle != 0)
+            # a plan ending inside a period is made of two pieces
+            assert len(plan.pieces) == (2 if tokens > cycle and tokens % cycle != 0 else 1)
             assert not hasattr(plan, "no_such_column")
             expected = _instance(decode, decode_dp, n_d + 6)
             _store(expected, decode, decode_dp, d_ids, tokens)
@@ -333,9 +311,13 @@ def test_address_templates_give_every_request_its_own_bytes(name):
                         tokens,
                         d_rank,
                     )
-            kept.append(dict(addressing._TEMPLATES))
-        assert kept[0] and kept[1].keys() == kept[0].keys()  # made once, for the first request
-        assert all(kept[1][k][1] is kept[0][k][1] for k in kept[0])
+            kept.append({d: dict(p.kept.items()) for d, p in planners.items()})
+        templates = [
+            {(d, k): v for d, items in request.items() for k, v in items.items() if k[0] == "template"}
+            for request in kept
+        ]
+        assert templates[0] and templates[1].keys() == templates[0].keys()  # made once, for the first request
+        assert all(templates[1][k] is templates[0][k] for k in templates[0])
 
         def elements(batches):
             return sorted(
@@ -346,14 +328,25 @@ def test_address_templates_give_every_request_its_own_bytes(name):
             )
 
         for first_token in (3, cycle, cycle + 1, tokens - 1):
-            for d_rank in dst:
-                tp_rank = (d_rank - decode_dp * decode.ranks_per_replica) % decode.tp
-                table = tables[d_rank].__getitem__
-                with_templates = decode_rank_ranges(
-                    plan, d_rank, first_token, tp_rank, table, stable_tables=True
-                )
-                without = decode_rank_ranges(plan, d_rank, first_token, tp_rank, table)
-                assert elements(with_templates) == elements(without), (tokens, first_token, d_rank)
+            for d_rank, planner in planners.items():
+                with_templates = planner.ranges(plan, first_token)
+                ids = plan.read_ids_of(d_rank)
+                ids = ids[plan.first_position[ids] >= first_token]
+                one_at_a_time = [
+                    (
+                        p,
+                        *read_ranges(
+                            plan,
+                            ids[plan.prefill_rank[ids] == p],
+                            *plane_table(dst[d_rank].mine(), src[p].regions()),
+                            src[p].heads.start,
+                            dst[d_rank].heads.start,
+                            (prefill.block_size, decode.block_size),
+                        ),
+                    )
+                    for p in np.unique(plan.prefill_rank[ids]).tolist()
+                ]
+                assert elements(with_templates) == elements(one_at_a_time), (tokens, first_token, d_rank)
 
 
 def _merged_one_by_one(local, remote, lengths):
@@ -397,4 +390,71 @@ def test_ranges_of_several_prefill_ranks_merge_within_a_rank_only(parts):
         assert got == expected
     assert [list(r) for r in zip(*(x.tolist() for x in merge_ranges(*arrays)))] == _merged_one_by_one(
         local, remote, lengths
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("first_token", [0, 5])
+def test_a_windowed_group_reads_nothing_into_the_null_block(name, first_token):
+    """Two KV-cache groups, the second a sliding window (its tables name the null block
+    before the window): the planner's ranges, made of the kept shapes less their reads into
+    the null block, are the ranges of the plan's own reads computed one prefill rank and
+    one group at a time, and none lands in the null block of the second group."""
+    from vllm.ascend.kv_transfer.plan import NULL_BLOCK
+
+    prefill, decode = CASES[name]
+    tokens, decode_dp = 45, decode.dp - 1
+    n_p, n_d = -(-tokens // prefill.virtual_block_size), -(-tokens // decode.virtual_block_size)
+    src = _instance(prefill, 0, 2 * n_p + 3)
+    dst = _instance(decode, decode_dp, 2 * n_d + 4)
+    window = max(prefill.virtual_block_size, decode.virtual_block_size)
+
+    def windowed(ids: list[int], size: int, first_kept: int) -> list[int]:
+        """The null block for every block whose tokens all lie before ``first_kept``."""
+        return [NULL_BLOCK if (b + 1) * size <= first_kept else i for b, i in enumerate(ids)]
+
+    size_p, size_d = prefill.virtual_block_size, decode.virtual_block_size
+    d_window = windowed(list(range(n_d + 1, 2 * n_d + 1)), size_d, tokens - window + 1)
+    # the prefill side keeps at least every token the decode side keeps
+    decode_keeps = d_window.count(NULL_BLOCK) * size_d
+    p_tables = [list(range(1, n_p + 1)), windowed(list(range(n_p + 1, 2 * n_p + 1)), size_p, decode_keeps)]
+    d_tables = [list(range(1, n_d + 1)), d_window]
+    for d_rank, rank in dst.items():
+        tp_rank = _tp_rank(decode, decode_dp, d_rank)
+
+        def both_groups(p, rank=rank):  # the same layers stand for both groups' here
+            t = RankTables.build({0: rank.mine()}, src[p].regions())
+            return RankTables({0: t.src[0], 1: t.src[0]}, {0: t.dst[0], 1: t.dst[0]}, {0: [], 1: []})
+
+        planner = ReplicaPlanner(prefill, decode, d_rank, tp_rank, both_groups)
+        plan = planner.plan(tokens, p_tables, d_tables, 0, decode_dp)
+        assert any(p.skip_null for p in plan.pieces) and NULL_BLOCK not in plan.dst_block.tolist()
+        got = _elements(planner.ranges(plan, first_token))
+        ids = plan.read_ids_of(d_rank)
+        ids = ids[plan.first_position[ids] >= first_token]
+        expected = []
+        for g in (0, 1):
+            for p in np.unique(plan.prefill_rank[ids]).tolist():
+                t = both_groups(p)
+                mine = ids[(plan.prefill_rank[ids] == p) & (plan.group[ids] == g)]
+                ranges = read_ranges(
+                    plan,
+                    mine,
+                    t.src[g],
+                    t.dst[g],
+                    src[p].heads.start,
+                    rank.heads.start,
+                    (prefill.block_size, decode.block_size),
+                )
+                expected.append((p, *ranges))
+        assert got == _elements(expected) and (got or not ids.size)
+
+
+def _elements(batches) -> list:
+    """Every (local, remote) 4-byte element the ranges copy, sorted, with repeats."""
+    return sorted(
+        (lo + i, re + i)
+        for _, local, remote, lengths in batches
+        for lo, re, n in zip(local.tolist(), remote.tolist(), lengths.tolist())
+        for i in range(0, n, 4)
     )

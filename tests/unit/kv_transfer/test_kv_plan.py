@@ -24,12 +24,13 @@ from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.inspector import main as inspect_main
 from vllm.ascend.kv_transfer.plan import (
     NULL_BLOCK,
-    _period_plan,
+    PlanShapes,
     build_group_plan,
     build_plan,
-    clear_plan_caches,
     period,
+    period_plan,
 )
+from vllm.ascend.kv_transfer.planner import Kept
 
 UNSET = -7  # prefill slots that hold no token of the request
 
@@ -362,49 +363,55 @@ def test_a_plan_made_of_periods_equals_the_plan_made_token_by_token(pair, period
     p_ids = (np.arange(tokens) * 3 + 1).tolist()  # ids unlike the indices
     d_ids = (np.arange(tokens) * 5 + 2).tolist()
     plan = build_plan(prefill, decode, tokens, p_ids, d_ids, replica_offset=offset)
-    direct = _period_plan(prefill, decode, 0, 0, offset, tokens)
+    direct = period_plan(prefill, decode, 0, 0, offset, tokens)
     assert plan.num_tokens == tokens and plan.run_count() == direct.run_count()
     expected = [(r[0], r[1], p_ids[r[2]], d_ids[r[3]], *r[4:]) for r in _reads(direct)]
     assert _reads(plan) == sorted(expected)
 
 
-def test_plans_of_one_shape_share_their_period_and_keep_their_block_ids():
+def test_plans_of_one_shape_share_their_period_and_keep_their_block_ids(monkeypatch):
     prefill, decode = NAMED["mla tp8/pcp2 -> tp4/dcp2"]
     tokens = 5 * period(prefill, decode) + 7
     blocks = -(-tokens // 16)
-    clear_plan_caches()
-    first = build_plan(prefill, decode, tokens, list(range(blocks)), list(range(blocks)))
-    again = build_plan(prefill, decode, tokens, list(range(100, 100 + blocks)), list(range(blocks)))
-    # layouts equal to these but new objects (as a peer's handshake is decoded) share the plans
-    rebuilt = build_plan(
-        dataclasses.replace(prefill),
-        dataclasses.replace(decode),
-        tokens,
-        list(range(blocks)),
-        list(range(blocks)),
+    planned = []  # the periods worked out token by token
+    monkeypatch.setattr(
+        plan_module, "period_plan", lambda *args, **kw: planned.append(args) or period_plan(*args, **kw)
     )
-    assert _period_plan.cache_info().misses == 2  # the full and the partial period, planned once
+    kept = Kept(2**30)
+    shapes = PlanShapes(prefill, decode, keep=kept.get)
+    first = shapes.plan(tokens, list(range(blocks)), list(range(blocks)))
+    again = shapes.plan(tokens, list(range(100, 100 + blocks)), list(range(blocks)))
+    assert len(planned) == 2  # the full and the partial period, planned once
+    assert kept.made == 3  # and the five whole periods, made of the full one once
+    # another replica of equal layouts (new objects, as a peer's handshake is decoded) has
+    # its own planner, and the same plans
+    rebuilt = PlanShapes(dataclasses.replace(prefill), dataclasses.replace(decode)).plan(
+        tokens, list(range(blocks)), list(range(blocks))
+    )
     assert (again.src_block == first.src_block + 100).all() and (again.dst_block == first.dst_block).all()
     assert _reads(rebuilt) == _reads(first)
     with pytest.raises(ValueError, match="read-only"):
-        _period_plan(prefill, decode, 0, 0, 0, period(prefill, decode)).src_block[0] = 1
+        first.pieces[0].shape.src_block[0] = 1
+    with pytest.raises(ValueError, match="read-only"):
+        first.src_block[0] = 1  # a request's plan is frozen too
 
 
-def test_kept_plans_are_bounded_and_a_dropped_one_is_made_again(monkeypatch):
+def test_kept_plans_are_bounded_and_a_dropped_one_is_made_again():
     prefill, decode = NAMED["mla tp8/pcp2 -> tp4/dcp2"]
     cycle = period(prefill, decode)
-    monkeypatch.setattr(plan_module._Pair, "WHOLES_KEPT", 2)
-    monkeypatch.setattr(plan_module._Pair, "PARTS_KEPT", 2)
-    clear_plan_caches()
+    full = period_plan(prefill, decode, 0, 0, 0, cycle)
+    budget = 3 * (full.read_rows.nbytes + full.token_rows.nbytes + full.run_rows.nbytes)
+    kept = Kept(budget)
+    shapes = PlanShapes(prefill, decode, keep=kept.get)
     lengths = [cycle * k + extra for k in (1, 2, 3) for extra in (0, 5, 9)] * 2
     for tokens in lengths:
         blocks = -(-tokens // 16)
         ids = (np.arange(blocks) * 7 + 3).tolist()
-        plan = build_plan(prefill, decode, tokens, ids, ids)
-        direct = _period_plan(prefill, decode, 0, 0, 0, tokens)
+        plan = shapes.plan(tokens, ids, ids)
+        direct = period_plan(prefill, decode, 0, 0, 0, tokens)
         assert _reads(plan) == sorted((r[0], r[1], ids[r[2]], ids[r[3]], *r[4:]) for r in _reads(direct))
-    pair = plan_module._pair(prefill, decode)
-    assert len(pair.wholes) <= 2 and len(pair.parts) <= 2
+        assert kept.nbytes <= budget or len(kept) == 1
+    assert kept.made > len(kept)  # some were dropped, and made again when asked for
 
 
 # -- wire types -----------------------------------------------------------------------
@@ -641,21 +648,19 @@ def test_a_token_the_decode_side_keeps_but_prefill_freed_is_refused():
         build_group_plan(layout, layout, 32, [full], [full, full])
 
 
-def test_a_deferred_plan_works_out_its_group_column_when_read_first():
-    """A plan of whole periods plus a partial one works its columns out when one is first
-    read. ``group`` has a default, and a plain dataclass default is also a class attribute:
-    read first, it answered None instead of working the columns out, so a group plan made
-    of such a plan failed to stack its columns (which column is read first depends on the
-    process's string hashing: it failed a clean-clone CI run, all six cases of
-    test_kv_addressing's KV-cache-group test)."""
-    plan_module.clear_plan_caches()
+def test_a_plan_of_periods_has_its_group_column():
+    """A plan of whole periods plus a partial one has its group column like any other.
+    (Once a plan worked its columns out when one was first read, and ``group``, which has
+    a default, answered None when read first: it failed a clean-clone CI run, all six cases
+    of test_kv_addressing's KV-cache-group test. Plans are frozen and whole now.)"""
     layout = CPLayout(tp=1, block_size=16)
     tokens = 2 * 16 + 13  # two whole periods and a partial one
     plan = build_plan(layout, layout, tokens, list(range(1, 4)), list(range(1, 4)))
-    assert "_deferred" in plan.__dict__  # the case under test
+    assert len(plan.pieces) == 2  # the case under test
     group = plan.group
     assert isinstance(group, np.ndarray) and group.tolist() == [0] * len(plan)
-    # and its reads are those of the same plan made from empty caches
-    plan_module.clear_plan_caches()
-    eager = build_plan(layout, layout, tokens, list(range(1, 4)), list(range(1, 4)))
-    assert [r.positions.tolist() for r in eager.reads()] == [r.positions.tolist() for r in plan.reads()]
+    # and its reads are those of the same plan worked out token by token
+    direct = period_plan(layout, layout, 0, 0, 0, tokens)
+    assert sorted(r.positions.tolist() for r in direct.reads()) == sorted(
+        r.positions.tolist() for r in plan.reads()
+    )

@@ -4,20 +4,26 @@ prefill rank for the reads of a plan, given both ranks' KV planes.
 A plane (attention/kv_layout.py) is ``num_blocks`` blocks, each ``heads`` x ``head_bytes``
 (head-major: one head's slots of a block are contiguous, ``head_bytes / block_size``
 bytes per slot). A read of heads ``[h0, h1)`` and a run of slots becomes, per layer and
-plane, one range per head; ranges contiguous on both sides are merged. A whole pull's
-ranges come from templates kept per plan piece (see ``_TEMPLATES``): only the block ids
-are put in per request.
+plane, one range per head; ranges contiguous on both sides are merged.
+
+One route from a plan to its ranges: a *template* per piece of the plan (plan.py: a
+shape of block-table indices) and decode rank, its ranges with every block at 0 and per
+range its block-table index and its plane's block bytes on each side; a request's ranges
+are each template address plus its block id times the block bytes (gathers and one
+multiply-add per side), rank after rank, merged. The planner of a prefill replica
+(``planner.ReplicaPlanner``) keeps the templates of its shapes; layer-wise reads (some
+layers at a time) make theirs for the layers they read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
+from collections.abc import Callable
 
 import numpy as np
 
 from vllm.ascend.kv_transfer import wire
+from vllm.ascend.kv_transfer.plan import NULL_BLOCK, Piece, TransferPlan
 from vllm.ascend.kv_transfer.transport import Region, TransferError
 
 
@@ -55,26 +61,6 @@ def _frozen(table: np.ndarray) -> np.ndarray:
     return table
 
 
-# Facts about read-only plane tables (one prefill rank's, built once per connection), by
-# the tables' identity. Each entry holds its tables, so no id is reused while it lives.
-_TABLE_FACTS: dict = {}
-
-
-def _of_tables(fact, tables: tuple, *args):
-    """``fact(*tables, *args)``, worked out once per set of read-only tables."""
-    if any(t.flags.writeable for t in tables):  # a table that may change: no memo
-        return fact(*tables, *args)
-    key = (fact, *map(id, tables), *args)
-    hit = _TABLE_FACTS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], tables)):
-        return hit[1]
-    value = fact(*tables, *args)
-    if len(_TABLE_FACTS) >= 1024:  # layer-wise subsets are new tables each time
-        _TABLE_FACTS.clear()
-    _TABLE_FACTS[key] = (tables, value)
-    return value
-
-
 def plane_layers(mine: dict, theirs: list) -> list[int]:
     """Per row of ``plane_table(mine, theirs)``, the index of its layer in ``theirs`` (the
     prefill rank's RankInfo layers, which layer-wise progress names by index)."""
@@ -82,61 +68,127 @@ def plane_layers(mine: dict, theirs: list) -> list[int]:
     return [index[name] for name, (_, layer) in mine.items() for _ in layer.planes]
 
 
-def read_ranges(
-    plan,
-    read_ids,
-    src: list,
-    dst: list,
-    src_head0: int,
-    dst_head0: int,
-    block_sizes: tuple[int, int],
+@dataclasses.dataclass(frozen=True)
+class RankTables:
+    """One prefill rank's planes and this rank's, per KV-cache group: ``plane_table`` of
+    each group's layers, and per row the index of its layer in the prefill rank's
+    RankInfo (what layer-wise progress names)."""
+
+    src: dict[int, np.ndarray]
+    dst: dict[int, np.ndarray]
+    layer_of_row: dict[int, list[int]]
+
+    @classmethod
+    def build(cls, mine_by_group: dict[int, dict], theirs: list) -> RankTables:
+        """``mine_by_group[g]``: this rank's layers of group ``g`` (name -> (base, LayerLayout));
+        ``theirs``: the prefill rank's RankInfo layers."""
+        src, dst, rows = {}, {}, {}
+        for g, mine in mine_by_group.items():
+            src[g], dst[g] = plane_table(mine, theirs, group=g)
+            rows[g] = plane_layers(mine, theirs)
+        return cls(src, dst, rows)
+
+    def only(self, layers: set) -> RankTables | None:
+        """The tables restricted to these layers (None: none of them is read here)."""
+        src, dst = {}, {}
+        for g, rows in self.layer_of_row.items():
+            keep = [i for i, layer in enumerate(rows) if layer in layers]
+            src[g], dst[g] = self.src[g][keep], self.dst[g][keep]
+        if not any(len(rows) for rows in src.values()):
+            return None
+        return RankTables(src, dst, self.layer_of_row)
+
+    @property
+    def layers(self) -> set:
+        return {layer for rows in self.layer_of_row.values() for layer in rows}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Template:
+    """One shape's unmerged ranges for one decode rank, rank after rank (plane-major within
+    a rank): addresses with every block at 0, and per range its block-table index and its
+    plane's block bytes on each side."""
+
+    ranks: tuple[int, ...]  # prefill ranks (global) read from, ascending
+    bounds: tuple[int, ...]  # where each rank's ranges start, then the total
+    local: np.ndarray
+    remote: np.ndarray
+    lengths: np.ndarray
+    src_index: np.ndarray
+    dst_index: np.ndarray
+    src_bytes: np.ndarray
+    dst_bytes: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in dataclasses.fields(self)[2:])
+
+
+def make_template(
+    shape: TransferPlan,
+    decode_rank: int,
+    tp_rank: int,
+    first_token: int,
+    group: int,
+    tables: Callable[[int], RankTables | None],
     whole_blocks: bool = False,
-):
-    """(local addresses, remote addresses, lengths) of ``read_ids`` of ``plan`` (all from one
-    prefill rank, whose first KV head is ``src_head0``; this rank's is ``dst_head0``).
-
-    ``src``/``dst``: per layer and plane ``(plane start address, block bytes, head bytes)``.
-    One range per plane, head and run of slots contiguous on both sides, computed for all
-    reads at once from the plan's runs; neighbouring ranges contiguous on both sides are
-    merged (a layer's consecutive blocks, where both sides' block ids are consecutive,
-    become one range)."""
-    ids = np.asarray(read_ids, dtype=np.int64).ravel()
-    if whole_blocks:
-        parts = [
-            whole_block_ranges(
-                (int(plan.head0[i]), int(plan.head1[i])),
-                plan.runs(i),
-                src,
-                dst,
-                int(plan.src_block[i]),
-                int(plan.dst_block[i]),
-                src_head0,
-                dst_head0,
-                block_sizes,
+) -> Template:
+    """The ranges of ``shape``'s reads that decode rank ``decode_rank`` (TP rank ``tp_rank``)
+    makes of tokens from ``first_token`` on, with every block at 0. ``tables(rank in
+    replica)`` gives a prefill rank's tables, or None to read nothing from it now; a rank
+    whose tables have no row of ``group`` is skipped too (layer-wise: some layers).
+    ``whole_blocks``: one range per block and plane, for transports that move nothing smaller."""
+    mine = _reads_of(shape, decode_rank, first_token)
+    mine = mine[shape.group[mine] == group] if shape.num_groups > 1 else mine
+    p_base = shape.prefill_ranks.start
+    d_heads = shape.decode.heads(tp_rank).start
+    block_sizes = (shape.prefill.block_size, shape.decode.block_size)
+    p_of = shape.prefill_rank[mine]
+    ranks, fields = [], [[] for _ in range(7)]
+    bounds = [0]
+    for p in np.unique(p_of).tolist():
+        t = tables(p - p_base)
+        if t is None or not len(t.src.get(group, ())):
+            continue
+        s, d = t.src[group], t.dst[group]
+        ids = mine[p_of == p]
+        p_heads = shape.prefill.heads((p - p_base) % shape.prefill.tp).start
+        if whole_blocks:
+            local, remote, lengths, read = _whole_block_matrix(
+                shape, ids, s, d, p_heads, d_heads, block_sizes
             )
-            for i in ids.tolist()
-        ]
-        if parts:
-            return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
-    if ids.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-    local, remote, lengths, _ = _range_matrix(plan, ids, s, d, s[:, :1], src_head0, dst_head0, block_sizes)
-    return merge_ranges(local.ravel(), remote.ravel(), lengths.ravel())
+        else:
+            local, remote, lengths, read = _range_matrix(shape, ids, s, d, p_heads, d_heads, block_sizes)
+        column = ids if read is None else ids[read]
+        planes = s.shape[0]
+        for field, value in zip(
+            fields,
+            (
+                local.ravel(),
+                remote.ravel(),
+                lengths.ravel(),
+                np.tile(shape.src_block[column], planes),
+                np.tile(shape.dst_block[column], planes),
+                np.repeat(s[:, 1], column.size),
+                np.repeat(d[:, 1], column.size),
+            ),
+        ):
+            field.append(value)
+        ranks.append(p)
+        bounds.append(bounds[-1] + local.size)
+    arrays = [_frozen(np.concatenate(f)) if f else np.zeros(0, dtype=np.int64) for f in fields]
+    return Template(tuple(ranks), tuple(bounds), *arrays)
 
 
-def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes):
-    """The ranges of reads ``ids`` before merging: (local, remote, lengths), each planes x
-    (read, run, head) in read order, and per column the index of its read in ``ids`` (None:
-    one column per read). ``src_starts``: the prefill planes' starts, planes x 1
-    or planes x columns (several prefill ranks, which differ only there); ``src_head0``:
-    the prefill rank's first KV head, or per read."""
-    slot, src_heads, dst_heads = _of_tables(_pair_facts, (s, d), block_sizes)
+def _range_matrix(plan, ids, s, d, src_head0: int, dst_head0: int, block_sizes):
+    """The ranges of reads ``ids`` at block 0, before merging: (local, remote, lengths),
+    each planes x (read, run, head) in read order, and per column the index of its read
+    in ``ids`` (None: one column per read)."""
+    slot, src_heads, dst_heads = _pair_facts(s, d, block_sizes)
     counts = plan.runs_count[ids]
     h0 = plan.head0[ids]
     heads = plan.head1[ids] - h0
-    if counts.max() == 1 and heads.max() == 1:  # one run of one head per read: no expansion
+    if not ids.size or (counts.max() == 1 and heads.max() == 1):  # one run of one head per read
         run_row, head, read = plan.runs_start[ids], h0, None
     else:  # each run of a read, once per head of the read
         counts = counts.astype(np.int64)
@@ -148,21 +200,10 @@ def _range_matrix(plan, ids, s, d, src_starts, src_head0, dst_head0, block_sizes
         read = run_read[run]
         run_row = run_row[run]
     first = plan.run_token[run_row]
-    src_block, dst_block = plan.src_block[ids], plan.dst_block[ids]
-    if read is not None:
-        src_block, dst_block = src_block[read], dst_block[read]
-        if np.ndim(src_head0):
-            src_head0 = src_head0[read]
-    if src_starts.shape[1] > 1 and read is not None:  # per read (several prefill ranks)
-        src_starts = src_starts[:, read]
     lengths = slot[:, None] * plan.run_length[run_row]
-    # in slots: block, head and slot per column, planes' block and head sizes per row
-    remote = _addresses(
-        src_starts, s, slot, block_sizes[0], src_heads, src_block, head - src_head0, plan.src_offsets[first]
-    )
-    local = _addresses(
-        d[:, :1], d, slot, block_sizes[1], dst_heads, dst_block, head - dst_head0, plan.dst_offsets[first]
-    )
+    # in slots: head and slot per column, planes' block and head sizes per row
+    remote = _addresses(s, slot, block_sizes[0], src_heads, head - src_head0, plan.src_offsets[first])
+    local = _addresses(d, slot, block_sizes[1], dst_heads, head - dst_head0, plan.dst_offsets[first])
     return local, remote, lengths, read
 
 
@@ -180,324 +221,32 @@ def _pair_facts(s, d, block_sizes):
         uniform = (heads == heads[0]).all() and (heads * table[:, 2] == table[:, 1]).all()
         return int(heads[0]) if uniform and (slot * block_size == table[:, 2]).all() else 0
 
-    return _frozen(slot), common_heads(s, block_sizes[0]), common_heads(d, block_sizes[1])
+    return slot, common_heads(s, block_sizes[0]), common_heads(d, block_sizes[1])
 
 
-def _addresses(starts, table, slot, block_size, heads_per_block, block, head, offset):
-    """planes x columns addresses: plane start + block x block bytes + head x head bytes +
-    slot x slot bytes. When every plane has as many heads per block, one product."""
+def _addresses(table, slot, block_size, heads_per_block, head, offset):
+    """planes x columns addresses in block 0: plane start + head x head bytes + slot x slot
+    bytes. When every plane has as many heads per block, one product."""
     if heads_per_block:
-        column = (block * heads_per_block + head) * block_size + offset
-        return starts + slot[:, None] * column
-    return starts + block * table[:, 1:2] + head * table[:, 2:3] + offset * slot[:, None]
+        return table[:, :1] + slot[:, None] * (head * block_size + offset)
+    return table[:, :1] + head * table[:, 2:3] + offset * slot[:, None]
 
 
-def decode_rank_ranges(
-    plan,
-    global_rank: int,
-    first_token: int,
-    tp_rank: int,
-    tables,
-    whole_blocks: bool = False,
-    stable_tables: bool = False,
-):
-    """What one decode rank (``global_rank``, TP rank ``tp_rank``) copies for ``plan``: per
-    prefill rank it reads from, ``(prefill rank in its replica, local addresses, remote
-    addresses, lengths)``, every KV-cache group in one batch. Reads of tokens before
-    ``first_token`` (cached here already) are skipped. ``tables(rank_in_replica)`` gives
-    that prefill rank's plane tables per group, ``(src, dst)`` (``plane_table``), or None to
-    read nothing from it now; a group with no rows is skipped (layer-wise: some layers).
-
-    The same ranges as ``read_ranges`` per prefill rank, worked out for all of them at
-    once where their tables differ only in where the planes start (one rank's layout).
-    ``stable_tables``: ``tables`` gives the same read-only arrays on every call (a whole
-    pull, not layer-wise), so the ranges come from templates kept per plan shape (below)."""
-    if stable_tables and not whole_blocks:
-        batches = _from_templates(plan, global_rank, first_token, tp_rank, tables)
-        if batches is not None:
-            yield from batches
-            return
-    mine = _reads_of(plan, global_rank, first_token)
-    if not mine.size:
-        return
-    p_base = plan.prefill_ranks.start
-    d_heads = plan.decode.heads(tp_rank).start
-    block_sizes = (plan.prefill.block_size, plan.decode.block_size)
-    p_of = plan.prefill_rank[mine]
-    if (p_of[1:] < p_of[:-1]).any():
-        order = np.argsort(p_of, kind="stable")  # by prefill rank, in read order within one
-        mine, p_of = mine[order], p_of[order]
-    starts = [0, *(np.flatnonzero(p_of[1:] != p_of[:-1]) + 1).tolist()]
-    bounds = {int(p_of[a]): (a, b) for a, b in zip(starts, [*starts[1:], mine.size])}
-    tabled = {p: tables(p - p_base) for p in bounds}
-    groups = plan.group[mine] if plan.num_groups > 1 else None
-    parts: dict[int, list] = {p: [] for p in bounds}
-    for g in range(plan.num_groups):
-        by_rank = {
-            p: (
-                mine[a:b] if groups is None else mine[a:b][groups[a:b] == g],
-                t[0][g],
-                t[1][g],
-                plan.prefill.heads((p - p_base) % plan.prefill.tp).start,
-            )
-            for p, (a, b) in bounds.items()
-            if (t := tabled[p]) is not None and len(t[0][g])
-        }
-        by_rank = {p: v for p, v in by_rank.items() if v[0].size}
-        if not by_rank:  # layer-wise: none of this group's layers is ready yet
-            continue
-        if whole_blocks or len(by_rank) == 1:
-            rank_starts = None
-        else:  # the ranks' plane starts when they share one layout
-            rank_starts = _of_tables(_one_layout_starts, tuple(t for v in by_rank.values() for t in v[1:3]))
-        if rank_starts is None:
-            for p, (ids, src, dst, p_heads) in by_rank.items():
-                parts[p].append(read_ranges(plan, ids, src, dst, p_heads, d_heads, block_sizes, whole_blocks))
-            continue
-        for p, part in zip(
-            by_rank, _ranges_by_rank(plan, list(by_rank.values()), rank_starts, d_heads, block_sizes)
-        ):
-            parts[p].append(part)
-    for p, pieces in parts.items():
-        if len(pieces) == 1:
-            yield (p - p_base, *pieces[0])
-        elif pieces:
-            yield (p - p_base, *(np.concatenate([piece[k] for piece in pieces]) for k in range(3)))
-
-
-def _one_layout_starts(*tables) -> np.ndarray | None:
-    """``tables``: src, dst of each of several prefill ranks in turn. Where the ranks' prefill
-    tables differ only in their plane starts and their decode tables not at all, those
-    starts as planes x ranks; else None."""
-    src, dst = tables[0::2], tables[1::2]
-    one = all(
-        t.shape == src[0].shape and np.array_equal(t[:, 1:], src[0][:, 1:]) and np.array_equal(u, dst[0])
-        for t, u in zip(src[1:], dst[1:])
+def _whole_block_matrix(plan, ids, s, d, src_head0: int, dst_head0: int, block_sizes):
+    """The reads ``ids`` as whole blocks at block 0 (planes x reads), allowed when a read's
+    heads are all of both ranks' heads and every token sits in the same slot."""
+    tokens = np.concatenate(
+        [np.arange(a, a + n) for a, n in zip(plan.token_start[ids].tolist(), plan.token_count[ids].tolist())]
+        or [np.zeros(0, dtype=np.int64)]
     )
-    return _frozen(np.stack([t[:, 0] for t in src], axis=1)) if one else None
-
-
-def _ranges_by_rank(plan, by_rank: list, rank_starts, dst_head0: int, block_sizes: tuple[int, int]) -> list:
-    """``read_ranges`` of several prefill ranks at once: ``by_rank`` lists per rank (its
-    read ids, src table, dst table, first KV head), ``rank_starts`` their planes' starts
-    (planes x ranks); per rank its merged ranges."""
-    ids = np.concatenate([v[0] for v in by_rank])
-    sizes = [v[0].size for v in by_rank]
-    rank_of_read = np.repeat(np.arange(len(by_rank)), sizes)
-    src_head0 = np.array([v[3] for v in by_rank], dtype=np.int64)[rank_of_read]
-    local, remote, lengths, read = _range_matrix(
-        plan,
-        ids,
-        by_rank[0][1],
-        by_rank[0][2],
-        rank_starts[:, rank_of_read],
-        src_head0,
-        dst_head0,
-        block_sizes,
-    )
-    # each rank's columns are one slice (reads in rank order; a read's columns together):
-    # the ranks' ranges rank after rank, merged in one pass that never joins two ranks
-    first_reads = list(itertools.accumulate(sizes, initial=0))
-    cuts = tuple(first_reads if read is None else np.searchsorted(read, first_reads).tolist())
-    order, bounds = _rank_major(*local.shape, cuts)
-    merged, edges = _merged(local.ravel()[order], remote.ravel()[order], lengths.ravel()[order], bounds)
-    return [tuple(x[a:b] for x in merged) for a, b in zip(edges, edges[1:])]
-
-
-@functools.lru_cache(maxsize=256)
-def _rank_major(planes: int, columns: int, cuts: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """The planes x columns matrix's flat indices with the column slices ``cuts`` one
-    after another (each plane-major), and where each slice starts in that order."""
-    grid = np.arange(planes * columns).reshape(planes, columns)
-    order = _frozen(np.concatenate([grid[:, a:b].ravel() for a, b in zip(cuts, cuts[1:])]))
-    return order, _frozen(planes * np.asarray(cuts, dtype=np.int64))
-
-
-# Address templates. A request's plan is made of cached pieces (plan.py: the plan of its
-# whole periods, and of its partial last period shifted on), whose reads name block-table
-# indices; for a decode rank and stable plane tables, a piece's ranges are worked out once
-# with every block at 0 (a template), and a request's are each range's template address
-# plus its block id times its plane's block bytes: gathers and one multiply-add per side,
-# whatever the layouts, instead of planning the ranges again.
-_TEMPLATES: dict = {}
-TEMPLATE_BYTES = 256 * 2**20  # kept at most (a 32k-token GQA prompt's is about 1.4 MiB)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Template:
-    """One piece's unmerged ranges for one decode rank, rank after rank (plane-major within
-    a rank): addresses with every block at 0, and per range its block-table index and its
-    plane's block bytes on each side."""
-
-    ranks: tuple  # prefill ranks (global) read from, ascending
-    bounds: tuple  # where each rank's ranges start, then the total
-    tables: tuple  # the (src, dst) tables of each rank the template was made from
-    local: np.ndarray
-    remote: np.ndarray
-    lengths: np.ndarray
-    src_index: np.ndarray
-    dst_index: np.ndarray
-    src_bytes: np.ndarray
-    dst_bytes: np.ndarray
-
-
-_TEMPLATE_ARRAYS = ("local", "remote", "lengths", "src_index", "dst_index", "src_bytes", "dst_bytes")
-
-
-def _from_templates(plan, global_rank: int, first_token: int, tp_rank: int, tables):
-    """``decode_rank_ranges`` of a plan made of cached pieces, from their templates; None
-    where templates do not apply (several KV-cache groups, a plan cut down, a prefix cached
-    here that ends inside the partial last period, a rank with nothing to read now)."""
-    made = plan.__dict__.get("_pieces")
-    if made is None or plan.num_groups != 1:
-        return None
-    pieces, src_ids, dst_ids = made
-    parts = []
-    for piece, src_shift, dst_shift, piece_first in pieces:
-        if piece_first and first_token > piece_first:
-            return None  # the prefix cached here ends inside this (shifted) piece
-        # a shifted piece's positions start at 0: every token of it is at or after first_token
-        template = _template(piece, global_rank, 0 if piece_first else first_token, tp_rank, tables)
-        if template is None:
-            return None
-        if template.ranks:
-            parts.append((template, src_shift, dst_shift))
-    p_base = plan.prefill_ranks.start
-    ranks = sorted({p for template, *_ in parts for p in template.ranks})
-    if not ranks:
-        return []
-    # each piece's ranges at once, then rank after rank (a rank's: each piece's, in order)
-    addressed = []
-    for template, src_shift, dst_shift in parts:
-        src_index = template.src_index + src_shift if src_shift else template.src_index
-        dst_index = template.dst_index + dst_shift if dst_shift else template.dst_index
-        local = template.local + template.dst_bytes * dst_ids[dst_index]
-        remote = template.remote + template.src_bytes * src_ids[src_index]
-        addressed.append((template, local, remote))
-    if len(addressed) == 1:
-        template, local, remote = addressed[0]
-        lengths, bounds = template.lengths, template.bounds
-    else:
-        columns, bounds = ([], [], []), [0]
-        for p in ranks:
-            size = 0
-            for template, local, remote in addressed:
-                if p in template.ranks:
-                    i = template.ranks.index(p)
-                    a, b = template.bounds[i], template.bounds[i + 1]
-                    for column, values in zip(columns, (local, remote, template.lengths)):
-                        column.append(values[a:b])
-                    size += b - a
-            bounds.append(bounds[-1] + size)
-        local, remote, lengths = (np.concatenate(c) for c in columns)
-    merged, edges = _merged(local, remote, lengths, np.asarray(bounds))
-    return [(p - p_base, *(x[a:b] for x in merged)) for p, a, b in zip(ranks, edges, edges[1:])]
-
-
-def _template(piece, global_rank: int, first_token: int, tp_rank: int, tables) -> _Template | None:
-    """The piece's template for this decode rank, kept while the tables it was made from
-    are the ones ``tables`` gives; None if some rank has nothing to give now."""
-    key = (id(piece), global_rank, first_token, tp_rank)
-    hit = _TEMPLATES.get(key)
-    if hit is not None and hit[0] is piece:
-        template = hit[1]
-        current = []
-        for p in template.ranks:
-            t = tables(p - piece.prefill_ranks.start)
-            if t is None or len(t[0]) != 1:
-                return None
-            current.append((t[0][0], t[1][0]))
-        if all(a is c for pair, now in zip(template.tables, current) for a, c in zip(pair, now)):
-            return template
-    template = _make_template(piece, global_rank, first_token, tp_rank, tables)
-    if template is not None:
-        size = sum(getattr(template, f).nbytes for f in _TEMPLATE_ARRAYS)
-        if len(_TEMPLATES) >= 256 or size + sum(entry[2] for entry in _TEMPLATES.values()) > TEMPLATE_BYTES:
-            _TEMPLATES.clear()
-        _TEMPLATES[key] = (piece, template, size)  # holds the piece: its id is not reused meanwhile
-    return template
-
-
-def _make_template(piece, global_rank: int, first_token: int, tp_rank: int, tables) -> _Template | None:
-    mine = _reads_of(piece, global_rank, first_token)
-    p_base = piece.prefill_ranks.start
-    d_heads = piece.decode.heads(tp_rank).start
-    block_sizes = (piece.prefill.block_size, piece.decode.block_size)
-    at_zero = piece.with_columns(
-        src_block=np.zeros_like(piece.src_block), dst_block=np.zeros_like(piece.dst_block)
-    )
-    p_of = piece.prefill_rank[mine]
-    ranks, used, fields = [], [], [[] for _ in range(7)]
-    bounds = [0]
-    for p in np.unique(p_of).tolist():
-        t = tables(p - p_base)
-        if t is None or len(t[0]) != 1 or len(t[1]) != 1:
-            return None
-        src, dst = t[0][0], t[1][0]
-        if not len(src):
-            return None
-        ids = mine[p_of == p]
-        s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        p_heads = piece.prefill.heads((p - p_base) % piece.prefill.tp).start
-        local, remote, lengths, read = _range_matrix(
-            at_zero, ids, s, d, s[:, :1], p_heads, d_heads, block_sizes
-        )
-        column = ids if read is None else ids[read]
-        planes = s.shape[0]
-        for field, value in zip(
-            fields,
-            (
-                local.ravel(),
-                remote.ravel(),
-                lengths.ravel(),
-                np.tile(piece.src_block[column], planes),
-                np.tile(piece.dst_block[column], planes),
-                np.repeat(s[:, 1], column.size),
-                np.repeat(d[:, 1], column.size),
-            ),
-        ):
-            field.append(value)
-        ranks.append(p)
-        used.append((src, dst))
-        bounds.append(bounds[-1] + local.size)
-    arrays = [_frozen(np.concatenate(f)) if f else np.zeros(0, dtype=np.int64) for f in fields]
-    return _Template(tuple(ranks), tuple(bounds), tuple(used), *arrays)
-
-
-def _reads_of(plan, global_rank: int, first_token: int) -> np.ndarray:
-    mine = plan.read_ids_of(global_rank)
-    return mine[plan.first_position[mine] >= first_token] if first_token > 0 else mine
-
-
-def decode_rank_sources(plan, global_rank: int, first_token: int) -> list[int]:
-    """The prefill ranks (in their replica) one decode rank reads from for ``plan``."""
-    mine = _reads_of(plan, global_rank, first_token)
-    return (np.unique(plan.prefill_rank[mine]) - plan.prefill_ranks.start).tolist()
-
-
-def whole_block_ranges(
-    read_heads: tuple[int, int],
-    runs: np.ndarray,
-    src: list,
-    dst: list,
-    src_block: int,
-    dst_block: int,
-    src_head0: int,
-    dst_head0: int,
-    block_sizes: tuple[int, int],
-):
-    """The same read as whole blocks, for transports that move nothing smaller: allowed when
-    the read's heads are all of both ranks' heads and every token sits in the same slot."""
-    s = np.asarray(src, dtype=np.int64)
-    d = np.asarray(dst, dtype=np.int64)
-    heads = read_heads[1] - read_heads[0]
+    heads = plan.head1[ids] - plan.head0[ids]
     if (
         block_sizes[0] != block_sizes[1]
-        or np.any(runs[:, 1] != runs[:, 2])
-        or read_heads[0] != src_head0
-        or read_heads[0] != dst_head0
-        or np.any(s[:, 1] != heads * s[:, 2])
-        or np.any(d[:, 1] != heads * d[:, 2])
+        or np.any(plan.src_offsets[tokens] != plan.dst_offsets[tokens])
+        or np.any(plan.head0[ids] != src_head0)
+        or np.any(plan.head0[ids] != dst_head0)
+        or np.any(s[:, 1:2] != heads * s[:, 2:3])
+        or np.any(d[:, 1:2] != heads * d[:, 2:3])
         or np.any(s[:, 1] != d[:, 1])
     ):
         raise TransferError(
@@ -505,7 +254,104 @@ def whole_block_ranges(
             "same block size, KV heads per rank and context-parallel layout (or use transport "
             "'mooncake')"
         )
-    return d[:, 0] + dst_block * d[:, 1], s[:, 0] + src_block * s[:, 1], s[:, 1].copy()
+    columns = np.zeros((1, ids.size), dtype=np.int64)
+    return d[:, :1] + columns, s[:, :1] + columns, s[:, 1:2] + columns, None
+
+
+def _reads_of(plan: TransferPlan, decode_rank: int, first_token: int) -> np.ndarray:
+    mine = plan.read_ids_of(decode_rank)
+    return mine[plan.first_position[mine] >= first_token] if first_token > 0 else mine
+
+
+def decode_rank_sources(plan: TransferPlan, decode_rank: int, first_token: int) -> list[int]:
+    """The prefill ranks (in their replica) one decode rank reads from for ``plan``."""
+    mine = _reads_of(plan, decode_rank, first_token)
+    return (np.unique(plan.prefill_rank[mine]) - plan.prefill_ranks.start).tolist()
+
+
+def own_pieces(plan: TransferPlan) -> tuple[Piece, ...]:
+    """What ``plan`` is made of; for a plan cut from another, itself (one piece per group,
+    block ids in place of indices)."""
+    if plan.pieces:
+        return plan.pieces
+    return tuple(
+        Piece(None, plan.subset(plan.group == g) if plan.num_groups > 1 else plan, g, None, None)
+        for g in range(plan.num_groups)
+    )
+
+
+def addressed(template: Template, piece: Piece) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """The template's ranges with the piece's block ids put in: (local, remote, lengths,
+    bounds per rank), unmerged. A piece that skips the null block drops the ranges into it."""
+    src_index = template.src_index + piece.src_shift if piece.src_shift else template.src_index
+    dst_index = template.dst_index + piece.dst_shift if piece.dst_shift else template.dst_index
+    src_ids = src_index if piece.src_ids is None else piece.src_ids[src_index]
+    dst_ids = dst_index if piece.dst_ids is None else piece.dst_ids[dst_index]
+    local = template.local + template.dst_bytes * dst_ids
+    remote = template.remote + template.src_bytes * src_ids
+    lengths, bounds = template.lengths, list(template.bounds)
+    if piece.skip_null:
+        keep = dst_ids != NULL_BLOCK
+        if not keep.all():
+            local, remote, lengths = local[keep], remote[keep], lengths[keep]
+            bounds = np.r_[0, np.cumsum(keep)][bounds].tolist()
+    return local, remote, lengths, bounds
+
+
+def joined(parts: list[tuple[Template, Piece]], prefill_base: int) -> list:
+    """The ranges of several pieces' templates: per prefill rank read from, ``(rank in
+    replica, local addresses, remote addresses, lengths)``, each piece's ranges in order,
+    merged (never across two ranks)."""
+    addressed_parts = [(template.ranks, addressed(template, piece)) for template, piece in parts]
+    ranks = sorted({p for rank_list, _ in addressed_parts for p in rank_list})
+    if not ranks:
+        return []
+    if len(addressed_parts) == 1:
+        local, remote, lengths, bounds = addressed_parts[0][1]
+    else:
+        columns: tuple[list, list, list] = ([], [], [])
+        bounds = [0]
+        for p in ranks:
+            size = 0
+            for rank_list, (a_local, a_remote, a_lengths, a_bounds) in addressed_parts:
+                if p in rank_list:
+                    i = rank_list.index(p)
+                    a, b = a_bounds[i], a_bounds[i + 1]
+                    for column, values in zip(columns, (a_local, a_remote, a_lengths)):
+                        column.append(values[a:b])
+                    size += b - a
+            bounds.append(bounds[-1] + size)
+        local, remote, lengths = (np.concatenate(c) for c in columns)
+    sizes = np.diff(bounds)
+    if not sizes.all():  # a rank all of whose ranges were into the null block
+        ranks = [p for p, size in zip(ranks, sizes.tolist()) if size]
+        bounds = [0, *np.cumsum(sizes[sizes > 0]).tolist()]
+    if not ranks:
+        return []
+    merged, edges = _merged(local, remote, lengths, np.asarray(bounds))
+    return [(p - prefill_base, *(x[a:b] for x in merged)) for p, a, b in zip(ranks, edges, edges[1:])]
+
+
+def read_ranges(
+    plan: TransferPlan,
+    read_ids,
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_head0: int,
+    dst_head0: int,
+    block_sizes: tuple[int, int],
+):
+    """(local addresses, remote addresses, lengths) of ``read_ids`` of ``plan``, all from
+    one prefill rank (its first KV head ``src_head0``; this rank's ``dst_head0``) whose
+    planes are ``src`` (``dst`` here): per layer and plane ``(plane start, block bytes,
+    head bytes)``. The template of those reads with the plan's block ids put in, merged."""
+    ids = np.asarray(read_ids, dtype=np.int64).ravel()
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    local, remote, lengths, read = _range_matrix(plan, ids, s, d, src_head0, dst_head0, block_sizes)
+    column = ids if read is None else ids[read]
+    local = local + d[:, 1:2] * plan.dst_block[column]
+    remote = remote + s[:, 1:2] * plan.src_block[column]
+    return merge_ranges(local.ravel(), remote.ravel(), np.broadcast_to(lengths, local.shape).ravel())
 
 
 def layer_regions(layers: dict, layer_group: dict | None = None) -> list:

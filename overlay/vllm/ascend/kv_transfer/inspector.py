@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 
 from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, local_count
-from vllm.ascend.kv_transfer.plan import Plan, build_plan, check_pair
+from vllm.ascend.kv_transfer.plan import TransferPlan, build_plan, check_pair
 
 LAYOUT_KEYS = ("tp", "pcp", "dcp", "dp", "interleave")
 
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
+def plan_from_args(args: argparse.Namespace) -> TransferPlan:
     kv_heads = None if args.mla else args.kv_heads
     prefill = CPLayout(**args.prefill, block_size=args.block_size, kv_heads=kv_heads)
     decode = CPLayout(**args.decode, block_size=args.decode_block_size or args.block_size, kv_heads=kv_heads)
@@ -115,7 +115,7 @@ def _heads(layout: CPLayout, tp_rank: int) -> list[int]:
     return [heads.start, heads.stop]
 
 
-def plan_to_dict(plan: Plan) -> dict:
+def plan_to_dict(plan: TransferPlan) -> dict:
     """The plan as JSON-ready data (the schema of ``--json``)."""
     decode_ranks = []
     for rank in plan.decode_ranks:

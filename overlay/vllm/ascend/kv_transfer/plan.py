@@ -18,28 +18,30 @@ of it: ranks no read touches are ``unread``, and the first decode rank sends the
 done message so they free their blocks.
 
 KV-cache groups (upstream's hybrid manager: e.g. sliding-window and full-attention layers
-in separate groups, each with its own block table): ``build_group_plan`` plans every group
-from its own tables and joins the plans, so read ids stay unique per request; a read's
-``group`` says which layers it is for. A sliding-window group's table names vLLM's null
-block where the group keeps no block (before the window); such tokens are not read.
+in separate groups, each with its own block table): ``PlanShapes.group_plan`` plans every
+group from its own tables and joins the plans, so read ids stay unique per request; a
+read's ``group`` says which layers it is for. A sliding-window group's table names vLLM's
+null block where the group keeps no block (before the window); such tokens are not read.
 
-Plans are reused: a request's plan depends on its block tables only through the block
-ids, and on its length through whole *periods* of ``lcm`` of both sides' virtual block
-sizes (the placement repeats every period). So the plan of one period, and of a partial
-last period, is worked out once per layout pair (cached, block-table indices instead of
-block ids) and a request's plan is those copied period after period with its block ids
-put in: no per-request sort, and the work per request grows with its blocks, not with
-planning.
+Shapes: a request's plan depends on its block tables only through the block ids, and on
+its length through whole *periods* of ``lcm`` of both sides' virtual block sizes (the
+placement repeats every period). So a plan is made of *shapes*, plans of block-table
+indices: the plan of whole periods and of a partial last period, each worked out once
+per layout pair by ``PlanShapes`` and kept by whoever owns it (the decode worker's
+``planner.ReplicaPlanner``, one per connected prefill replica); a request's plan is its
+shapes with its block ids put in, and remembers them as its ``pieces`` (the byte ranges
+are worked out per shape too, ``addressing.py``).
 
 Run ``python -m vllm.ascend.kv_transfer.inspector --help`` to inspect a plan (docs/pd_plan.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import threading
-from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -48,6 +50,25 @@ from vllm.ascend.context_parallel.placement import CPLayout, LayoutError, block_
 # vLLM's block pool reserves block 0 as its null block: a block table names it where a
 # KV-cache group keeps no block for the request (tokens before a sliding window)
 NULL_BLOCK = 0
+
+# A plan's columns are the rows of three int64 matrices, one column per read, per token
+# and per run: copying, shifting and joining plans is a numpy call per matrix
+READ_ROWS = (
+    "decode_rank",
+    "prefill_rank",
+    "src_block",
+    "dst_block",
+    "head0",
+    "head1",
+    "token_start",
+    "token_count",
+    "runs_start",
+    "runs_count",
+    "group",
+)
+TOKEN_ROWS = ("positions", "src_offsets", "dst_offsets")
+RUN_ROWS = ("run_token", "run_length")
+_SRC, _DST, _GROUP = READ_ROWS.index("src_block"), READ_ROWS.index("dst_block"), READ_ROWS.index("group")
 
 
 @dataclass(frozen=True)
@@ -74,12 +95,35 @@ class DoneMessage:
     read_ids: tuple[int, ...]  # empty: the prefill rank is unread and may free at once
 
 
-@dataclass
-class Plan:
-    """The reads as columns, one row per read (row index = read id); a read's tokens are
-    rows ``token_start .. token_start + token_count`` of the token columns, and its runs
-    (slots contiguous on both sides) rows ``runs_start .. runs_start + runs_count`` of the
-    run columns (``run_token``: a run's first token row; ``run_length``: its tokens)."""
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """Part of a request's plan: a shape (a plan of block-table indices) with its indices
+    moved on by ``src_shift``/``dst_shift`` blocks and its positions by ``first_position``,
+    whose block ids are ``src_ids``/``dst_ids`` (the request's tables of KV-cache group
+    ``group``). ``key`` names the shape for whoever keeps it (None: kept by no one)."""
+
+    key: Hashable
+    shape: TransferPlan
+    group: int
+    src_ids: np.ndarray | None  # None: the shape's block columns are block ids already
+    dst_ids: np.ndarray | None
+    src_shift: int = 0
+    dst_shift: int = 0
+    first_position: int = 0
+    # the group's decode table names the null block: the shape's reads into it are not made
+    skip_null: bool = False
+
+
+def _row(matrix: str, index: int, doc: str) -> property:
+    return property(lambda plan: getattr(plan, matrix)[index], doc=doc)
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """One request's reads as columns, one per read (read id = column index); a read's
+    tokens are columns ``token_start .. token_start + token_count`` of the token rows, its
+    runs (slots contiguous on both sides) columns ``runs_start .. runs_start + runs_count``
+    of the run rows (``run_token``: a run's first token; ``run_length``: its tokens)."""
 
     prefill: CPLayout
     decode: CPLayout
@@ -87,81 +131,41 @@ class Plan:
     prefill_dp_rank: int
     decode_dp_rank: int
     replica_offset: int
-    decode_rank: np.ndarray
-    prefill_rank: np.ndarray
-    src_block: np.ndarray
-    dst_block: np.ndarray
-    head0: np.ndarray
-    head1: np.ndarray
-    token_start: np.ndarray
-    token_count: np.ndarray
-    positions: np.ndarray
-    src_offsets: np.ndarray
-    dst_offsets: np.ndarray
-    runs_start: np.ndarray
-    runs_count: np.ndarray
-    run_token: np.ndarray
-    run_length: np.ndarray
-    # per read: its KV-cache group (None: all group 0). A factory, not a plain default: a
-    # plain default is also a class attribute, which a deferred plan (its columns popped)
-    # would answer for ``group`` instead of working its columns out (``__getattr__``)
-    group: np.ndarray | None = field(default_factory=lambda: None)
+    read_rows: np.ndarray  # READ_ROWS x reads
+    token_rows: np.ndarray  # TOKEN_ROWS x tokens
+    run_rows: np.ndarray  # RUN_ROWS x runs
     # which decode CP ranks read which prefill CP rank's tokens (decode.cp x prefill.cp
     # booleans): it orders the readers of replicas, so a partial period is planned with
     # the full period's
     need: bytes = b""
     num_groups: int = 1  # KV-cache groups planned (``group`` runs below it)
+    pieces: tuple[Piece, ...] = ()  # what the plan is made of (empty: cut from another)
 
-    def __post_init__(self) -> None:
-        if self.group is None:
-            self.group = np.zeros(len(self), dtype=np.int64)
+    decode_rank = _row("read_rows", 0, "per read: the global decode rank that makes it")
+    prefill_rank = _row("read_rows", 1, "per read: the global prefill rank it reads")
+    src_block = _row("read_rows", 2, "per read: the prefill block id")
+    dst_block = _row("read_rows", 3, "per read: the decode block id")
+    head0 = _row("read_rows", 4, "per read: its first global KV head")
+    head1 = _row("read_rows", 5, "per read: its KV heads' end")
+    token_start = _row("read_rows", 6, "per read: its first token column")
+    token_count = _row("read_rows", 7, "per read: its tokens")
+    runs_start = _row("read_rows", 8, "per read: its first run column")
+    runs_count = _row("read_rows", 9, "per read: its runs")
+    group = _row("read_rows", 10, "per read: its KV-cache group")
+    positions = _row("token_rows", 0, "per token: its position, ascending within a read")
+    src_offsets = _row("token_rows", 1, "per token: its slot in the source block")
+    dst_offsets = _row("token_rows", 2, "per token: its slot in the destination block")
+    run_token = _row("run_rows", 0, "per run: its first token column")
+    run_length = _row("run_rows", 1, "per run: its tokens")
 
     def __len__(self) -> int:
-        return int(self.decode_rank.shape[0])
+        return int(self.read_rows.shape[1])
 
-    def __getattr__(self, name: str):
-        # called only for what is not set: a deferred plan's columns, worked out when first read
-        if name not in _STACKED_NAMES or "_deferred" not in self.__dict__:
-            raise AttributeError(f"'Plan' object has no attribute {name!r}")
-        self._work_out_columns()
-        return self.__dict__[name]
-
-    def _work_out_columns(self) -> None:
-        make = self.__dict__.pop("_deferred", None)
-        if make is not None:
-            self.__dict__.update(make())
-
-    def deferred(self, make, **fields) -> Plan:
-        """This plan with these fields, and columns that ``make()`` (a dict) works out when
-        one is first read: a pull's ranges come from its pieces (``_pieces``), so the columns
-        are first needed by its done messages, after the pull is reported."""
-        plan = self.with_columns(**fields)
-        for name in (*_STACKED_NAMES, "_stacked", "_pieces"):
-            plan.__dict__.pop(name, None)
-        plan.__dict__["_deferred"] = make
-        return plan
-
-    def with_columns(self, **columns) -> Plan:
-        """This plan with these fields replaced (``dataclasses.replace`` without the
-        per-field checks: a request's plan is made of a cached one on every pull)."""
-        if columns.keys() & _STACKED_NAMES:
-            self._work_out_columns()  # the columns not replaced come from here
-        plan = object.__new__(Plan)
-        plan.__dict__.update(self.__dict__)
-        for name in _CACHED_PROPERTIES:  # worked out from the old columns
-            plan.__dict__.pop(name, None)
-        if columns.keys() & _STACKED_NAMES:  # no longer its rows, nor made of those pieces
-            plan.__dict__.pop("_stacked", None)
-            plan.__dict__.pop("_pieces", None)
-        plan.__dict__.update(columns)
-        return plan
-
-    def subset(self, rows: np.ndarray) -> Plan:
+    def subset(self, rows: np.ndarray) -> TransferPlan:
         """The plan of the reads ``rows`` (a boolean mask or ascending indices), renumbered
-        from 0; token columns are shared, not copied."""
+        from 0; token and run rows are shared, not copied. Cut, it is made of no pieces."""
         rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, dtype=np.int64)
-        columns = {name: getattr(self, name)[rows] for name in _READ_ROWS}
-        return self.with_columns(**columns)
+        return dataclasses.replace(self, read_rows=_read_only(self.read_rows[:, rows]), pieces=())
 
     @property
     def prefill_ranks(self) -> range:
@@ -262,6 +266,11 @@ class Plan:
         return int((self.prefill.block_size * (blocks[4] - blocks[3])).sum())
 
 
+def _read_only(matrix: np.ndarray) -> np.ndarray:
+    matrix.setflags(write=False)  # shared by every plan made of it: what is worked out stays true
+    return matrix
+
+
 def _run_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """Per token: does a run of slots contiguous on both sides start here?"""
     if src.size == 0:
@@ -288,6 +297,22 @@ def check_pair(prefill: CPLayout, decode: CPLayout) -> None:
         )
 
 
+def period(prefill: CPLayout, decode: CPLayout) -> int:
+    """Tokens after which both placements repeat (block-table index + 1 on each side per
+    virtual block): the plan of tokens ``t + period`` is that of ``t``, blocks shifted."""
+    return math.lcm(prefill.virtual_block_size, decode.virtual_block_size)
+
+
+def _replica_period(prefill: CPLayout) -> int:
+    """Replica offsets that choose the same replicas repeat with this period."""
+    counts = {
+        sum(1 for t in range(dcp_rank, prefill.tp, prefill.dcp) if head in prefill.heads(t))
+        for dcp_rank in range(prefill.dcp)
+        for head in range(prefill.kv_heads or 1)
+    }
+    return math.lcm(*(c for c in counts if c))
+
+
 def _head_pieces(prefill: CPLayout, decode: CPLayout, tp_rank: int) -> list[tuple[int, int]]:
     """A decode TP rank's KV heads, cut where prefill TP ranks' head ranges end."""
     heads = decode.heads(tp_rank)
@@ -298,7 +323,6 @@ def _head_pieces(prefill: CPLayout, decode: CPLayout, tp_rank: int) -> list[tupl
     return list(zip(cuts, cuts[1:]))
 
 
-@lru_cache(maxsize=256)
 def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: bytes):
     """Per (decode rank, head piece) of one replica: the rank, its CP rank, the heads, and
     for every prefill CP rank the prefill TP rank to read from. ``needs[d, p]``: decode CP
@@ -327,279 +351,7 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
     return rank, cp, h0, h1, src_tp
 
 
-_CACHED_PROPERTIES = [name for name, value in vars(Plan).items() if isinstance(value, cached_property)]
-
-
-def build_plan(
-    prefill: CPLayout,
-    decode: CPLayout,
-    num_tokens: int,
-    prefill_block_ids,
-    decode_block_ids,
-    prefill_dp_rank: int = 0,
-    decode_dp_rank: int = 0,
-    replica_offset: int = 0,
-) -> Plan:
-    """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
-    sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
-    Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
-    pair = _pair(prefill, decode)
-    if num_tokens < 0:
-        raise LayoutError(f"num_tokens must be non-negative, got {num_tokens}")
-    for side, dp_rank, layout in (("prefill", prefill_dp_rank, prefill), ("decode", decode_dp_rank, decode)):
-        if not 0 <= dp_rank < layout.dp:
-            raise LayoutError(f"{side} dp_rank {dp_rank} is outside data_parallel_size {layout.dp}")
-    (size_p, size_d) = pair.virtual_block_sizes
-    need_p, need_d = -(-num_tokens // size_p), -(-num_tokens // size_d)
-    if len(prefill_block_ids) < need_p or len(decode_block_ids) < need_d:
-        raise LayoutError(
-            f"{num_tokens} tokens need {need_p} prefill blocks ({size_p} tokens each) "
-            f"and {need_d} decode blocks ({size_d} tokens each), got "
-            f"{len(prefill_block_ids)} and {len(decode_block_ids)}"
-        )
-    shape = _shape(pair, num_tokens, prefill_dp_rank, decode_dp_rank, replica_offset)
-    src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
-    dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
-    pieces = shape.__dict__.get("_pieces") or ((shape, 0, 0, 0),)
-    if "_deferred" in shape.__dict__:  # a partial last period: its columns when first read
-
-        def columns(shape=shape) -> dict:
-            out = {name: getattr(shape, name) for name in _STACKED_NAMES}
-            out.update(src_block=src_ids[out["src_block"]], dst_block=dst_ids[out["dst_block"]])
-            return out
-
-        plan = shape.deferred(columns, replica_offset=replica_offset)
-    else:
-        plan = shape.with_columns(
-            replica_offset=replica_offset,
-            src_block=src_ids[shape.src_block],
-            dst_block=dst_ids[shape.dst_block],
-        )
-    # what the plan is made of, for address templates (addressing.py); cut or joined plans
-    # drop it (``with_columns`` of read columns)
-    plan.__dict__["_pieces"] = (pieces, src_ids, dst_ids)
-    return plan
-
-
-def period(prefill: CPLayout, decode: CPLayout) -> int:
-    """Tokens after which both placements repeat (block-table index + 1 on each side per
-    virtual block): the plan of tokens ``t + period`` is that of ``t``, blocks shifted."""
-    return math.lcm(prefill.virtual_block_size, decode.virtual_block_size)
-
-
-def _replica_period(prefill: CPLayout) -> int:
-    """Replica offsets that choose the same replicas repeat with this period."""
-    counts = {
-        sum(1 for t in range(dcp_rank, prefill.tp, prefill.dcp) if head in prefill.heads(t))
-        for dcp_rank in range(prefill.dcp)
-        for head in range(prefill.kv_heads or 1)
-    }
-    return math.lcm(*(c for c in counts if c))
-
-
-class _Pair:
-    """A layout pair that ``check_pair`` passed, with what all its plans share: the period,
-    virtual block sizes, how replica offsets repeat, and the plans of whole periods and of
-    partial last periods made so far (the oldest dropped past their limit)."""
-
-    WHOLES_KEPT = 64  # period counts: prompt lengths in blocks
-    PARTS_KEPT = 512  # partial periods: up to a period's tokens - 1 of them
-
-    def __init__(self, prefill: CPLayout, decode: CPLayout):
-        check_pair(prefill, decode)
-        self.prefill, self.decode = prefill, decode
-        self.cycle = period(prefill, decode)
-        self.virtual_block_sizes = (prefill.virtual_block_size, decode.virtual_block_size)
-        self.replica_period = _replica_period(prefill)
-        self.wholes: dict = {}  # (dp ranks, replica offset, periods) -> plan
-        self.parts: dict = {}  # (dp ranks, replica offset, tokens) -> (matrices, period steps)
-        self._making = threading.Lock()  # pull threads plan at once; hits take no lock
-
-    def kept(self, cache: dict, key, make, limit: int):
-        value = cache.get(key)
-        if value is None:
-            with self._making:
-                value = cache.get(key)
-                if value is None:
-                    if len(cache) >= limit:
-                        del cache[next(iter(cache))]  # the oldest
-                    value = cache[key] = make()
-        return value
-
-
-# By the layouts' identity (a worker keeps one layout per peer: no hashing of two
-# dataclasses per request); each entry holds its layouts, so no id is reused while it lives
-_PAIRS: dict = {}
-
-
-def _pair(prefill: CPLayout, decode: CPLayout) -> _Pair:
-    hit = _PAIRS.get((id(prefill), id(decode)))
-    if hit is not None and hit[0] is prefill and hit[1] is decode:
-        return hit[2]
-    pair = _pair_by_value(prefill, decode)
-    if len(_PAIRS) >= 256:
-        _PAIRS.clear()
-    _PAIRS[(id(prefill), id(decode))] = (prefill, decode, pair)
-    return pair
-
-
-@lru_cache(maxsize=64)
-def _pair_by_value(prefill: CPLayout, decode: CPLayout) -> _Pair:
-    return _Pair(prefill, decode)
-
-
-def clear_plan_caches() -> None:
-    """Forget every cached plan and layout pair (tests; memory)."""
-    _PAIRS.clear()
-    _pair_by_value.cache_clear()
-    _period_plan.cache_clear()
-
-
-def _shape(
-    pair: _Pair, num_tokens: int, prefill_dp_rank: int, decode_dp_rank: int, replica_offset: int
-) -> Plan:
-    """The plan of ``num_tokens`` tokens with block-table indices where the block ids go
-    (``src_block``/``dst_block``), made of kept per-period plans. Its arrays may be the
-    cache's (read-only): copy before changing them."""
-    replicas = (prefill_dp_rank, decode_dp_rank, replica_offset % pair.replica_period)
-    if num_tokens < pair.cycle:
-        return _period_plan(pair.prefill, pair.decode, *replicas, num_tokens)
-    copies, rest = divmod(num_tokens, pair.cycle)
-    whole = pair.kept(
-        pair.wholes, (*replicas, copies), lambda: _whole_periods(pair, replicas, copies), pair.WHOLES_KEPT
-    )
-    if not rest:
-        return whole
-    # the last, partial period, moved ``copies`` periods on and appended in one numpy call
-    # per stacked matrix (no per-request plan of it), when a column is first read
-    part, steps, part_plan = pair.kept(
-        pair.parts, (*replicas, rest), lambda: _partial_period(pair, replicas, rest), pair.PARTS_KEPT
-    )
-
-    def columns() -> dict:  # the partial period moved ``copies`` periods on and appended
-        stacked = [
-            np.concatenate([w, p + copies * step], axis=1) for w, p, step in zip(_stacks(whole), part, steps)
-        ]
-        return _columns_of(*stacked)
-
-    plan = whole.deferred(columns, num_tokens=num_tokens)
-    # the partial piece's block-table indices, ``copies`` periods of blocks further on
-    size_p, size_d = pair.virtual_block_sizes
-    plan.__dict__["_pieces"] = (
-        (whole, 0, 0, 0),
-        (part_plan, copies * pair.cycle // size_p, copies * pair.cycle // size_d, copies * pair.cycle),
-    )
-    return plan
-
-
-# A plan's columns as the rows of three matrices (per read, per token, per run): cached
-# plans keep them, so copying and joining them costs a numpy call per matrix, not per column
-_READ_ROWS = (
-    "decode_rank",
-    "prefill_rank",
-    "src_block",
-    "dst_block",
-    "head0",
-    "head1",
-    "token_start",
-    "token_count",
-    "runs_start",
-    "runs_count",
-    "group",
-)
-_TOKEN_ROWS = ("positions", "src_offsets", "dst_offsets")
-_RUN_ROWS = ("run_token", "run_length")
-_STACKED_NAMES = frozenset(_READ_ROWS + _TOKEN_ROWS + _RUN_ROWS)
-
-
-def _stacks(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The plan's (read, token, run) matrices: kept ones, else stacked from its columns."""
-    stacked = plan.__dict__.get("_stacked")
-    if stacked is None:
-        stacked = tuple(
-            np.stack([getattr(plan, name) for name in rows], dtype=np.int64)
-            for rows in (_READ_ROWS, _TOKEN_ROWS, _RUN_ROWS)
-        )
-    return stacked
-
-
-def _stacked_plan(template: Plan, reads: np.ndarray, tokens: np.ndarray, runs: np.ndarray, **fields) -> Plan:
-    """``template`` with its columns taken from the rows of these matrices (kept with it)."""
-    columns = _columns_of(reads, tokens, runs)
-    stacked = columns.pop("_stacked")
-    plan = template.with_columns(**columns, **fields)
-    plan.__dict__["_stacked"] = stacked
-    return plan
-
-
-def _columns_of(reads: np.ndarray, tokens: np.ndarray, runs: np.ndarray) -> dict:
-    """The columns that are these matrices' rows, and the matrices (``_stacked``)."""
-    columns = dict(zip(_READ_ROWS, reads))
-    columns.update(zip(_TOKEN_ROWS, tokens))
-    columns.update(zip(_RUN_ROWS, runs))
-    columns["_stacked"] = (reads, tokens, runs)
-    return columns
-
-
-def _row_vector(rows: tuple[str, ...], **values: int) -> np.ndarray:
-    vector = np.zeros((len(rows), 1), dtype=np.int64)
-    for name, value in values.items():
-        vector[rows.index(name)] = value
-    vector.flags.writeable = False
-    return vector
-
-
-def _period_step(pair: _Pair, replicas: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """How far each row of the stacked matrices moves from one period to the next: block-table
-    indices by the blocks of a period, positions by the period, row indices by the full
-    period's tokens and runs (column vectors, one per matrix)."""
-    full = _period_plan(pair.prefill, pair.decode, *replicas, pair.cycle)
-    tokens, runs = full.positions.size, full.run_token.size
-    return (
-        _row_vector(
-            _READ_ROWS,
-            src_block=pair.cycle // pair.virtual_block_sizes[0],
-            dst_block=pair.cycle // pair.virtual_block_sizes[1],
-            token_start=tokens,
-            runs_start=runs,
-        ),
-        _row_vector(_TOKEN_ROWS, positions=pair.cycle),
-        _row_vector(_RUN_ROWS, run_token=tokens),
-    )
-
-
-def _whole_periods(pair: _Pair, replicas: tuple, copies: int) -> Plan:
-    """The plan of ``copies`` whole periods (kept: requests of as many blocks share it)."""
-    shape = _period_plan(pair.prefill, pair.decode, *replicas, pair.cycle)
-    if copies == 1:
-        return shape
-    k = np.arange(copies, dtype=np.int64)
-    stacked = [
-        (matrix[:, None, :] + step[:, :, None] * k[None, :, None]).reshape(matrix.shape[0], -1)
-        for matrix, step in zip(_stacks(shape), _period_step(pair, replicas))
-    ]
-    return _read_only(_stacked_plan(shape, *stacked, num_tokens=copies * shape.num_tokens))
-
-
-def _partial_period(pair: _Pair, replicas: tuple, tokens: int) -> tuple:
-    """A last period of ``tokens`` tokens: its plan's matrices, the period steps, and the
-    plan itself. It keeps the full period's readers (``need``), so its reads are the full
-    period's, cut short."""
-    full = _period_plan(pair.prefill, pair.decode, *replicas, pair.cycle)
-    part = _period_plan(pair.prefill, pair.decode, *replicas, tokens, need=full.need)
-    return _stacks(part), _period_step(pair, replicas), part
-
-
-def _read_only(plan: Plan) -> Plan:
-    """Cached: shared by every request of this shape."""
-    for column in [*vars(plan).values(), *plan.__dict__.get("_stacked", ())]:
-        if isinstance(column, np.ndarray):
-            column.flags.writeable = False
-    return plan
-
-
-@lru_cache(maxsize=512)
-def _period_plan(
+def period_plan(
     prefill: CPLayout,
     decode: CPLayout,
     prefill_dp_rank: int,
@@ -607,10 +359,10 @@ def _period_plan(
     replica_offset: int,
     num_tokens: int,
     need: bytes | None = None,
-) -> Plan:
+) -> TransferPlan:
     """The plan of tokens ``0 .. num_tokens - 1`` worked out token by token, block-table
-    indices for block ids; ``need`` (``Plan.need`` of a longer plan) fixes which decode CP
-    ranks count as readers of which prefill CP rank's tokens."""
+    indices for block ids (a shape); ``need`` (``TransferPlan.need`` of a longer plan)
+    fixes which decode CP ranks count as readers of which prefill CP rank's tokens."""
     p_base = prefill_dp_rank * prefill.ranks_per_replica
     d_base = decode_dp_rank * decode.ranks_per_replica
     need_p = -(-num_tokens // prefill.virtual_block_size)
@@ -656,33 +408,277 @@ def _period_plan(
     group = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n - lo, n)
     p_cp = g_cp[group]
     src_tp = t_src_tp[target, p_cp]
-    prefill_rank = p_base + (p_cp // prefill.dcp) * prefill.tp + src_tp
-
-    plan = Plan(
+    columns = {
+        "decode_rank": d_base + t_rank[target],
+        "prefill_rank": p_base + (p_cp // prefill.dcp) * prefill.tp + src_tp,
+        "src_block": g_src[group],
+        "dst_block": g_dst[group],
+        "head0": t_h0[target],
+        "head1": t_h1[target],
+        "token_start": starts[group],
+        "token_count": counts[group],
+        "runs_start": group_runs[group],
+        "runs_count": group_run_count[group],
+        "group": np.zeros(group.size, dtype=np.int64),
+    }
+    return TransferPlan(
         prefill,
         decode,
         num_tokens,
         prefill_dp_rank,
         decode_dp_rank,
         replica_offset,
-        decode_rank=d_base + t_rank[target],
-        prefill_rank=prefill_rank,
-        src_block=g_src[group],
-        dst_block=g_dst[group],
-        head0=t_h0[target],
-        head1=t_h1[target],
-        token_start=starts[group],
-        token_count=counts[group],
-        positions=positions,
-        src_offsets=src_offsets,
-        dst_offsets=dst_offsets,
-        runs_start=group_runs[group],
-        runs_count=group_run_count[group],
-        run_token=run_token,
-        run_length=run_length,
+        read_rows=_stacked([columns[name] for name in READ_ROWS]),
+        token_rows=_stacked([positions, src_offsets, dst_offsets]),
+        run_rows=_stacked([run_token, run_length]),
         need=need,
     )
-    return _read_only(_stacked_plan(plan, *_stacks(plan)))
+
+
+def _stacked(rows: list) -> np.ndarray:
+    return _read_only(np.stack(rows).astype(np.int64, copy=False).reshape(len(rows), -1))
+
+
+def _row_vector(rows: tuple[str, ...], **values: int) -> np.ndarray:
+    vector = np.zeros((len(rows), 1), dtype=np.int64)
+    for name, value in values.items():
+        vector[rows.index(name)] = value
+    return _read_only(vector)
+
+
+def _keep_nothing(key: Hashable, make: Callable[[], TransferPlan]) -> TransferPlan:
+    return make()
+
+
+class PlanShapes:
+    """A layout pair that ``check_pair`` passed, and the shapes its requests' plans are
+    made of: the plan of one period, of whole periods, of a partial last period.
+    ``keep(key, make)`` answers ``make()`` or what it kept under ``key`` (its owner decides
+    what it keeps and for how long; by default nothing is kept)."""
+
+    def __init__(
+        self,
+        prefill: CPLayout,
+        decode: CPLayout,
+        keep: Callable[[Hashable, Callable[[], TransferPlan]], TransferPlan] = _keep_nothing,
+    ):
+        check_pair(prefill, decode)
+        self.prefill, self.decode = prefill, decode
+        self.cycle = period(prefill, decode)
+        self.virtual_block_sizes = (prefill.virtual_block_size, decode.virtual_block_size)
+        self.replica_period = _replica_period(prefill)
+        self._keep = keep
+
+    # -- shapes ---------------------------------------------------------------------
+    def _period(self, replicas: tuple, tokens: int) -> tuple[Hashable, TransferPlan]:
+        key = ("period", *replicas, tokens)
+        return key, self._keep(key, lambda: period_plan(self.prefill, self.decode, *replicas, tokens))
+
+    def _steps(self, full: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """How far each row of the three matrices moves from one period to the next: block
+        indices by the blocks of a period, positions by the period, token and run columns by
+        the full period's (column vectors, one per matrix)."""
+        size_p, size_d = self.virtual_block_sizes
+        tokens, runs = full.token_rows.shape[1], full.run_rows.shape[1]
+        return (
+            _row_vector(
+                READ_ROWS,
+                src_block=self.cycle // size_p,
+                dst_block=self.cycle // size_d,
+                token_start=tokens,
+                runs_start=runs,
+            ),
+            _row_vector(TOKEN_ROWS, positions=self.cycle),
+            _row_vector(RUN_ROWS, run_token=tokens),
+        )
+
+    def _whole(self, replicas: tuple, copies: int) -> tuple[Hashable, TransferPlan]:
+        """The shape of ``copies`` whole periods (requests of as many blocks share it)."""
+        if copies == 1:
+            return self._period(replicas, self.cycle)
+
+        def make() -> TransferPlan:
+            full = self._period(replicas, self.cycle)[1]
+            k = np.arange(copies, dtype=np.int64)
+            rows = [
+                _read_only((m[:, None, :] + step[:, :, None] * k[None, :, None]).reshape(m.shape[0], -1))
+                for m, step in zip(_matrices(full), self._steps(full))
+            ]
+            return _with_matrices(full, rows, num_tokens=copies * self.cycle)
+
+        key = ("periods", *replicas, copies)
+        return key, self._keep(key, make)
+
+    def _partial(self, replicas: tuple, tokens: int) -> tuple[Hashable, TransferPlan]:
+        """A last period of ``tokens`` tokens. It keeps the full period's readers (``need``),
+        so its reads are the full period's, cut short."""
+        key = ("partial", *replicas, tokens)
+
+        def make() -> TransferPlan:
+            need = self._period(replicas, self.cycle)[1].need
+            return period_plan(self.prefill, self.decode, *replicas, tokens, need=need)
+
+        return key, self._keep(key, make)
+
+    # -- a request's plan -----------------------------------------------------------------
+    def plan(
+        self,
+        num_tokens: int,
+        prefill_block_ids,
+        decode_block_ids,
+        prefill_dp_rank: int = 0,
+        decode_dp_rank: int = 0,
+        replica_offset: int = 0,
+        group: int = 0,
+    ) -> TransferPlan:
+        """Plan one request's pull: ``num_tokens`` tokens, the request's block tables on both
+        sides (``*_block_ids[i]`` is block-table entry ``i``), and the DP replicas holding it.
+        Raises ``LayoutError`` (one line, naming the constraint) for plans that cannot be made."""
+        if num_tokens < 0:
+            raise LayoutError(f"num_tokens must be non-negative, got {num_tokens}")
+        for side, dp_rank, layout in (
+            ("prefill", prefill_dp_rank, self.prefill),
+            ("decode", decode_dp_rank, self.decode),
+        ):
+            if not 0 <= dp_rank < layout.dp:
+                raise LayoutError(f"{side} dp_rank {dp_rank} is outside data_parallel_size {layout.dp}")
+        size_p, size_d = self.virtual_block_sizes
+        need_p, need_d = -(-num_tokens // size_p), -(-num_tokens // size_d)
+        if len(prefill_block_ids) < need_p or len(decode_block_ids) < need_d:
+            raise LayoutError(
+                f"{num_tokens} tokens need {need_p} prefill blocks ({size_p} tokens each) "
+                f"and {need_d} decode blocks ({size_d} tokens each), got "
+                f"{len(prefill_block_ids)} and {len(decode_block_ids)}"
+            )
+        src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
+        dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
+        replicas = (prefill_dp_rank, decode_dp_rank, replica_offset % self.replica_period)
+
+        def piece(made: tuple[Hashable, TransferPlan], periods: int = 0) -> Piece:
+            shift = periods * self.cycle
+            return Piece(made[0], made[1], group, src_ids, dst_ids, shift // size_p, shift // size_d, shift)
+
+        if num_tokens < self.cycle:
+            pieces = [piece(self._period(replicas, num_tokens))]
+            rows = list(_matrices(pieces[0].shape))
+        else:
+            copies, rest = divmod(num_tokens, self.cycle)
+            pieces = [piece(self._whole(replicas, copies))]
+            rows = list(_matrices(pieces[0].shape))
+            if rest:  # the partial last period, moved ``copies`` periods on and appended
+                pieces.append(piece(self._partial(replicas, rest), copies))
+                full = self._period(replicas, self.cycle)[1]
+                rows = [
+                    np.concatenate([w, p + copies * step], axis=1)
+                    for w, p, step in zip(rows, _matrices(pieces[1].shape), self._steps(full))
+                ]
+        reads = rows[0] if rows[0].flags.writeable else rows[0].copy()  # a kept shape's: copied
+        reads[_SRC] = src_ids[reads[_SRC]]
+        reads[_DST] = dst_ids[reads[_DST]]
+        if group:
+            reads[_GROUP] = group
+        shape = pieces[0].shape
+        return TransferPlan(
+            self.prefill,
+            self.decode,
+            num_tokens,
+            prefill_dp_rank,
+            decode_dp_rank,
+            replica_offset,
+            _read_only(reads),
+            _read_only(rows[1]),
+            _read_only(rows[2]),
+            shape.need,
+            pieces=tuple(pieces),
+        )
+
+    def group_plan(
+        self,
+        num_tokens: int,
+        prefill_tables,
+        decode_tables,
+        prefill_dp_rank: int = 0,
+        decode_dp_rank: int = 0,
+        replica_offset: int = 0,
+    ) -> TransferPlan:
+        """One request's pull over every KV-cache group: ``*_tables[g]`` is group ``g``'s block
+        table on each side. Tokens whose decode block is the null block are not read (the group
+        keeps nothing there); a token the decode side keeps but the prefill side does not is a
+        ``LayoutError``. Read ids run over all groups; ``TransferPlan.group`` tells them apart."""
+        if len(prefill_tables) != len(decode_tables):
+            raise LayoutError(
+                f"the prefill instance sent block tables for {len(prefill_tables)} KV-cache groups, "
+                f"this instance has {len(decode_tables)}: run both with the same hybrid KV-cache "
+                "manager setting (--disable-hybrid-kv-cache-manager on both or neither)"
+            )
+        parts = []
+        for g, (src, dst) in enumerate(zip(prefill_tables, decode_tables)):
+            plan = self.plan(num_tokens, src, dst, prefill_dp_rank, decode_dp_rank, replica_offset, group=g)
+            if _holds_null(src) or _holds_null(dst):  # a windowed group's tables (else nothing to drop)
+                needed = plan.dst_block != NULL_BLOCK
+                lost = needed & (plan.src_block == NULL_BLOCK)
+                if lost.any():
+                    first = int(plan.first_position[lost].min())
+                    raise LayoutError(
+                        f"KV-cache group {g}: the prefill instance kept no block for token {first}, "
+                        "which this instance needs (the two sides disagree on the group's window)"
+                    )
+                if not needed.all():  # still made of its pieces, less their reads into the null block
+                    pieces = tuple(dataclasses.replace(p, skip_null=True) for p in plan.pieces)
+                    plan = dataclasses.replace(plan.subset(needed), pieces=pieces)
+            parts.append(plan)
+        return _join(parts) if len(parts) != 1 else parts[0]
+
+
+def _matrices(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return plan.read_rows, plan.token_rows, plan.run_rows
+
+
+def _with_matrices(template: TransferPlan, rows: list, **fields) -> TransferPlan:
+    return dataclasses.replace(
+        template, read_rows=rows[0], token_rows=rows[1], run_rows=rows[2], pieces=(), **fields
+    )
+
+
+def _holds_null(block_ids) -> bool:
+    """A block table (a list, as the wire carries it, or an array) with the null block in it."""
+    if isinstance(block_ids, np.ndarray):
+        return not block_ids.all()  # one reduction: the null block, 0, is the only falsy id
+    return NULL_BLOCK in block_ids
+
+
+def _join(plans: list[TransferPlan]) -> TransferPlan:
+    """The reads of several plans of one request (one per KV-cache group) as one plan."""
+    if not plans:
+        raise LayoutError("a request with no KV-cache group has nothing to transfer")
+    token_base = run_base = 0
+    parts: tuple[list, list, list] = ([], [], [])
+    for plan in plans:  # each plan's columns moved past the plans before it
+        reads, tokens, runs = _matrices(plan)
+        parts[0].append(reads + _row_vector(READ_ROWS, token_start=token_base, runs_start=run_base))
+        parts[1].append(tokens)
+        parts[2].append(runs + _row_vector(RUN_ROWS, run_token=token_base))
+        token_base += tokens.shape[1]
+        run_base += runs.shape[1]
+    rows = [_read_only(np.concatenate(matrices, axis=1)) for matrices in parts]
+    joined = _with_matrices(plans[0], rows, num_groups=len(plans))
+    return dataclasses.replace(joined, pieces=tuple(p for plan in plans for p in plan.pieces))
+
+
+def build_plan(
+    prefill: CPLayout,
+    decode: CPLayout,
+    num_tokens: int,
+    prefill_block_ids,
+    decode_block_ids,
+    prefill_dp_rank: int = 0,
+    decode_dp_rank: int = 0,
+    replica_offset: int = 0,
+) -> TransferPlan:
+    """``PlanShapes.plan`` of a layout pair, keeping nothing (the inspector; tests)."""
+    return PlanShapes(prefill, decode).plan(
+        num_tokens, prefill_block_ids, decode_block_ids, prefill_dp_rank, decode_dp_rank, replica_offset
+    )
 
 
 def build_group_plan(
@@ -694,63 +690,10 @@ def build_group_plan(
     prefill_dp_rank: int = 0,
     decode_dp_rank: int = 0,
     replica_offset: int = 0,
-) -> Plan:
-    """One request's pull over every KV-cache group: ``*_tables[g]`` is group ``g``'s block
-    table on each side. Tokens whose decode block is the null block are not read (the group
-    keeps nothing there); a token the decode side keeps but the prefill side does not is a
-    ``LayoutError``. Read ids run over all groups; ``Plan.group`` tells them apart."""
-    if len(prefill_tables) != len(decode_tables):
-        raise LayoutError(
-            f"the prefill instance sent block tables for {len(prefill_tables)} KV-cache groups, "
-            f"this instance has {len(decode_tables)}: run both with the same hybrid KV-cache "
-            "manager setting (--disable-hybrid-kv-cache-manager on both or neither)"
-        )
-    parts = []
-    for g, (src, dst) in enumerate(zip(prefill_tables, decode_tables)):
-        plan = build_plan(
-            prefill, decode, num_tokens, src, dst, prefill_dp_rank, decode_dp_rank, replica_offset
-        )
-        if _holds_null(src) or _holds_null(dst):  # a windowed group's tables (else nothing to drop)
-            needed = plan.dst_block != NULL_BLOCK
-            lost = needed & (plan.src_block == NULL_BLOCK)
-            if lost.any():
-                first = int(plan.first_position[lost].min())
-                raise LayoutError(
-                    f"KV-cache group {g}: the prefill instance kept no block for token {first}, which "
-                    "this instance needs (the two sides disagree on the group's window)"
-                )
-            if not needed.all():
-                plan = plan.subset(needed)
-        if g:
-            plan = plan.with_columns(group=np.full(len(plan), g, dtype=np.int64))
-        parts.append(plan)
-    return _join(parts).with_columns(num_groups=len(parts)) if len(parts) != 1 else parts[0]
-
-
-def _holds_null(block_ids) -> bool:
-    """A block table (a list, as the wire carries it, or an array) with the null block in it."""
-    if isinstance(block_ids, np.ndarray):
-        return not block_ids.all()  # one reduction: the null block, 0, is the only falsy id
-    return NULL_BLOCK in block_ids
-
-
-def _join(plans: list[Plan], num_tokens: int | None = None) -> Plan:
-    """The reads of several plans of one request (one per KV-cache group) as one plan;
-    ``num_tokens``: the request's (default: the first plan's)."""
-    if not plans:
-        raise LayoutError("a request with no KV-cache group has nothing to transfer")
-    stacks = [_stacks(p) for p in plans]
-    token_base = run_base = 0
-    parts: tuple[list, list, list] = ([], [], [])
-    for reads, tokens, runs in stacks:  # each plan's row indices moved past the plans before it
-        parts[0].append(reads + _row_vector(_READ_ROWS, token_start=token_base, runs_start=run_base))
-        parts[1].append(tokens)
-        parts[2].append(runs + _row_vector(_RUN_ROWS, run_token=token_base))
-        token_base += tokens.shape[1]
-        run_base += runs.shape[1]
-    stacked = [np.concatenate(matrices, axis=1) for matrices in parts]
-    return _stacked_plan(
-        plans[0], *stacked, num_tokens=plans[0].num_tokens if num_tokens is None else num_tokens
+) -> TransferPlan:
+    """``PlanShapes.group_plan`` of a layout pair, keeping nothing."""
+    return PlanShapes(prefill, decode).group_plan(
+        num_tokens, prefill_tables, decode_tables, prefill_dp_rank, decode_dp_rank, replica_offset
     )
 
 

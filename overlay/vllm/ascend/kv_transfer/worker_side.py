@@ -40,21 +40,14 @@ from vllm.ascend import device as ascend_device
 from vllm.ascend.attention.kv_layout import LayerLayout
 from vllm.ascend.context_parallel.placement import LayoutError
 from vllm.ascend.kv_transfer import wire
-from vllm.ascend.kv_transfer.addressing import (
-    decode_rank_ranges,
-    decode_rank_sources,
-    layer_regions,
-    plane_layers,
-    plane_regions,
-    plane_table,
-)
+from vllm.ascend.kv_transfer.addressing import RankTables, layer_regions, plane_regions
 from vllm.ascend.kv_transfer.control import ControlClient, ControlServer, ControlTimeout
 from vllm.ascend.kv_transfer.groups import TransferGroups
 from vllm.ascend.kv_transfer.holds import Done, Holds
 from vllm.ascend.kv_transfer.layerwise import Publications, release_messages
 from vllm.ascend.kv_transfer.lease_check import LeaseCheck
 from vllm.ascend.kv_transfer.metadata import P2PConnectorMetadata, RecvSpec
-from vllm.ascend.kv_transfer.plan import build_group_plan
+from vllm.ascend.kv_transfer.planner import ReplicaPlanner
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats
 from vllm.ascend.kv_transfer.transport import open_transport
@@ -88,29 +81,6 @@ class IdlePacer:
         if idle:
             self._news.wait(self.wait)
         self._news.clear()
-
-
-@dataclass(frozen=True)
-class PeerRank:
-    """One prefill rank, connected: where to read and, per KV-cache group, both sides'
-    plane tables of that group's layers."""
-
-    address: str
-    src: dict  # group -> plane table
-    dst: dict
-    layer_of_row: dict  # group -> per table row, the index of its layer in the rank's RankInfo
-
-    def only(self, layers: set):
-        """The plane tables restricted to these layers (None: none of them is read here)."""
-        src, dst = {}, {}
-        for g, rows in self.layer_of_row.items():
-            keep = [i for i, layer in enumerate(rows) if layer in layers]
-            src[g], dst[g] = self.src[g][keep], self.dst[g][keep]
-        return (src, dst) if any(len(rows) for rows in src.values()) else None
-
-    @property
-    def layers(self) -> set:
-        return {layer for rows in self.layer_of_row.values() for layer in rows}
 
 
 @dataclass
@@ -152,8 +122,9 @@ class _Peer:
     layout: object
     host: str
     port: int
-    ranks: dict  # rank in replica -> PeerRank (filled as they are needed)
     num_blocks: dict  # KV-cache group -> blocks of its cache (what block ids may name)
+    addresses: dict  # rank in replica -> its transport address (filled as they connect)
+    planner: ReplicaPlanner  # its plans, plane tables and address templates for this rank
 
     def check(self, remote) -> None:
         """The parameters name what this replica has: its ranks, a DP rank of the instance,
@@ -392,31 +363,37 @@ class P2PWorker:
         key = (remote.remote_engine_id, remote.remote_dp_rank, remote.remote_host, remote.remote_port)
         peer = self._peers.get(key)
         if peer is None:
-            info = self._hello(remote.remote_host, remote.remote_port)
+            host, port = remote.remote_host, remote.remote_port
+            info = self._hello(host, port)
             blocks: dict[int, int] = {}
             for region in info.layers:
                 blocks[region.group] = min(blocks.get(region.group, region.num_blocks), region.num_blocks)
-            peer = _Peer(
-                info.layout.to_layout(),
-                remote.remote_host,
-                remote.remote_port,
-                {info.rank: self._connect(info)},
-                blocks,
-            )
+            addresses: dict[int, str] = {}
+            known = {info.rank: info}
+
+            def connect(rank_in_replica: int) -> RankTables:
+                rank_info = known.pop(rank_in_replica, None) or self._hello(host, port + rank_in_replica)
+                tables = self._connect(rank_info)
+                addresses[rank_in_replica] = rank_info.address
+                return tables
+
+            layout = info.layout.to_layout()
+            planner = ReplicaPlanner(layout, self.layout, self.global_rank, self.tp_rank, connect)
+            planner.tables(info.rank)  # the rank that answered is connected at once
+            peer = _Peer(layout, host, port, blocks, addresses, planner)
             with self._peer_lock:
                 peer = self._peers.setdefault(key, peer)
         return peer
 
-    def _connect(self, info: wire.RankInfo) -> PeerRank:
+    def _connect(self, info: wire.RankInfo) -> RankTables:
         """Once per prefill rank: transport connection and the plane tables of both sides."""
         with self._peer_lock:
             self._transport.connect(info.address, plane_regions(info.layers))
-        src, dst, rows = {}, {}, {}
-        for g in range(len(self.groups.ids)):
-            mine = {name: v for name, v in self._layers.items() if self.groups.layer_group[name] == g}
-            src[g], dst[g] = plane_table(mine, info.layers, group=g)
-            rows[g] = plane_layers(mine, info.layers)
-        return PeerRank(info.address, src, dst, rows)
+        mine = {
+            g: {name: v for name, v in self._layers.items() if self.groups.layer_group[name] == g}
+            for g in range(len(self.groups.ids))
+        }
+        return RankTables.build(mine, info.layers)
 
     def _hello(self, host: str, port: int) -> wire.RankInfo:
         reply = self._client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, self.settings.engine_id))
@@ -492,9 +469,7 @@ class P2PWorker:
 
     def _plan(self, peer: _Peer, spec: RecvSpec):
         remote = spec.remote
-        return build_group_plan(
-            peer.layout,
-            self.layout,
+        return peer.planner.plan(
             remote.remote_num_tokens,
             remote.remote_block_ids,
             spec.local_block_ids,
@@ -566,12 +541,12 @@ class P2PWorker:
         peer = self._peer(remote)
         peer.check(remote)
         attempt.plan = plan = self._plan(peer, spec)
-        sources = decode_rank_sources(plan, self.global_rank, spec.first_token)
+        sources = peer.planner.sources(plan, spec.first_token)
         read = {p: set() for p in sources}
         pulled = 0
         waiter = _Waiter(self.settings.layerwise_wait, f"the layers of request {spec.request_id}")
         while True:
-            todo = {p: self._rank(peer, p).layers - read[p] for p in sources}
+            todo = {p: peer.planner.tables(p).layers - read[p] for p in sources}
             todo = {p: layers for p, layers in todo.items() if layers}
             if not todo:
                 return pulled
@@ -622,42 +597,22 @@ class P2PWorker:
             if isinstance(reply, Exception):
                 logger.warning("request %s: release to %s failed: %s", remote.layerwise_id, address, reply)
 
-    def _rank(self, peer: _Peer, rank_in_replica: int) -> PeerRank:
-        """A prefill rank of the replica, connected the first time."""
-        target = peer.ranks.get(rank_in_replica)
-        if target is None:
-            target = peer.ranks[rank_in_replica] = self._connect(
-                self._hello(peer.host, peer.port + rank_in_replica)
-            )
-        return target
-
     def _execute(self, plan, peer: _Peer, spec: RecvSpec, only: dict | None = None, before_read=None) -> int:
         """This rank's reads of the plan (``only``: of these layers of these prefill ranks,
         by index in their ``RankInfo``); the bytes read. ``before_read`` is called with the
         prefill ranks (in their replica) to be read from, once the ranges are worked out."""
 
-        def plane_tables(rank_in_replica: int):
-            target = self._rank(peer, rank_in_replica)
-            if only is None:
-                return target.src, target.dst
-            return target.only(only[rank_in_replica]) if rank_in_replica in only else None
-
-        batches = list(
-            decode_rank_ranges(
-                plan,
-                self.global_rank,
-                spec.first_token,  # reads of tokens cached here are skipped
-                self.tp_rank,
-                plane_tables,
-                self._transport.whole_blocks,
-                stable_tables=only is None,  # a whole pull: the peer's tables, built once
-            )
+        batches = peer.planner.ranges(
+            plan,
+            spec.first_token,  # reads of tokens cached here are skipped
+            layers=only,
+            whole_blocks=self._transport.whole_blocks,
         )
         if before_read is not None:
             before_read([p for p, *_ in batches])
         pulled = 0
         for p, local, remote_addr, lengths in batches:
-            self._transport.read(peer.ranks[p].address, local, remote_addr, lengths)
+            self._transport.read(peer.addresses[p], local, remote_addr, lengths)
             pulled += int(lengths.sum())
         return pulled
 
