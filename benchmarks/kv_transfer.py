@@ -331,7 +331,7 @@ def run_case(case: Case, repeats: int) -> dict:
     from vllm.ascend.kv_transfer import wire
     from vllm.ascend.kv_transfer.addressing import RankTables, layer_regions, plane_regions, plane_table
     from vllm.ascend.kv_transfer.control import ControlClient
-    from vllm.ascend.kv_transfer.worker_side import LEASE_ANSWER_WAIT
+    from vllm.ascend.kv_transfer.decode_side import LEASE_ANSWER_WAIT
     from vllm.ascend.kv_transfer.lease_check import LeaseCheck
     from vllm.ascend.kv_transfer.plan import build_group_plan
     from vllm.ascend.kv_transfer.planner import ReplicaPlanner

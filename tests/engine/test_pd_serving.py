@@ -41,7 +41,7 @@ from tests.support.ports import free_port, free_ports
 
 MAX_TOKENS = 12
 # Twice the defaults: six instances share a 2-core CI machine, and before empty steps were
-# paced (worker_side.IdlePacer) prefill control planes were seen unanswered for 10-60 s
+# paced (pacer.IdlePacer) prefill control planes were seen unanswered for 10-60 s
 # there. Production hosts should keep the 30 s / 5 s defaults.
 LEASE = 60
 CONTROL_TIMEOUT = 20

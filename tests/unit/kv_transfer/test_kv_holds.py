@@ -133,12 +133,12 @@ def test_any_order_of_messages_frees_each_request_exactly_once(total, data):
 
 
 def test_empty_steps_wait_for_news_and_steps_with_work_never_wait():
-    """The worker side's pacing of empty steps (worker_side.IdlePacer). The waits are long
+    """The worker side's pacing of empty steps (pacer.IdlePacer). The waits are long
     (30 s) so that a step that wrongly waited for them fails the generous bounds below."""
     import threading
     import time
 
-    from vllm.ascend.kv_transfer.worker_side import IdlePacer
+    from vllm.ascend.kv_transfer.pacer import IdlePacer
 
     pacer = IdlePacer(wait=30)
     start = time.monotonic()

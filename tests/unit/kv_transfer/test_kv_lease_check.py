@@ -16,7 +16,9 @@ from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient, ControlServer
 from vllm.ascend.kv_transfer.holds import Holds
 from vllm.ascend.kv_transfer.lease_check import SAFETY, LeaseCheck
-from vllm.ascend.kv_transfer.worker_side import IdlePacer, P2PWorker
+from vllm.ascend.kv_transfer.pacer import IdlePacer
+from vllm.ascend.kv_transfer.prefill_side import PrefillSide
+from vllm.ascend.kv_transfer.stats import StatsInterval
 
 
 def _port() -> int:
@@ -26,11 +28,9 @@ def _port() -> int:
 
 
 def _prefill_rank(lease: float):
-    """A prefill rank's control-plane state and handler (the worker's own), without the
-    model parts it does not use for these messages."""
-    worker = P2PWorker.__new__(P2PWorker)
-    worker._holds, worker._pacer, worker._info, worker._publications = Holds(lease), IdlePacer(), None, None
-    return worker
+    """A prefill rank's control-plane state and handler (the worker's own prefill side),
+    without the model parts it does not use for these messages."""
+    return PrefillSide(Holds(lease), None, None, {}, IdlePacer(), StatsInterval(), record_event=lambda: None)
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def prefill():
         def handle(message):
             if isinstance(message, wire.Renew):
                 time.sleep(delay_renew)
-            return rank._handle(message)
+            return rank.handle(message)
 
         port = _port()
         servers.append(ControlServer("127.0.0.1", port, handle))
@@ -61,43 +61,43 @@ def _done(request_id: str, reads_total: int = 1) -> wire.DoneReading:
 
 def test_a_read_inside_every_granted_lease_is_covered(prefill):
     (a, address_a), (b, address_b) = prefill(30.0), prefill(30.0)
-    a._holds.hold("r")
-    b._holds.hold("r")
+    a.holds.hold("r")
+    b.holds.hold("r")
     client = ControlClient(timeout=2)
     check = LeaseCheck(client, [address_a, address_b], "decode", "r")
     assert check.covers(time.monotonic(), wait=2)
     assert 29 < check.granted <= 30
     # the renewal did not count as a read: the request is held until its done message
-    assert len(a._holds) == 1 and a._holds.take_finished() == set()
-    assert client.request(address_a, _done("r")).ok and a._holds.take_finished() == {"r"}
+    assert len(a.holds) == 1 and a.holds.take_finished() == set()
+    assert client.request(address_a, _done("r")).ok and a.holds.take_finished() == {"r"}
 
 
 def test_a_rank_that_does_not_hold_the_request_yet_or_any_more_is_not_covered(prefill):
     (a, address_a), (_, address_b) = prefill(30.0), prefill(30.0)
-    a._holds.hold("r")  # b has not been handed the request yet
+    a.holds.hold("r")  # b has not been handed the request yet
     client = ControlClient(timeout=2)
     check = LeaseCheck(client, [address_a, address_b], "decode", "r")
     assert not check.covers(time.monotonic(), wait=2) and check.granted == 0.0
-    a._holds.done("r", "reader", [0], 1)  # released by its done messages: not held any more either
-    assert a._holds.take_finished() == {"r"}
+    a.holds.done("r", "reader", [0], 1)  # released by its done messages: not held any more either
+    assert a.holds.take_finished() == {"r"}
     assert not LeaseCheck(client, [address_a], "decode", "r").covers(time.monotonic(), wait=2)
 
 
 def test_a_read_longer_than_half_the_grant_is_not_covered_and_an_expired_lease_is_still_caught(prefill):
     rank, address = prefill(0.4)
-    rank._holds.hold("r")
+    rank.holds.hold("r")
     client = ControlClient(timeout=2)
     check = LeaseCheck(client, [address], "decode", "r")
     time.sleep(0.5)  # the read outlives the lease
     assert not check.covers(time.monotonic(), wait=2)
-    assert rank._holds.take_finished() == {"r"}  # the prefill rank frees it: its lease ran out
+    assert rank.holds.take_finished() == {"r"}  # the prefill rank frees it: its lease ran out
     reply = client.request(address, _done("r"))  # so the done message's answer decides
     assert reply.lease_expired and not reply.ok
 
 
 def test_no_answer_in_time_is_not_covered_and_its_late_reply_answers_nothing_else(prefill):
     rank, address = prefill(30.0, delay_renew=0.3)
-    rank._holds.hold("r")
+    rank.holds.hold("r")
     client = ControlClient(timeout=2)
     started = time.monotonic()
     assert not LeaseCheck(client, [address], "decode", "r").covers(time.monotonic(), wait=0.1)
@@ -107,7 +107,7 @@ def test_no_answer_in_time_is_not_covered_and_its_late_reply_answers_nothing_els
     time.sleep(0.7)  # both late answers have arrived by now, on sockets already closed
     reply = client.request(address, _done("r"))
     assert isinstance(reply, wire.Reply) and reply.ok and reply.lease_seconds == 0.0
-    assert rank._holds.take_finished() == {"r"}
+    assert rank.holds.take_finished() == {"r"}
 
 
 def test_a_decode_rank_that_reads_nothing_needs_no_lease():

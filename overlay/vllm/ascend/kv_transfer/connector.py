@@ -2,8 +2,8 @@
 
 vLLM builds one connector per process and role; this class only hands each call to the
 scheduler side (``scheduler_side.py``, in the engine core) or the worker side
-(``worker_side.py``, in every worker), which share nothing but the metadata vLLM
-passes between them each step.
+(``worker_side.py``, in every worker: its prefill side ``prefill_side.py`` and decode side
+``decode_side.py``), which share nothing but the metadata vLLM passes between them each step.
 
 It declares upstream's ``SupportsHMA``: with the hybrid KV-cache manager on, every KV-cache
 group moves by its own block table (``groups.py``).

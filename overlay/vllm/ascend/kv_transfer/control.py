@@ -217,3 +217,12 @@ class ControlClient:
         """Close this thread's sockets."""
         for address in list(self._local.__dict__.get("sockets", {})):
             self._drop(address)
+
+
+def hello(client: ControlClient, host: str, port: int, engine_id: str) -> wire.RankInfo:
+    """The handshake: the prefill rank at ``host:port`` answers ``Hello`` with its
+    ``RankInfo`` (layout, transport and its address, KV regions)."""
+    reply = client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, engine_id))
+    if not isinstance(reply, wire.RankInfo):
+        raise RuntimeError(f"the prefill rank at {host}:{port} answered Hello with {reply}")
+    return reply

@@ -22,7 +22,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from vllm.logger import init_logger
+
 from vllm.ascend.kv_transfer import wire
+from vllm.ascend.kv_transfer.control import ControlClient
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,3 +150,12 @@ def release_messages(host: str, port: int, layout, transfer_id: str, reader: str
         for d in range(layout.dp)
         for r in range(ranks)
     ]
+
+
+def release(client: ControlClient, host: str, port: int, layout, transfer_id: str, reader: str) -> None:
+    """Send the ``release_messages`` of a layer-wise request; a rank that does not answer
+    is logged (its lease frees the blocks anyway)."""
+    requests = release_messages(host, port, layout, transfer_id, reader)
+    for (address, _), reply in zip(requests, client.request_all(requests)):
+        if isinstance(reply, Exception):
+            logger.warning("layer-wise request %s: its release to %s failed: %s", transfer_id, address, reply)

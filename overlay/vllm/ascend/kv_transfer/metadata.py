@@ -76,7 +76,7 @@ class P2PConnectorMetadata(KVConnectorMetadata):
     publishes: list[Publish] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     # the step schedules no tokens: upstream keeps stepping while blocks wait for a
-    # delayed free or a pull, and the workers pace such steps (worker_side.IdlePacer)
+    # delayed free or a pull, and the workers pace such steps (pacer.IdlePacer)
     idle: bool = False
     send_readers: dict[str, int] = field(default_factory=dict)  # request id -> readers it is held for
     refusals: dict[str, int] = field(default_factory=dict)  # decode: parameters refused, by reason

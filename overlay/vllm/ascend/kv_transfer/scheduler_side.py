@@ -41,9 +41,9 @@ import msgspec
 from vllm.logger import init_logger
 
 from vllm.ascend.kv_transfer import wire
-from vllm.ascend.kv_transfer.control import ControlClient
+from vllm.ascend.kv_transfer.control import ControlClient, hello
 from vllm.ascend.kv_transfer.groups import TransferGroups
-from vllm.ascend.kv_transfer.layerwise import Publish, release_messages
+from vllm.ascend.kv_transfer.layerwise import Publish, release
 from vllm.ascend.kv_transfer.metadata import P2PConnectorMetadata, RecvSpec, RemotePrefill, parse_remote
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, PULL_FIELDS, prompt_digest
@@ -444,21 +444,14 @@ class P2PScheduler:
         except Exception as e:
             logger.warning("KV control: releasing layer-wise request %s failed: %s", remote.layerwise_id, e)
             return
-        requests = release_messages(
-            remote.remote_host, remote.remote_port, layout, remote.layerwise_id, reader
-        )
-        for (address, _), reply in zip(requests, self._client.request_all(requests)):
-            if isinstance(reply, Exception):
-                logger.warning("KV control: release to %s failed: %s", address, reply)
+        release(self._client, remote.remote_host, remote.remote_port, layout, remote.layerwise_id, reader)
 
     def prefill_layout(self, client: ControlClient, host: str, port: int):
         """The layout of the prefill instance whose first control port is ``port``."""
         layout = self._layouts.get((host, port))
         if layout is None:
-            reply = client.request(f"{host}:{port}", wire.Hello(wire.WIRE_VERSION, self.settings.engine_id))
-            if not isinstance(reply, wire.RankInfo):
-                raise RuntimeError(f"the prefill rank at {host}:{port} answered Hello with {reply}")
-            layout = self._layouts[(host, port)] = reply.layout.to_layout()
+            info = hello(client, host, port, self.settings.engine_id)
+            layout = self._layouts[(host, port)] = info.layout.to_layout()
         return layout
 
     def _send(self, address: str, message) -> None:

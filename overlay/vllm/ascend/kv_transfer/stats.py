@@ -14,6 +14,8 @@ rank refused (``control unsealed``, ``control malformed``).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,25 @@ class P2PConnectorStats(KVConnectorStats):
             }
         )
         return summary
+
+
+class StatsInterval:
+    """The statistics of the interval being recorded, from every thread of a worker (its
+    pull threads, its control server's); vLLM takes them once per step."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stats = P2PConnectorStats()
+
+    def record(self, update: Callable[[P2PConnectorStats], None]) -> None:
+        with self._lock:
+            update(self._stats)
+
+    def take(self) -> P2PConnectorStats:
+        """The interval's statistics; the next interval starts empty."""
+        with self._lock:
+            stats, self._stats = self._stats, P2PConnectorStats()
+        return stats
 
 
 class P2PPromMetrics(KVConnectorPromMetrics):
