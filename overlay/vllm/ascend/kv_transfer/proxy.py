@@ -175,44 +175,54 @@ def parse_kv_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def build_app(
-    prefill: list[str],
-    decode: list[str],
-    timeout: float = 600.0,
-    cooldown: float = 5.0,
-    prefill_kv: list[str] | None = None,
-    trust: Trust | None = None,
-) -> FastAPI:
-    """``prefill_kv`` (one ``HOST:KV_PORT`` per prefill instance) turns on layer-wise transfer;
-    ``trust`` signs its parameters (the deployment's secret; unsigned when insecure)."""
-    trust = trust or Trust(None)
-    pools = {"prefill": Pool("prefill", prefill, cooldown), "decode": Pool("decode", decode, cooldown)}
-    if prefill_kv is not None:
-        if len(prefill_kv) != len(prefill):
-            raise ValueError(
-                f"--prefill-kv names {len(prefill_kv)} addresses for {len(prefill)} prefill instances: "
-                "give one per --prefill, in the same order"
-            )
-        for instance, text in zip(pools["prefill"].instances, prefill_kv):
-            instance.kv = parse_kv_address(text)
-    state: dict = {"background": set()}
+class PDRouter:
+    """Routes each request through a prefill and a decode instance: its pools of
+    instances, the HTTP client (opened by the app's lifespan) and the layer-wise prefill
+    requests still running. ``prefill_kv`` (one ``HOST:KV_PORT`` per prefill instance)
+    turns on layer-wise transfer; ``trust`` signs its parameters (the deployment's secret;
+    unsigned when insecure)."""
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        timeout: float = 600.0,
+        cooldown: float = 5.0,
+        prefill_kv: list[str] | None = None,
+        trust: Trust | None = None,
+    ):
+        self.timeout = timeout
+        self.trust = trust or Trust(None)
+        self.layerwise_on = prefill_kv is not None
+        self.pools = {
+            "prefill": Pool("prefill", prefill, cooldown),
+            "decode": Pool("decode", decode, cooldown),
+        }
+        if prefill_kv is not None:
+            if len(prefill_kv) != len(prefill):
+                raise ValueError(
+                    f"--prefill-kv names {len(prefill_kv)} addresses for {len(prefill)} prefill instances: "
+                    "give one per --prefill, in the same order"
+                )
+            for instance, text in zip(self.pools["prefill"].instances, prefill_kv):
+                instance.kv = parse_kv_address(text)
+        self.client: httpx.AsyncClient | None = None  # while the app runs
+        self.background: set[asyncio.Task] = set()  # layer-wise prefill requests still running
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(self, app):
         # idle connections are closed here before the instances' servers close them (uvicorn:
         # after 5 s), so a request never goes out on a connection the far end is closing
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=5.0), limits=limits)
         yield
-        if state["background"]:  # layer-wise prefill requests still running
-            await asyncio.wait(state["background"], timeout=timeout)
-        await state["client"].aclose()
+        if self.background:  # layer-wise prefill requests still running
+            await asyncio.wait(self.background, timeout=self.timeout)
+        await self.client.aclose()
 
-    app = FastAPI(lifespan=lifespan)
-
-    async def send(pool: Pool, path: str, body: dict, headers: dict, stream: bool):
+    async def send(self, pool: Pool, path: str, body: dict, headers: dict, stream: bool):
         """POST to the least-loaded instance of ``pool``; on a connection failure try the next."""
-        client: httpx.AsyncClient = state["client"]
+        client = self.client
         order = pool.order()
         for attempt, instance in enumerate(order + order):  # a second round for dropped connections
             if attempt >= len(order) and instance.down_until > time.monotonic():
@@ -237,7 +247,7 @@ def build_app(
                 raise
         raise NoInstance(f"no {pool.role} instance could be reached")
 
-    async def handle(request: Request, path: str):
+    async def handle(self, request: Request, path: str):
         try:
             body = parse_body(await request.body())
         except ValueError as e:
@@ -251,28 +261,28 @@ def build_app(
             headers["Authorization"] = request.headers["authorization"]
         prompts = prompts_of(body) if path == "/v1/completions" else None
         if prompts is None:
-            outcome = await pipeline(path, body, headers, stream)
-            return outcome if isinstance(outcome, Response) else await answer_from(*outcome, stream)
+            outcome = await self.pipeline(path, body, headers, stream)
+            return outcome if isinstance(outcome, Response) else await self.answer_from(*outcome, stream)
         # one request per prompt, each with its own KV transfer; answered as one
         subs = [
             (dict(body, prompt=prompt), {**headers, "X-Request-Id": f"{request_id}-{i}"})
             for i, prompt in enumerate(prompts)
         ]
-        outcomes = await asyncio.gather(*(pipeline(path, sub, h, stream) for sub, h in subs))
+        outcomes = await asyncio.gather(*(self.pipeline(path, sub, h, stream) for sub, h in subs))
         errors = [o for o in outcomes if isinstance(o, Response)]
         live = [o for o in outcomes if not isinstance(o, Response)]
         bad = next((o for o in live if o[1].status_code != 200), None)
         if errors or bad is not None:  # the first failure is the answer; the rest are let go
             relayed = None if errors else bad  # answer_from lets the relayed one go itself
-            reply = errors[0] if errors else await answer_from(*bad, False)
+            reply = errors[0] if errors else await self.answer_from(*bad, False)
             for outcome in live:
                 if outcome is not relayed:
-                    await release(*outcome)
+                    await self.release(*outcome)
             return reply
         per_prompt = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
         if stream:
             return StreamingResponse(
-                merged_stream(outcomes, per_prompt),
+                self.merged_stream(outcomes, per_prompt),
                 status_code=200,
                 media_type=outcomes[0][1].headers.get("content-type"),
             )
@@ -282,14 +292,14 @@ def build_app(
                 await answer.aread()
                 answers.append(answer.json())
             finally:
-                await release(instance, answer)
+                await self.release(instance, answer)
         return JSONResponse(merge_answers(answers, per_prompt))
 
-    async def release(instance: Instance, answer) -> None:
+    async def release(self, instance: Instance, answer) -> None:
         instance.in_flight -= 1
         await answer.aclose()
 
-    async def merged_stream(outcomes: list, per_prompt: int):
+    async def merged_stream(self, outcomes: list, per_prompt: int):
         """The prompts' streams as they come, choices renumbered; one usage chunk (summed) and
         one ``[DONE]`` at the end."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -299,7 +309,7 @@ def build_app(
                 async for line in answer.aiter_lines():
                     await queue.put((i, line))
             finally:
-                await release(instance, answer)
+                await self.release(instance, answer)
                 await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, *o)) for i, o in enumerate(outcomes)]
@@ -327,7 +337,7 @@ def build_app(
             for task in tasks:
                 task.cancel()
 
-    async def pipeline(path: str, body: dict, headers: dict, stream: bool):
+    async def pipeline(self, path: str, body: dict, headers: dict, stream: bool):
         """One prompt through prefill and decode: (decode instance, its answer), or the
         Response to give the client instead."""
         first = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "best_of")}
@@ -339,10 +349,10 @@ def build_app(
         )
         if "max_completion_tokens" in body:
             first["max_completion_tokens"] = 1
-        if prefill_kv is not None:
-            return await layerwise(path, body, first, headers, stream)
+        if self.layerwise_on:
+            return await self.layerwise(path, body, first, headers, stream)
         try:
-            instance, answer = await send(pools["prefill"], path, first, headers, stream=False)
+            instance, answer = await self.send(self.pools["prefill"], path, first, headers, stream=False)
         except NoInstance as e:
             return _error(503, str(e))
         try:
@@ -360,19 +370,19 @@ def build_app(
         if params:
             second["kv_transfer_params"] = params
         try:
-            return await send(pools["decode"], path, second, headers, stream=stream)
+            return await self.send(self.pools["decode"], path, second, headers, stream=stream)
         except NoInstance as e:
             return _error(503, str(e))
 
-    async def layerwise(path: str, body: dict, first: dict, headers: dict, stream: bool):
-        order = pools["prefill"].order()
+    async def layerwise(self, path: str, body: dict, first: dict, headers: dict, stream: bool):
+        order = self.pools["prefill"].order()
         prefill_instance = next((i for i in order if i.down_until <= time.monotonic()), order[0])
         transfer_id = f"lw-{uuid.uuid4().hex}"
         host, port = prefill_instance.kv
         first["kv_transfer_params"] = dict(first["kv_transfer_params"], layerwise_id=transfer_id)
-        task = asyncio.create_task(prefill_only(prefill_instance, path, first, headers))
-        state["background"].add(task)  # kept alive until done
-        task.add_done_callback(state["background"].discard)
+        task = asyncio.create_task(self.prefill_only(prefill_instance, path, first, headers))
+        self.background.add(task)  # kept alive until done
+        task.add_done_callback(self.background.discard)
         second = dict(body)
         params = {
             "do_remote_prefill": True,
@@ -382,17 +392,19 @@ def build_app(
             # as many readers as the prefill side holds the transfer for (its ``readers``)
             "remote_readers": first["kv_transfer_params"]["readers"],
         }
-        second["kv_transfer_params"] = trust.sign_params(params, LAYERWISE_FIELDS, LAYERWISE_VALID_SECONDS)
+        second["kv_transfer_params"] = self.trust.sign_params(
+            params, LAYERWISE_FIELDS, LAYERWISE_VALID_SECONDS
+        )
         try:
-            return await send(pools["decode"], path, second, headers, stream=stream)
+            return await self.send(self.pools["decode"], path, second, headers, stream=stream)
         except NoInstance as e:
             task.cancel()  # nobody would read what it computes
             return _error(503, str(e))
 
-    async def prefill_only(instance: Instance, path: str, body: dict, headers: dict) -> None:
+    async def prefill_only(self, instance: Instance, path: str, body: dict, headers: dict) -> None:
         """Layer-wise: the prefill instance's answer is not the client's; a failure is
         logged (the decode side computes the prompt itself)."""
-        client: httpx.AsyncClient = state["client"]
+        client = self.client
         instance.in_flight += 1
         try:
             answer = await client.post(instance.url + path, json=body, headers=headers)
@@ -401,13 +413,13 @@ def build_app(
                     "prefill instance %s answered %d: %s", instance.url, answer.status_code, answer.text[:500]
                 )
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            pools["prefill"].mark_down(instance, e)
+            self.pools["prefill"].mark_down(instance, e)
         except httpx.HTTPError as e:
             logger.warning("prefill instance %s: %s: %s", instance.url, type(e).__name__, e)
         finally:
             instance.in_flight -= 1
 
-    async def answer_from(instance: Instance, answer, stream: bool):
+    async def answer_from(self, instance: Instance, answer, stream: bool):
         """The decode instance's answer, relayed (streamed when asked)."""
         if not stream or answer.status_code != 200:
             try:
@@ -431,18 +443,15 @@ def build_app(
 
         return StreamingResponse(relay(), status_code=200, media_type=answer.headers.get("content-type"))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, "/v1/completions")
+    async def completions(self, request: Request):
+        return await self.handle(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await handle(request, "/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self.handle(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
-    async def models():
-        client: httpx.AsyncClient = state["client"]
-        for instance in pools["decode"].order():
+    async def models(self):
+        client = self.client
+        for instance in self.pools["decode"].order():
             try:
                 answer = await client.get(instance.url + "/v1/models", timeout=10)
                 return Response(
@@ -451,12 +460,11 @@ def build_app(
                     media_type=answer.headers.get("content-type"),
                 )
             except httpx.HTTPError as e:
-                pools["decode"].mark_down(instance, e)
+                self.pools["decode"].mark_down(instance, e)
         return _error(503, "no decode instance could be reached")
 
-    @app.get("/health")
-    async def health():
-        client: httpx.AsyncClient = state["client"]
+    async def health(self):
+        client = self.client
 
         async def alive(instance: Instance) -> bool:
             try:
@@ -465,12 +473,28 @@ def build_app(
                 return False
 
         status = {}
-        for role, pool in pools.items():
+        for role, pool in self.pools.items():
             results = await asyncio.gather(*(alive(i) for i in pool.instances))
             status[role] = {i.url: ok for i, ok in zip(pool.instances, results)}
         healthy = all(any(s.values()) for s in status.values())
         return JSONResponse(status, status_code=200 if healthy else 503)
 
+
+def build_app(
+    prefill: list[str],
+    decode: list[str],
+    timeout: float = 600.0,
+    cooldown: float = 5.0,
+    prefill_kv: list[str] | None = None,
+    trust: Trust | None = None,
+) -> FastAPI:
+    """The proxy's app: a ``PDRouter`` of these instances behind its routes."""
+    router = PDRouter(prefill, decode, timeout, cooldown, prefill_kv, trust)
+    app = FastAPI(lifespan=router.lifespan)
+    app.post("/v1/completions")(router.completions)
+    app.post("/v1/chat/completions")(router.chat)
+    app.get("/v1/models")(router.models)
+    app.get("/health")(router.health)
     return app
 
 
