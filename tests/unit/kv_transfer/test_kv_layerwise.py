@@ -266,3 +266,35 @@ def test_a_decode_request_with_layerwise_id_expects_the_prompt_less_the_backoff(
         assert sched.get_num_new_matched_tokens(bad, 0) == (0, False)  # not layer-wise: incomplete
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("prompt", [9, 12, 13])
+def test_a_backed_off_prompt_keeps_its_tokens_length_and_block_hashes_in_step(prompt):
+    """The prefill side leaves the prompt's last token to the decode side (a windowed
+    KV-cache group): through the request's own hook its token ids, its token list, its
+    length and its prefix-cache block hashes all describe the shorter prompt (the hashes
+    those of a request made with the shorter prompt), it generates one token, and a
+    second call (a preempted request back) shortens nothing more."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(4, sha256)
+    layout = CPLayout(tp=1, pcp=1, dcp=1, dp=1, interleave=1, block_size=4, kv_heads=1)
+    sched = P2PScheduler(
+        P2PSettings("p", True, False, "mooncake", "127.0.0.1", 1, 30.0, 5.0, layout, 0),
+        TransferGroups((0,), {}, True),
+        hash_block_size=4,
+    )
+    tokens = list(range(10, 10 + prompt))
+    sampling = SamplingParams(max_tokens=7, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    request = Request("r", list(tokens), sampling, None, block_hasher=hasher)
+    sched.on_new_request(request)
+    sched.on_new_request(request)
+    shorter = Request("s", tokens[:-1], SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    assert list(request.prompt_token_ids) == tokens[:-1] == list(request.all_token_ids)
+    assert request.num_prompt_tokens == request.num_tokens == prompt - 1
+    assert request.block_hashes == shorter.block_hashes and len(request.block_hashes) == (prompt - 1) // 4
+    assert request.max_tokens == 1

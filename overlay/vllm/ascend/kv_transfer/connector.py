@@ -45,7 +45,14 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = P2PSettings.from_config(vllm_config)
         self._groups = TransferGroups.of(kv_cache_config)
-        self._scheduler = P2PScheduler(settings, self._groups) if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = P2PScheduler(
+                settings,
+                self._groups,
+                getattr(kv_cache_config, "hash_block_size", None),
+                vllm_config.num_hash_lookahead_tokens,
+            )
         if role == KVConnectorRole.WORKER:
             from vllm.ascend.kv_transfer.worker_side import P2PWorker
 

@@ -70,9 +70,19 @@ def _readers(params: dict) -> int:
 
 
 class P2PScheduler:
-    def __init__(self, settings: P2PSettings, groups: TransferGroups):
+    def __init__(
+        self,
+        settings: P2PSettings,
+        groups: TransferGroups,
+        hash_block_size: int | None = None,
+        num_hash_lookahead_tokens: int = 0,
+    ):
         self.settings = settings
         self.groups = groups
+        # prefix-cache hashing (the engine core's): a shortened prompt drops the hashes of
+        # the blocks it no longer fills
+        self._hash_block_size = hash_block_size
+        self._num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self._sends: dict[str, float] = {}
         self._send_readers: dict[str, int] = {}
         self._recvs: list[RecvSpec] = []
@@ -115,10 +125,10 @@ class P2PScheduler:
             and request.prompt_token_ids is not None
             and request.num_prompt_tokens > backoff
         ):
-            del request.prompt_token_ids[-backoff:]
-            del request._all_token_ids[-backoff:]
-            request.num_prompt_tokens -= backoff
+            request.drop_prompt_tail(backoff)  # the request hook patch
             request.max_tokens = 1
+            if self._hash_block_size:
+                request.truncate_block_hashes(self._hash_block_size, self._num_hash_lookahead_tokens)
             params["_ascend_backoff"] = backoff
         transfer_id = params.get("layerwise_id")
         if isinstance(transfer_id, str) and 0 < len(transfer_id) <= 256:
