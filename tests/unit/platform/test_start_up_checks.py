@@ -129,3 +129,20 @@ def test_workers_spawn_unless_the_caller_chose_a_start_method(monkeypatch):
     npu._default_multiproc_method()
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     assert len(warned) == 1 and "VLLM_WORKER_MULTIPROC_METHOD=fork is kept" in warned[0]
+
+
+def test_the_shared_experts_side_stream_stays_off_and_a_request_for_it_is_answered(monkeypatch):
+    warned = []
+    monkeypatch.setattr(npu.logger, "warning_once", lambda fmt, *args: warned.append(fmt % args))
+    for unset_or_off in (None, "1"):
+        if unset_or_off is None:
+            monkeypatch.delenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", unset_or_off)
+        npu._no_shared_experts_stream()
+        assert os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] == "1" and not warned
+    # a caller's 0 cannot be honoured (the side stream needs CUDA events): overridden and said
+    monkeypatch.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "0")
+    npu._no_shared_experts_stream()
+    assert os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] == "1"
+    assert len(warned) == 1 and "VLLM_DISABLE_SHARED_EXPERTS_STREAM=0 is overridden" in warned[0]

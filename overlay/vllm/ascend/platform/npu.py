@@ -71,6 +71,20 @@ def _default_multiproc_method() -> None:
         )
 
 
+def _no_shared_experts_stream() -> None:
+    """Upstream overlaps an MoE layer's shared experts on a side stream synchronised by
+    ``torch.cuda.Event``s, which this platform does not have (the Ascend MoE runs them in
+    its own step): the side stream stays off, and a caller's request for it is answered."""
+    chosen = os.environ.get("VLLM_DISABLE_SHARED_EXPERTS_STREAM")
+    if chosen is not None and chosen.strip() not in ("", "1"):
+        logger.warning_once(
+            "VLLM_DISABLE_SHARED_EXPERTS_STREAM=%s is overridden with 1: the shared experts' side "
+            "stream synchronises with CUDA events, which the Ascend platform does not provide",
+            chosen,
+        )
+    os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
+
+
 def _check_not_bootstrapping() -> None:
     """A script that builds an engine at import time, re-imported by a spawned child:
     say why, before Python's own bootstrapping error (which names neither vLLM nor the fix)."""
@@ -404,8 +418,7 @@ class NPUPlatform(Platform):
         run_checks(vllm_config)
 
         _default_multiproc_method()
-        # No side streams for shared experts on this platform.
-        os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
+        _no_shared_experts_stream()
 
     @classmethod
     def set_additional_forward_context(cls, *args, **kwargs) -> dict:
