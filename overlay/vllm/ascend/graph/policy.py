@@ -37,9 +37,9 @@ def graph_refusal(vllm_config: VllmConfig) -> str | None:
         # attention inside one would keep its capture-time lengths at every replay
         return "attention runs inside one opaque custom op, where the graph update cannot reach it"
     from vllm.ascend.moe.selector import MoEComm
-    from vllm.ascend.moe.step import forced
+    from vllm.ascend.moe.step import forced_strategy
 
-    if forced(vllm_config) is MoEComm.ALLTOALL:
+    if forced_strategy(vllm_config) is MoEComm.ALLTOALL:
         return "a forced AllToAll takes its split sizes from the device counts on the host (use mc2 or allgather)"
     if spec is not None and spec.method not in GRAPH_METHODS:
         only = ", ".join(GRAPH_METHODS)

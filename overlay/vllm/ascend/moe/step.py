@@ -34,7 +34,8 @@ class MoEStep:
     mc2_padded_tokens: int  # rows each TP group pads to when the step runs MC2
 
 
-def forced(vllm_config) -> MoEComm | None:
+def forced_strategy(vllm_config) -> MoEComm | None:
+    """The strategy ``--additional-config '{"moe_comm_method": ...}'`` forces, or None (auto)."""
     return selector.parse_override((vllm_config.additional_config or {}).get(CONFIG_KEY))
 
 
@@ -138,7 +139,7 @@ def _check_forced_on_ascend(vllm_config, choice: MoEComm) -> None:
 
 def validate_config(vllm_config) -> None:
     """Start-up check of ``moe_comm_method`` (SoC limits are checked again in the worker)."""
-    choice = forced(vllm_config)
+    choice = forced_strategy(vllm_config)
     if choice is None or vllm_config.model_config is None:
         return
     if not vllm_config.model_config.is_moe:
@@ -166,7 +167,7 @@ class MoEPlan:
     def from_config(cls, vllm_config, soc: str, hccl_buffsize_mb: int | None = None) -> MoEPlan:
         """Checks a forced strategy against the SoC's limits and, given the MC2 group's
         HCCL buffer (MB; on an NPU), MC2's need of it (ValueError naming them)."""
-        choice = forced(vllm_config)
+        choice = forced_strategy(vllm_config)
         layout = moe_layout(vllm_config, soc, choice, hccl_buffsize_mb)
         _check_forced(choice, layout)
         return cls(layout, choice)

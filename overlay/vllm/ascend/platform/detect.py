@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from contextlib import contextmanager
 
 from vllm.ascend import envs
-from vllm.ascend.errors import AscendStartupError
 
 NPU = "vllm.ascend.platform.npu.NPUPlatform"
 HOST = "vllm.ascend.platform.host.HostEmulationPlatform"
@@ -53,18 +51,3 @@ def no_npu_message() -> str:
         f"no Ascend NPU is available ({reason}); {install}, or set VLLM_ASCEND_EMULATE=1 to run "
         "on the host CPU (development and CI only)"
     )
-
-
-@contextmanager
-def exit_on_startup_error():
-    """Turn :class:`AscendStartupError`, and an engine argument upstream's config
-    validation rejects, into one ``error:`` line and exit status 1 (CLI hook)."""
-    from pydantic import ValidationError
-
-    try:
-        yield
-    except AscendStartupError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    except ValidationError as exc:  # pydantic's report spans many lines and a traceback
-        reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-        raise SystemExit(f"error: {reasons}") from None
