@@ -32,12 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from launches import (  # the same op counting and driver
-    _VLLM_OPS,
-    _record_vllm_ops,
-    launches,
+from driver import (  # the same op counting and driver as the launches benchmark
+    VLLM_OPS,
+    launches_kernel,
     make_tiny_model,
     npu_path_env,
+    record_vllm_ops,
     run_child,
 )
 
@@ -70,21 +70,21 @@ def _counting_mode(step_of):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = func.overloadpacket.__name__
-            if func.namespace == "vllm" and name in _VLLM_OPS:  # a wrapper: count what runs inside
+            if func.namespace == "vllm" and name in VLLM_OPS:  # a wrapper: count what runs inside
                 with self:
-                    return _VLLM_OPS[name](*args, **kwargs)
+                    return VLLM_OPS[name](*args, **kwargs)
             start = time.perf_counter()
             out = func(*args, **kwargs)
             step = step_of()
             step.host_s -= time.perf_counter() - start  # device work, not host time
-            step.launches += launches(func, name, args, kwargs, out)
+            step.launches += launches_kernel(func, name, args, kwargs, out)
             return out
 
     return Mode()
 
 
 def child(spec: dict) -> None:
-    _record_vllm_ops()
+    record_vllm_ops()
     import torch_npu
     from torch_npu import _graphs
 

@@ -29,15 +29,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from driver import VLLM_OPS, launches_kernel, make_tiny_model, npu_path_env, record_vllm_ops, run_child
+
 ARCHS = {  # name -> make_tiny_model arguments
     "llama": ["--arch", "llama"],
     "qwen2": ["--arch", "qwen2"],
@@ -89,47 +88,6 @@ FORMS = {"native": {"custom_ops": ["none"]}, "ascend": {}}
 
 
 # -- the engine side (a child process) --------------------------------------------------------
-_VLLM_OPS: dict = {}  # vLLM's custom-op wrappers: name -> the Python function registered for it
-
-
-def _record_vllm_ops() -> None:
-    """Before vLLM registers its wrappers: remember each one's Python function, so the
-    counter can run it under the counting mode (the dispatcher would hide its insides)."""
-    from torch.library import Library
-
-    impl = Library.impl
-
-    def recording_impl(self, op_name, fn, *args, **kwargs):
-        if self.ns == "vllm" and callable(fn):
-            _VLLM_OPS[op_name if isinstance(op_name, str) else op_name.__name__] = fn
-        return impl(self, op_name, fn, *args, **kwargs)
-
-    Library.impl = recording_impl
-
-
-_ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-
-
-def _storages(value) -> set[int]:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return {value.untyped_storage().data_ptr()}
-    if isinstance(value, (list, tuple)):
-        return set().union(*(_storages(v) for v in value)) if value else set()
-    return set()
-
-
-def launches(func, name, args, kwargs, out) -> bool:
-    """A kernel runs: the op writes its inputs (in-place, out=) or makes a tensor whose
-    memory is new (a view, a no-op cast, an allocation launch nothing)."""
-    if name in _ALLOCATIONS:
-        return False
-    if func._schema.is_mutable:
-        return True
-    return bool(_storages(out) - _storages(list(args) + list(kwargs.values())))
-
-
 class _Counter:
     """Counts the ops of one layer's forward and times every top-level op of the model."""
 
@@ -148,13 +106,13 @@ class _Counter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 name = func.overloadpacket.__name__
-                if func.namespace == "vllm" and name in _VLLM_OPS:  # a wrapper: count what runs inside
+                if func.namespace == "vllm" and name in VLLM_OPS:  # a wrapper: count what runs inside
                     with self:
-                        return _VLLM_OPS[name](*args, **kwargs)
+                        return VLLM_OPS[name](*args, **kwargs)
                 start = time.perf_counter()
                 out = func(*args, **kwargs)
                 counter.inside_ops += time.perf_counter() - start
-                if counter.current is not None and launches(func, name, args, kwargs, out):
+                if counter.current is not None and launches_kernel(func, name, args, kwargs, out):
                     key = name if func.namespace == "aten" else f"{func.namespace}::{name}"
                     counter.current[f"{key} @ {_site()}" if counter.sites else key] += 1
                 return out
@@ -188,7 +146,7 @@ def _middle_layer(model):
 
 def child(spec: dict) -> None:
 
-    _record_vllm_ops()
+    record_vllm_ops()
     from vllm import LLM, SamplingParams
 
     counter = _Counter()
@@ -262,49 +220,6 @@ def child(spec: dict) -> None:
             "steps": len(decode),
         }
     print("RESULT " + json.dumps(results))
-
-
-# -- the driver ----------------------------------------------------------------------------------
-def make_tiny_model(args: list[str], base: Path) -> Path:
-    """examples/make_tiny_model.py with ``args``, under ``base`` (made once per argument list)."""
-    out = base / "_".join(a.lstrip("-") for a in args)
-    if not out.exists():
-        script = str(ROOT / "examples" / "make_tiny_model.py")
-        subprocess.run(
-            [sys.executable, script, *args, "--out", str(out)], check=True, stdout=subprocess.DEVNULL
-        )
-    return out
-
-
-def npu_path_env(**extra: str) -> dict:
-    """The environment of an engine in NPU-path mode: host emulation with the torch_npu
-    kernels of the contract double, the engine core in the benchmark's process."""
-    sys.path.insert(0, str(ROOT))
-    from tests.npu_contract.wheel import double_env
-
-    return {
-        **os.environ,
-        **double_env(),
-        "VLLM_ASCEND_EMULATE": "1",
-        "VLLM_ASCEND_KERNELS": "npu",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        **extra,
-    }
-
-
-def run_child(script: str, spec: dict, env: dict, timeout: int, what: str) -> dict:
-    """``script --child SPEC`` in a process of its own; the JSON of its ``RESULT`` line."""
-    proc = subprocess.run(
-        [sys.executable, script, "--child", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def _run(model: Path, forms: str, batches: list[int], steps: int, env: dict, sites: bool) -> dict:
