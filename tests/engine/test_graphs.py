@@ -36,9 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_npu_path import NEAR_TIE_CANDIDATES, NearTieDivergence, _call_counts, _compare
 from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.models import MLA512, quantize_model
+from tests.support.npu_compare import NEAR_TIE_CANDIDATES, NearTieDivergence, call_counts, compare_tokens
 from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS, PROMPTS
 from tests.support.selection import cases_to_start, extended_params
 
@@ -186,7 +186,7 @@ def _prompts(name: str) -> list[str]:
 
 def _replays(runs: dict, name: str, mode: str) -> int:
     if PAIRS[name][1].get("tensor_parallel_size", 1) > 1:
-        return _call_counts(runs["_root"] / f"{name}-{mode}").get("graph::replay", 0)
+        return call_counts(runs["_root"] / f"{name}-{mode}").get("graph::replay", 0)
     return runs[(name, mode)]["graphs"].get("replays", 0)
 
 
@@ -195,7 +195,7 @@ def test_graphs_decode_like_eager(runs, name):
     eager, graph = runs[(name, "eager")], runs[(name, "graph")]
     assert _replays(runs, name, "graph") > 0, f"{name}: no decode graph replayed"
     assert _replays(runs, name, "eager") == 0, f"{name}: the eager engine replayed graphs"
-    divergences = _compare(f"{name} graph vs eager", _flat(eager), _flat(graph), _prompts(name))
+    divergences = compare_tokens(f"{name} graph vs eager", _flat(eager), _flat(graph), _prompts(name))
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
 

@@ -47,27 +47,15 @@ import pytest
 
 from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec
 from tests.support.models import MLA512, QWEN3_MOE, quantize_model
-from tests.support.oracle import router_margins
+from tests.support.npu_compare import (
+    NEAR_TIE_CANDIDATES,
+    NearTieDivergence,
+    call_counts,
+    compare_tokens,
+)
 from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS, PROMPTS
 from tests.support.selection import extended_params
 
-# Reference top-1 minus top-2 logprob below which a different pick is tolerated: two bf16
-# ulps of a logit in [4, 8) (0.0625 each). TP=2 all-reduces row-parallel partial sums in
-# bf16 in another order than TP=1, which moves logits by about an ulp.
-NEAR_TIE = 0.125
-# Reference candidates per step the NPU's pick may come from (each within NEAR_TIE of the
-# best): the Ascend norm, rotary and SwiGLU forms round once in float32 where the reference
-# rounds after each op, so a three-way near-tie can resolve to the third.
-NEAR_TIE_CANDIDATES = 5
-# A Qwen-style MoE router picks its top k of softmax scores. Where the k-th and (k+1)-th
-# router logits are closer (transformers, float32) than bf16 rounding moves such a gap
-# (tests.support.oracle.router_margins: 1 = that layer's 90th percentile on the same
-# sequence), another correct rounding order can route the token to another expert, and
-# its logits then move by far more than NEAR_TIE (the fused norm and rotary forms round
-# once in float32). A divergence at step s is tolerated where a token had such a router
-# near-tie at step s (any layer) or earlier (a layer before the last: only those reach
-# later steps, through the KV cache).
-ROUTER_NEAR_TIE = 1.0
 ROUTER_ORACLE = (QWEN3_MOE, "gpt_oss")
 MAX_TOKENS = 10
 ENGINE = {
@@ -146,24 +134,12 @@ EXPECTED_CP_OPS = {
 MLA_PROLOG_OPS = ("npu::npu_kv_rmsnorm_rope_cache", "npu::npu_interleave_rope")
 
 
-class NearTieDivergence(UserWarning):
-    pass
-
-
 # The reference engines run IN_PROCESS: the runner process binds the reference kernels and
 # logs its torch_npu calls (there must be none) to one directory; each NPU engine's
 # processes get their own settings and log.
 def _runner_env(reference_log: Path) -> dict:
     reference_log.mkdir(exist_ok=True)
     return {"VLLM_ASCEND_KERNELS": "reference", "TORCH_NPU_DOUBLE_CALL_LOG": str(reference_log)}
-
-
-def _call_counts(directory: Path) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for path in directory.glob("*.json"):
-        for op, n in json.loads(path.read_text()).items():
-            counts[op] = counts.get(op, 0) + n
-    return counts
 
 
 # The one host read the forward may make: AllToAll's split sizes, once per MoE layer
@@ -186,47 +162,6 @@ def _assert_no_host_syncs_in_forward(name: str, directory: Path) -> None:
     inside = {site: c["in_region"] for site, c in read_log(directory).items() if c["in_region"]}
     unexplained = {site: n for site, n in inside.items() if not ALLOWED_SYNC.search(site)}
     assert not unexplained, f"{name}: host synchronisations inside the model's forward: {unexplained}"
-
-
-def _compare(
-    label: str, reference: list[dict], got: list[dict], prompts: list[str], router_model: Path | None = None
-) -> list[str]:
-    """Token-for-token comparison; returns the near-tie divergences (a token near-tie, or
-    with ``router_model`` a router near-tie at or before the step), fails on anything else."""
-    divergences = []
-    for prompt, ref, out in zip(prompts, reference, got):
-        if out["token_ids"] == ref["token_ids"]:
-            continue
-        step = next(i for i, (a, b) in enumerate(zip(ref["token_ids"], out["token_ids"])) if a != b)
-        (top1, lp1), *others = ref["logprobs"][step]
-        picked = out["token_ids"][step]
-        gap = next((lp1 - lp for token, lp in others if token == picked), float("inf"))
-        where = f"{label}: prompt {prompt[:40]!r} step {step}: {top1} vs {picked}"
-        if gap < NEAR_TIE:
-            divergences.append(f"{where}, logprob gap {gap:.4f}")
-            continue
-        router = ""
-        if router_model is not None:
-            prompt_len, margins = router_margins(router_model, prompt, ref["token_ids"][:step])
-            assert prompt_len == ref["prompt_len"], (prompt_len, ref["prompt_len"])
-            # (gap, step, layer) of every router choice that can reach this step's logits
-            reach = [(g, j, layer) for j, row in enumerate(margins) for layer, g in enumerate(row)]
-            reach = [c for c in reach if c[1] == step or c[2] < len(margins[0]) - 1]
-            closest, j, layer = min(reach)
-            if closest < ROUTER_NEAR_TIE:
-                divergences.append(
-                    f"{where}, router near-tie at step {j} layer {layer}: gap {closest:.2f} x noise"
-                )
-                continue
-            router = (
-                f"; its closest router choice is {closest:.1f} x the bf16 noise (step {j}, layer {layer})"
-            )
-        raise AssertionError(
-            f"{label}: prompt {prompt[:40]!r} diverges at step {step}: reference {ref['token_ids']}, "
-            f"NPU path {out['token_ids']} (the NPU's pick {picked} is not within {NEAR_TIE} of the "
-            f"reference's best logprob among its top {len(others) + 1}: {ref['logprobs'][step]}{router})"
-        )
-    return divergences
 
 
 # extended (out of CI's run for its time budget): the families beyond Qwen2 (GQA) and the
@@ -320,15 +255,15 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         want = [r for batch in outputs[baseline]["batches"] for r in batch]
         got = [r for batch in outputs[name]["batches"] for r in batch]
         router_model = tiny_models[arch] if arch in ROUTER_ORACLE else None
-        divergences += _compare(f"{arch} {name} vs {baseline}", want, got, prompts, router_model)
+        divergences += compare_tokens(f"{arch} {name} vs {baseline}", want, got, prompts, router_model)
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
 
     for name in runs:
         if name.startswith("reference"):
-            assert not _call_counts(tmp_path / name), f"{name}: the reference kernels must not call torch_npu"
+            assert not call_counts(tmp_path / name), f"{name}: the reference kernels must not call torch_npu"
     for name in npu_runs:
-        counts = _call_counts(tmp_path / name)
+        counts = call_counts(tmp_path / name)
         expected = dict(EXPECTED_OPS)
         for op, archs in ({"npu_cp": EXPECTED_CP_OPS}.get(name, {})).items():
             expected[op] = (*expected.get(op, ()), *archs)
@@ -343,7 +278,7 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
             else:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
     if arch in MOE_ARCHS:  # A3: the selector kept MC2 out (hidden size 64 < 1024)
-        assert not any(_call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
+        assert not any(call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
     for name in npu_runs:
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
@@ -428,17 +363,17 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
     for arch in QUANT_SCHEMES:
         ref, npu = outputs[(arch, "reference")]["batches"][0], outputs[(arch, "npu")]["batches"][0]
         assert len({tuple(r["token_ids"]) for r in ref}) == len(ref)  # the oracle discriminates
-        divergences += _compare(f"{arch} {QUANT_SCHEMES[arch]}", ref, npu, LONG_PROMPTS[:6])
+        divergences += compare_tokens(f"{arch} {QUANT_SCHEMES[arch]}", ref, npu, LONG_PROMPTS[:6])
         deviation = _logprob_deviation(ref, npu)
         print(
             f"{arch} {QUANT_SCHEMES[arch]}: largest logprob deviation from the reference kernels {deviation:.4f}"
         )
         assert deviation <= LOGPROB_TOLERANCE, (arch, deviation)
-        counts = _call_counts(tmp_path / f"{arch}-npu")
+        counts = call_counts(tmp_path / f"{arch}-npu")
         for op, archs in EXPECTED_QUANT_OPS.items():
             if arch in archs:
                 assert counts.get(op, 0) > 0, f"{arch}: {op} never ran ({counts})"
-    assert not _call_counts(tmp_path / "reference"), "the reference runs must not call torch_npu"
+    assert not call_counts(tmp_path / "reference"), "the reference runs must not call torch_npu"
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
     assert outputs[(MLA512, "npu")]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
