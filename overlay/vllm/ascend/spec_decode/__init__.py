@@ -1,1 +1,2 @@
-"""Speculative decoding on the Ascend platform (DeepSeek MTP): what is accepted at start-up."""
+"""Speculative decoding on the Ascend platform: the methods it runs (MTP, n-gram) and
+the start-up check that refuses the others (``config``)."""
