@@ -74,6 +74,7 @@ UPSTREAM_TEST_REQUIREMENTS = str(ROOT / "tests" / "upstream" / "requirements.txt
 TEST_REQUIREMENTS = str(ROOT / "tests" / "requirements.txt")
 LINT_REQUIREMENTS = str(ROOT / "tests" / "lint-requirements.txt")
 LINT_PATHS = ("overlay", "build", "tests", "benchmarks", "examples", "noxfile.py")
+TYPED_PATHS = ("overlay/vllm/ascend", "build/ascend_builder")  # what mypy checks
 
 
 def _install_test_requirements(session: nox.Session) -> None:
@@ -201,7 +202,7 @@ def unit(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """`ruff check` and `ruff format --check` (ruff pinned in tests/lint-requirements.txt,
     config in pyproject.toml) over overlay/, build/, tests/, benchmarks/, examples/ and
-    this file. Args replace the paths."""
+    this file, then mypy over the overlay and the builder. Args replace the ruff paths."""
     session.install("-r", LINT_REQUIREMENTS)
     paths = session.posargs or LINT_PATHS
     failed = []
@@ -211,6 +212,11 @@ def lint(session: nox.Session) -> None:
             session.run("ruff", *command, *paths)
         except CommandFailed:
             failed.append("ruff " + " ".join(command))
+    if not session.posargs:
+        try:
+            session.run("mypy", *TYPED_PATHS)
+        except CommandFailed:
+            failed.append("mypy")
     if failed:
         session.error("failed: " + ", ".join(failed))
 

@@ -218,7 +218,11 @@ def _gone(old: _Release, new: _Release, module: str, name: str | None) -> str | 
         return None
     head = name.split(".")[0]
     old_source, new_source = old.read(before) if before else None, new.read(after)
-    if old_source is not None and _defines(old_source, head) and not _defines(new_source, head):
+    if (
+        old_source is not None
+        and _defines(old_source, head)
+        and not (new_source and _defines(new_source, head))
+    ):
         return f"{module}.{head}"
     return None
 

@@ -205,7 +205,7 @@ def attend(
                 scale,
                 call.causal,
             )
-            if acc_out is None:
+            if acc_out is None or acc_lse is None:
                 out[rows] = part.to(out.dtype)
                 continue
             merged, merged_lse = cp_kernels.merge_partials(acc_out[rows], acc_lse[rows], part, lse)

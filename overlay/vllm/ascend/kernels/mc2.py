@@ -188,7 +188,7 @@ def reference_mc2_combine(
 
 def _soc_arguments(comm: Mc2Comm) -> dict:
     # A3 takes the (reserved) TP-domain arguments as vllm-ascend passes them.
-    extra = {"comm_alg": MC2_COMM_ALG.get(comm.soc, "")}
+    extra: dict[str, str | int] = {"comm_alg": MC2_COMM_ALG.get(comm.soc, "")}
     if comm.soc == "A3":
         extra.update(group_tp=comm.name, tp_world_size=1, tp_rank_id=0)
     return extra

@@ -76,8 +76,9 @@ def prolog_neox_tables() -> bool:
     return npu_kernels()
 
 
-def reference_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
-    return rotary.reference_rotate(x, *rows, neox=False)
+def reference_rope_query(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rows
+    return rotary.reference_rotate(x, cos, sin, neox=False)
 
 
 def reference_rope_order(x: torch.Tensor) -> torch.Tensor:
@@ -328,8 +329,9 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _dense_subcalls(q_lens: list[int], kv_lens: list[int]):
     """Entries grouped into calls of at most NPU_DENSE_MAX_T query and key rows each:
     (first query row, first key row, q lens, kv lens); entries without queries are left out."""
-    calls, q_at, kv_at = [], 0, 0
-    cur = None
+    calls: list[tuple[int, int, list[int], list[int]]] = []
+    q_at = kv_at = 0
+    cur: tuple[int, int, list[int], list[int]] | None = None
     for q_len, kv_len in zip(q_lens, kv_lens):
         if q_len > NPU_DENSE_MAX_T or kv_len > NPU_DENSE_MAX_T:
             raise ValueError(

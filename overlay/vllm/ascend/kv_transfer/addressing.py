@@ -144,7 +144,8 @@ def make_template(
     d_heads = shape.decode.heads(tp_rank).start
     block_sizes = (shape.prefill.block_size, shape.decode.block_size)
     p_of = shape.prefill_rank[mine]
-    ranks, fields = [], [[] for _ in range(7)]
+    ranks: list[int] = []
+    fields: list[list[np.ndarray]] = [[] for _ in range(7)]
     bounds = [0]
     for p in np.unique(p_of).tolist():
         t = tables(p - p_base)

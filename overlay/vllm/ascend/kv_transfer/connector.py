@@ -11,6 +11,8 @@ group moves by its own block table (``groups.py``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm.config.kv_transfer import KVCacheAccess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -25,6 +27,9 @@ from vllm.ascend.kv_transfer.metadata import P2PConnectorMetadata
 from vllm.ascend.kv_transfer.scheduler_side import P2PScheduler
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats, P2PPromMetrics
+
+if TYPE_CHECKING:  # imported by a worker's connector only (it brings the transports)
+    from vllm.ascend.kv_transfer.worker_side import P2PWorker
 
 
 class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
@@ -45,7 +50,8 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = P2PSettings.from_config(vllm_config)
         self._groups = TransferGroups.of(kv_cache_config)
-        self._scheduler = None
+        self._scheduler: P2PScheduler | None = None
+        self._worker: P2PWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = P2PScheduler(
                 settings,
@@ -57,42 +63,54 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.ascend.kv_transfer.worker_side import P2PWorker
 
             self._worker = P2PWorker(settings, vllm_config, self._groups)
-        else:
-            self._worker = None
+
+    @property
+    def scheduler(self) -> P2PScheduler:
+        """The scheduler side (the engine core's connector only)."""
+        if self._scheduler is None:
+            raise RuntimeError("AscendP2PConnector: a scheduler call on a worker's connector")
+        return self._scheduler
+
+    @property
+    def worker(self) -> P2PWorker:
+        """The worker side (a worker's connector only)."""
+        if self._worker is None:
+            raise RuntimeError("AscendP2PConnector: a worker call on the scheduler's connector")
+        return self._worker
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def may_load_async(self, request) -> bool:
-        return self._scheduler.may_load_async(request)
+        return self.scheduler.may_load_async(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> P2PConnectorMetadata:
-        return self._scheduler.build_connector_meta(
+        return self.scheduler.build_connector_meta(
             scheduler_output, idle=scheduler_output.total_num_scheduled_tokens == 0
         )
 
     def on_new_request(self, request) -> None:
-        self._scheduler.on_new_request(request)
+        self.scheduler.on_new_request(request)
 
     def request_finished(self, request, block_ids: list[int]):
-        return self._scheduler.request_finished(request, (block_ids,))
+        return self.scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
-        return self._scheduler.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         return self._groups.ids  # a pull restores the request's blocks of every group
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        self.scheduler.update_connector_output(connector_output)
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -100,30 +118,30 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.bind_step(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._worker.start_step(self._get_connector_metadata())
+        self.worker.start_step(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole requests are pulled before they are scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        self._worker.layer_saved(layer_name)  # layer-wise: decode may read this layer once written
+        self.worker.layer_saved(layer_name)  # layer-wise: decode may read this layer once written
 
     def wait_for_save(self) -> None:
-        self._worker.step_saved()
+        self.worker.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]):
-        return self._worker.get_finished()
+        return self.worker.get_finished()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving = self._worker.get_finished()
+        sending, recving = self.worker.get_finished()
         return KVConnectorTransferResults(
             finished_sending=set(sending or ()),
             finished_recving=set(recving or ()),
-            failed_recving=self._worker.take_failed_requests(),
+            failed_recving=self.worker.take_failed_requests(),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks()
+        return self.worker.take_failed_blocks()
 
     # -- statistics (stats.py): vLLM's log line and /metrics ------------------------------
     def get_kv_connector_stats(self) -> P2PConnectorStats | None:

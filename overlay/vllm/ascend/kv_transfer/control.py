@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -114,7 +114,7 @@ class ControlServer:
 class Posted:
     """Requests sent by ``ControlClient.post_all`` whose replies are not read yet."""
 
-    requests: list
+    requests: Sequence[tuple[str, wire.Message]]
     results: list
     sent: list  # indices of the requests sent (the rest failed to send: results says why)
     sent_at: float
@@ -161,7 +161,7 @@ class ControlClient:
             raise
 
     def request_all(
-        self, requests: list[tuple[str, wire.Message]], timeout: float | None = None
+        self, requests: Sequence[tuple[str, wire.Message]], timeout: float | None = None
     ) -> list[wire.Message | Exception]:
         """One request to each of several addresses, all sent before any reply is awaited
         (a request's done messages to its prefill ranks cost one round trip, not one per
@@ -169,7 +169,7 @@ class ControlClient:
         all of them."""
         return self.gather(self.post_all(requests), timeout)
 
-    def post_all(self, requests: list[tuple[str, wire.Message]]) -> Posted:
+    def post_all(self, requests: Sequence[tuple[str, wire.Message]]) -> Posted:
         """``request_all``'s first half: send now, ``gather`` the replies later, on this
         thread (the sockets are this thread's) and before its next request to the same
         addresses."""

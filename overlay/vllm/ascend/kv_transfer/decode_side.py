@@ -86,7 +86,7 @@ class _Waiter:
 class _Peer:
     """One prefill DP replica as a decode rank sees it."""
 
-    layout: object
+    layout: CPLayout
     host: str
     port: int
     num_blocks: dict  # KV-cache group -> blocks of its cache (what block ids may name)
@@ -279,8 +279,9 @@ class DecodeSide:
                     self._failed_blocks.update(spec.local_block_ids[0][first_block:])
                 self._finished_recving.add(spec.request_id)
             self._pacer.news()
-            if covered:
-                self._send_done_after(spec, attempt.plan, attempt.lease.granted)
+            granted = attempt.lease.granted if attempt.lease is not None else None
+            if covered and granted is not None:
+                self._send_done_after(spec, attempt.plan, granted)
 
     def _plan(self, peer: _Peer, spec: RecvSpec):
         remote = spec.remote
@@ -317,6 +318,8 @@ class DecodeSide:
         they are written."""
         spec = attempt.spec
         remote, transfer_id = spec.remote, spec.remote.layerwise_id
+        if transfer_id is None:
+            raise RuntimeError(f"request {spec.request_id}: a layer-wise pull without a transfer id")
         base = self._base_info(remote.remote_host, remote.remote_port)
         attempt.layout = layout = base.layout.to_layout()
         ranks = layout.ranks_per_replica
@@ -357,7 +360,7 @@ class DecodeSide:
         peer.check(remote)
         attempt.plan = plan = self._plan(peer, spec)
         sources = peer.planner.sources(plan, spec.first_token)
-        read = {p: set() for p in sources}
+        read: dict[int, set[int]] = {p: set() for p in sources}
         pulled = 0
         waiter = _Waiter(self.settings.layerwise_wait, f"the layers of request {spec.request_id}")
         while True:
@@ -366,24 +369,26 @@ class DecodeSide:
             if not todo:
                 return pulled
             news = False
-            for p, entry in zip(
+            for p, progress in zip(
                 todo, self._progress(remote.remote_host, [remote.remote_port + p for p in todo], transfer_id)
             ):
-                if entry.state == wire.FAILED:
+                if progress is None or progress.state == wire.FAILED:
                     raise RuntimeError("the prefill instance failed the request while it was read")
-                ready = todo[p].intersection(entry.layers)
+                ready = todo[p].intersection(progress.layers)
                 if ready:
                     pulled += self._execute(plan, peer, spec, only={p: ready})
                     read[p] |= ready
                     news = True
             waiter.wait(news)
 
-    def _progress(self, host: str, ports: list[int], transfer_id: str, tolerate: bool = False):
+    def _progress(
+        self, host: str, ports: list[int], transfer_id: str, tolerate: bool = False
+    ) -> list[wire.TransferProgress | None]:
         """Each prefill rank's progress of one transfer (``tolerate``: None for a rank that
         did not answer, unless none did)."""
         message = wire.Progress(wire.WIRE_VERSION, [transfer_id])
         replies = self._client.request_all([(f"{host}:{port}", message) for port in ports])
-        out = []
+        out: list[wire.TransferProgress | None] = []
         for port, reply in zip(ports, replies):
             if isinstance(reply, wire.ProgressReply) and len(reply.transfers) == 1:
                 out.append(reply.transfers[0])

@@ -240,8 +240,8 @@ class TransferPlan:
         order = np.lexsort((np.arange(len(self)), self.prefill_rank, self.decode_rank))
         pairs = np.stack([self.decode_rank[order], self.prefill_rank[order]])
         changed = np.any(pairs[:, 1:] != pairs[:, :-1], axis=0)
-        starts = np.flatnonzero(np.r_[True, changed]) if len(self) else []
-        ends = list(starts[1:]) + [len(self)]
+        starts: list[int] = np.flatnonzero(np.r_[True, changed]).tolist() if len(self) else []
+        ends = starts[1:] + [len(self)]
         messages = [
             DoneMessage(int(pairs[0, s]), int(pairs[1, s]), tuple(order[s:e].tolist()))
             for s, e in zip(starts, ends)
@@ -328,7 +328,8 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
     for every prefill CP rank the prefill TP rank to read from. ``needs[d, p]``: decode CP
     rank ``d`` takes tokens from prefill CP rank ``p`` (only those count as readers)."""
     need = np.frombuffer(needs, dtype=bool).reshape(decode.cp, prefill.cp)
-    rows, readers = [], {}
+    rows: list[tuple[int, int, int, int, list[int]]] = []
+    readers: dict[tuple[int, int], int] = {}
     for d_pcp in range(decode.pcp):
         for d_tp in range(decode.tp):
             cp_rank = decode.cp_rank(d_pcp, d_tp)
@@ -343,12 +344,13 @@ def _targets(prefill: CPLayout, decode: CPLayout, replica_offset: int, needs: by
                         readers[(p_cp, h0)] = j + 1
                     src_tp.append(holders[(j + replica_offset) % len(holders)])
                 rows.append((decode.rank(d_pcp, d_tp), cp_rank, h0, h1, src_tp))
-    rank = np.array([r[0] for r in rows], dtype=np.int64)
-    cp = np.array([r[1] for r in rows], dtype=np.int64)
-    h0 = np.array([r[2] for r in rows], dtype=np.int64)
-    h1 = np.array([r[3] for r in rows], dtype=np.int64)
-    src_tp = np.array([r[4] for r in rows], dtype=np.int64).reshape(len(rows), prefill.cp)
-    return rank, cp, h0, h1, src_tp
+    return (
+        np.array([r[0] for r in rows], dtype=np.int64),  # rank
+        np.array([r[1] for r in rows], dtype=np.int64),  # CP rank
+        np.array([r[2] for r in rows], dtype=np.int64),  # first head
+        np.array([r[3] for r in rows], dtype=np.int64),  # heads' end
+        np.array([r[4] for r in rows], dtype=np.int64).reshape(len(rows), prefill.cp),  # source TP rank
+    )
 
 
 def period_plan(
@@ -446,6 +448,10 @@ def _row_vector(rows: tuple[str, ...], **values: int) -> np.ndarray:
     return _read_only(vector)
 
 
+# a request's DP replicas on both sides and its replica offset (modulo the replica period)
+Replicas = tuple[int, int, int]
+
+
 def _keep_nothing(key: Hashable, make: Callable[[], TransferPlan]) -> TransferPlan:
     return make()
 
@@ -470,7 +476,7 @@ class PlanShapes:
         self._keep = keep
 
     # -- shapes ---------------------------------------------------------------------
-    def _period(self, replicas: tuple, tokens: int) -> tuple[Hashable, TransferPlan]:
+    def _period(self, replicas: Replicas, tokens: int) -> tuple[Hashable, TransferPlan]:
         key = ("period", *replicas, tokens)
         return key, self._keep(key, lambda: period_plan(self.prefill, self.decode, *replicas, tokens))
 
@@ -492,7 +498,7 @@ class PlanShapes:
             _row_vector(RUN_ROWS, run_token=tokens),
         )
 
-    def _whole(self, replicas: tuple, copies: int) -> tuple[Hashable, TransferPlan]:
+    def _whole(self, replicas: Replicas, copies: int) -> tuple[Hashable, TransferPlan]:
         """The shape of ``copies`` whole periods (requests of as many blocks share it)."""
         if copies == 1:
             return self._period(replicas, self.cycle)
@@ -509,7 +515,7 @@ class PlanShapes:
         key = ("periods", *replicas, copies)
         return key, self._keep(key, make)
 
-    def _partial(self, replicas: tuple, tokens: int) -> tuple[Hashable, TransferPlan]:
+    def _partial(self, replicas: Replicas, tokens: int) -> tuple[Hashable, TransferPlan]:
         """A last period of ``tokens`` tokens. It keeps the full period's readers (``need``),
         so its reads are the full period's, cut short."""
         key = ("partial", *replicas, tokens)
@@ -552,7 +558,7 @@ class PlanShapes:
             )
         src_ids = np.asarray(prefill_block_ids, dtype=np.int64)
         dst_ids = np.asarray(decode_block_ids, dtype=np.int64)
-        replicas = (prefill_dp_rank, decode_dp_rank, replica_offset % self.replica_period)
+        replicas: Replicas = (prefill_dp_rank, decode_dp_rank, replica_offset % self.replica_period)
 
         def piece(made: tuple[Hashable, TransferPlan], periods: int = 0) -> Piece:
             shift = periods * self.cycle

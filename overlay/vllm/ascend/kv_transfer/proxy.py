@@ -38,6 +38,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import httpx
 from fastapi import FastAPI, Request
@@ -57,6 +58,13 @@ class Instance:
     in_flight: int = 0
     down_until: float = 0.0
     kv: tuple[str, int] | None = None  # layer-wise: the prefill connector's host and kv_port
+
+
+class Routed(NamedTuple):
+    """A request sent to an instance, and its answer (an ``httpx.Response``, maybe streaming)."""
+
+    instance: Instance
+    answer: Any
 
 
 class NoInstance(RuntimeError):
@@ -209,6 +217,13 @@ class PDRouter:
         self.client: httpx.AsyncClient | None = None  # while the app runs
         self.background: set[asyncio.Task] = set()  # layer-wise prefill requests still running
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The HTTP client to the instances (open while the app runs)."""
+        if self.client is None:
+            raise RuntimeError("the proxy's HTTP client is not open: the app's lifespan opens it")
+        return self.client
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         # idle connections are closed here before the instances' servers close them (uvicorn:
@@ -222,7 +237,7 @@ class PDRouter:
 
     async def send(self, pool: Pool, path: str, body: dict, headers: dict, stream: bool):
         """POST to the least-loaded instance of ``pool``; on a connection failure try the next."""
-        client = self.client
+        client = self.http
         order = pool.order()
         for attempt, instance in enumerate(order + order):  # a second round for dropped connections
             if attempt >= len(order) and instance.down_until > time.monotonic():
@@ -231,7 +246,7 @@ class PDRouter:
             try:
                 req = client.build_request("POST", instance.url + path, json=body, headers=headers)
                 response = await client.send(req, stream=stream)
-                return instance, response
+                return Routed(instance, response)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 instance.in_flight -= 1
                 pool.mark_down(instance, e)
@@ -262,19 +277,19 @@ class PDRouter:
         prompts = prompts_of(body) if path == "/v1/completions" else None
         if prompts is None:
             outcome = await self.pipeline(path, body, headers, stream)
-            return outcome if isinstance(outcome, Response) else await self.answer_from(*outcome, stream)
+            return await self.answer_from(*outcome, stream) if isinstance(outcome, Routed) else outcome
         # one request per prompt, each with its own KV transfer; answered as one
         subs = [
             (dict(body, prompt=prompt), {**headers, "X-Request-Id": f"{request_id}-{i}"})
             for i, prompt in enumerate(prompts)
         ]
         outcomes = await asyncio.gather(*(self.pipeline(path, sub, h, stream) for sub, h in subs))
-        errors = [o for o in outcomes if isinstance(o, Response)]
-        live = [o for o in outcomes if not isinstance(o, Response)]
+        errors = [o for o in outcomes if not isinstance(o, Routed)]
+        live = [o for o in outcomes if isinstance(o, Routed)]
         bad = next((o for o in live if o[1].status_code != 200), None)
         if errors or bad is not None:  # the first failure is the answer; the rest are let go
             relayed = None if errors else bad  # answer_from lets the relayed one go itself
-            reply = errors[0] if errors else await self.answer_from(*bad, False)
+            reply = errors[0] if errors or bad is None else await self.answer_from(*bad, False)
             for outcome in live:
                 if outcome is not relayed:
                     await self.release(*outcome)
@@ -378,6 +393,10 @@ class PDRouter:
         order = self.pools["prefill"].order()
         prefill_instance = next((i for i in order if i.down_until <= time.monotonic()), order[0])
         transfer_id = f"lw-{uuid.uuid4().hex}"
+        if prefill_instance.kv is None:  # build_app gives every prefill instance one
+            raise RuntimeError(
+                f"prefill instance {prefill_instance.url} has no KV address for layer-wise transfer"
+            )
         host, port = prefill_instance.kv
         first["kv_transfer_params"] = dict(first["kv_transfer_params"], layerwise_id=transfer_id)
         task = asyncio.create_task(self.prefill_only(prefill_instance, path, first, headers))
@@ -404,7 +423,7 @@ class PDRouter:
     async def prefill_only(self, instance: Instance, path: str, body: dict, headers: dict) -> None:
         """Layer-wise: the prefill instance's answer is not the client's; a failure is
         logged (the decode side computes the prompt itself)."""
-        client = self.client
+        client = self.http
         instance.in_flight += 1
         try:
             answer = await client.post(instance.url + path, json=body, headers=headers)
@@ -450,7 +469,7 @@ class PDRouter:
         return await self.handle(request, "/v1/chat/completions")
 
     async def models(self):
-        client = self.client
+        client = self.http
         for instance in self.pools["decode"].order():
             try:
                 answer = await client.get(instance.url + "/v1/models", timeout=10)
@@ -464,7 +483,7 @@ class PDRouter:
         return _error(503, "no decode instance could be reached")
 
     async def health(self):
-        client = self.client
+        client = self.http
 
         async def alive(instance: Instance) -> bool:
             try:

@@ -379,6 +379,9 @@ class P2PScheduler:
             scheduled = out.num_scheduled_tokens.get(req_id, 0)
             if outgoing.published or not scheduled or before + scheduled < outgoing.num_tokens:
                 continue
+            if outgoing.tables is None:  # never seen with its blocks: cannot be published
+                logger.warning("layer-wise request %s reached its prompt's end without block tables", req_id)
+                continue
             outgoing.published = True
             self._publishes.append(
                 Publish(
@@ -449,6 +452,8 @@ class P2PScheduler:
     def _release_layerwise(self, reader: str, remote: RemotePrefill) -> None:
         """Every rank of every replica of the prefill instance is told: which replica has
         the request is not known here. Kept as an early message where it is not held yet."""
+        if remote.layerwise_id is None:
+            return  # not a layer-wise request: its done messages free it
         try:
             layout = self.prefill_layout(self._client, remote.remote_host, remote.remote_port)
         except Exception as e:

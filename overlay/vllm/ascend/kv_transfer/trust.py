@@ -117,6 +117,8 @@ class Trust:
         return self._key is not None
 
     def _mac(self, kind: bytes, data: bytes) -> bytes:
+        if self._key is None:  # every caller asks ``secure`` first
+            raise RuntimeError("an insecure Trust has no key to seal or sign with")
         return hmac.new(self._key, kind + b"\0" + data, hashlib.sha256).digest()
 
     # -- kv_transfer_params -----------------------------------------------------------

@@ -26,7 +26,7 @@ from vllm.ascend.kv_transfer.pacer import IdlePacer
 from vllm.ascend.kv_transfer.prefill_side import PrefillSide
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats, StatsInterval
-from vllm.ascend.kv_transfer.transport import open_transport
+from vllm.ascend.kv_transfer.transport import Transport, open_transport
 
 logger = init_logger(__name__)
 
@@ -45,7 +45,7 @@ class P2PWorker:
         self.pcp_rank = get_pcp_group().rank_in_group if self.layout.pcp > 1 else 0
         self.rank = self.layout.rank(self.pcp_rank, self.tp_rank)
         self.global_rank = settings.dp_rank * self.layout.ranks_per_replica + self.rank
-        self._transport = None
+        self._transport: Transport | None = None
         self._server: ControlServer | None = None
         self._pacer = IdlePacer()
         self._idle = False
@@ -70,17 +70,17 @@ class P2PWorker:
         options.setdefault("llmdatadist_port", port + int(options.get("llmdatadist_port_offset", 1000)))
         device = next(iter(kv_caches.values())).device  # LLM-DataDist: the NPU holding this rank's cache
         options.setdefault("device_id", device.index if device.index is not None else 0)
-        self._transport = open_transport(self.settings.transport, self.settings.host, options)
+        self._transport = transport = open_transport(self.settings.transport, self.settings.host, options)
         regions = layer_regions(layers, self.groups.layer_group)
-        self._transport.register(plane_regions(regions))
+        transport.register(plane_regions(regions))
         info = wire.RankInfo(
             wire.WIRE_VERSION,
             self.settings.engine_id,
             self.settings.dp_rank,
             self.rank,
             wire.Layout.of(self.layout),
-            self._transport.name,
-            self._transport.address,
+            transport.name,
+            transport.address,
             regions,
         )
         self.prefill = PrefillSide(
@@ -96,7 +96,7 @@ class P2PWorker:
             self.settings,
             self.global_rank,
             self.tp_rank,
-            self._transport,
+            transport,
             layers,
             self.groups,
             self._pacer,
@@ -118,7 +118,7 @@ class P2PWorker:
             self.global_rank,
             len(layers),
             self.settings.transport,
-            self._transport.address,
+            transport.address,
         )
 
     # -- per step -----------------------------------------------------------------------
@@ -135,6 +135,8 @@ class P2PWorker:
         if meta.refusals and self.rank == 0:  # the replica's scheduler refused parameters: counted once
             refusals = meta.refusals
             self._stats.record(lambda stats: stats.record_refusals(refusals))
+        if self.prefill is None or self.decode is None:
+            raise RuntimeError("AscendP2PConnector: a step started before the KV caches were registered")
         self.prefill.hold(meta)
         self.decode.pull(meta.recvs)
 

@@ -16,6 +16,9 @@ skips its own naive DP dispatch/combine: the strategies do that work.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -107,6 +110,10 @@ class AscendMoEMethod:
     method: upstream calls ``apply_monolithic`` with the router logits; the method routes
     (``routing.route``, or the model's own routing function) and runs its modular kernel,
     built once weights are loaded (``set_up_kernel``)."""
+
+    # what the upstream method class it is mixed into has (annotations only)
+    moe: Any
+    get_fused_moe_quant_config: Callable[[Any], Any]
 
     def set_up_kernel(self, layer, experts_for) -> None:
         """The layer's routing (refused at load, not at the first step) and the modular

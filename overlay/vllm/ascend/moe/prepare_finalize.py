@@ -442,6 +442,8 @@ class AscendMoEPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         apply_router_weight_on_input,
         weight_and_reduce_impl,
     ) -> None:
+        if self._active is None:
+            raise RuntimeError("finalize before prepare: the modular kernel calls prepare first")
         self._active.finalize(
             output,
             fused_expert_output,

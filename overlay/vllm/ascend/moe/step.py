@@ -117,7 +117,9 @@ class ForcedStrategyRefused(ValueError):
 
 
 def _check_forced(choice: MoEComm | None, layout: MoELayout) -> None:
-    reason = None if choice is None else selector.unusable_reason(choice, layout)
+    if choice is None:
+        return
+    reason = selector.unusable_reason(choice, layout)
     if reason is not None:
         raise ForcedStrategyRefused(choice, reason)
 

@@ -20,6 +20,8 @@ rope order (``attention/mla.py``), so the cache has one layout whichever path wr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm.forward_context import is_forward_context_available
@@ -123,9 +125,9 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
         return self.o_proj(attn_out)[0]
 
 
-def _runs_ascend_form(op, form: type) -> bool:
+def _runs_ascend_form(op: Any, form: type) -> bool:
     """The custom op is on and dispatches to its Ascend form (not upstream's native one)."""
-    return isinstance(op, form) and getattr(op, "_forward_method", None) == op.forward_oot
+    return isinstance(op, form) and getattr(op, "_forward_method", None) == getattr(op, "forward_oot", None)
 
 
 def register() -> None:

@@ -16,6 +16,9 @@ upstream's native form; the reason is logged once per class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from vllm.logger import init_logger
@@ -30,6 +33,13 @@ logger = init_logger(__name__)
 
 class AscendRotaryForm:
     """Mixed in before an upstream rotary class: its ``forward_oot``."""
+
+    # what the upstream rotary class it is mixed into has (annotations only: no attribute)
+    cos_sin_cache: torch.Tensor
+    is_neox_style: bool
+    rotary_dim: int
+    head_size: int
+    forward_native: Callable[..., Any]
 
     _ascend_tables: dict | None = None
 
@@ -114,8 +124,9 @@ def _keeps_forward(cls: type) -> bool:
 
 
 def _subclasses(cls: type) -> list[type]:
-    found = []
-    for sub in cls.__subclasses__():
+    found: list[type] = []
+    direct: list[type] = type.__subclasses__(cls)
+    for sub in direct:
         found += [sub, *_subclasses(sub)]
     return found
 
@@ -134,4 +145,4 @@ def register() -> None:
         ):
             form = type(f"Ascend{cls.__name__}", (AscendRotaryForm, cls), {"__module__": __name__})
             CustomOp.register_oot(form, name=cls.__name__)
-            form.name = cls.name  # register_oot renames it; custom_ops uses upstream's name
+            form.name = cls.name  # type: ignore[attr-defined]  # register_oot renamed it; custom_ops uses upstream's

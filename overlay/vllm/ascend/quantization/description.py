@@ -100,7 +100,7 @@ class QuantDescription:
     def experts_scheme(self, prefix: str) -> str:
         """The scheme of a MoE layer's routed experts (``<prefix>.<e>.<proj>.weight``): one for all."""
         start = prefix + "."
-        schemes = {}
+        schemes: dict[str, str] = {}
         for key, scheme in self.entries.items():
             if (
                 key.startswith(start)

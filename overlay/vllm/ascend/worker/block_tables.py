@@ -22,6 +22,8 @@ from vllm.ascend.kernels import request_of_token
 
 
 class NPUBlockTables(BlockTables):
+    _num_dirty_rows: int  # upstream's (annotation only)
+
     def __init__(self, *args, layout: tuple[int, int] | None = None, **kwargs) -> None:
         """``layout``: (ranks, this rank) of the PCP x DCP group slots are placed over,
         instead of the DCP group the runner passes."""
@@ -64,17 +66,18 @@ class NPUBlockTables(BlockTables):
             out = tuple(self.input_block_tables)
             num_rows = max(num_rows, self._num_dirty_rows)
             self._num_dirty_rows = num_reqs
-        mask_window = self.has_sliding_window_groups and num_computed_tokens is not None
+        # a sliding window masks by where each request's step starts
+        window_start = num_computed_tokens if self.has_sliding_window_groups else None
         req = idx_mapping.long()
         counts = self.num_blocks.gpu[:, req].to(torch.int64)  # [groups, num_reqs]
         for group, (table, dst) in enumerate(zip(self.block_tables, out)):
             width = dst.shape[1]
             col = torch.arange(width, device=dst.device)[None, :]
             rows = table.gpu[req, :width]
-            if mask_window and self._sliding_window_reach[group] > 0:
+            if window_start is not None and self._sliding_window_reach[group] > 0:
                 # entries no query of this step can attend may be freed blocks already
                 reach, block = self._sliding_window_reach[group], self.block_sizes[group]
-                first = num_computed_tokens[req].to(torch.int64)
+                first = window_start[req].to(torch.int64)
                 attended = col >= ((first - reach).clamp(min=0) // block)[:, None]
                 rows = torch.where(attended, rows, torch.zeros_like(rows))
             # columns past a request's blocks keep what they held, as upstream's kernel does

@@ -70,6 +70,8 @@ def device_local_rank(parallel_config, local_rank: int, visible: int | None = No
 
 
 class NPUWorker(Worker):
+    local_rank: int  # upstream's (annotation only)
+
     def __init__(self, *args, **kwargs) -> None:
         register_runtime_components()
         super().__init__(*args, **kwargs)

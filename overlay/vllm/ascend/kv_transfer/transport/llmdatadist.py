@@ -135,7 +135,7 @@ class LLMDataDistTransport(Transport):
             raise TransferError(
                 f"the peer registered {len(theirs)} planes of this size, this rank {len(mine)}"
             )
-        pairs = None
+        pairs: list[tuple[int, int]] | None = None
         for r_mine, r_theirs in zip(mine, theirs):
             here = (local >= r_mine.base) & (local < r_mine.base + r_mine.length)
             d, rd = divmod(local[here] - r_mine.base, r_mine.block_bytes)
@@ -149,6 +149,8 @@ class LLMDataDistTransport(Transport):
                 raise TransferError(
                     "llmdatadist pulls the same blocks of every layer; this read differs by layer"
                 )
+        if pairs is None:  # no plane (len(mine) == 0 with ranges to read)
+            raise TransferError("the llmdatadist transport found no registered plane for this read")
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def close(self) -> None:
