@@ -74,7 +74,7 @@ def test_each_instance_runs_the_ascend_runner(servers):
     for kind in ("moe", "dense"):
         text = servers[kind].log.read_text()
         assert RUNNER_LINE in text, kind
-        # sync with MTP (docs/runtime.md)
+        # sync with MTP (docs/model_runner.md)
         scheduling = "async" if kind == "dense" else "sync"
         assert f"Ascend model runner scheduling: {scheduling}\n" in text, kind
 

@@ -15,7 +15,7 @@ engine must give the eager engine's greedy tokens where vllm-ascend's graph mode
 - the same Qwen2 under preemption (a KV cache of 12 blocks for 8 requests that each outgrow
   their first block), with every batch size up to 8 captured: a padded step's padding rows
   each count a block against the fused attention's documented ``blocknum`` rule, which a
-  full cache leaves no room for (docs/runtime.md);
+  full cache leaves no room for (docs/model_runner.md);
 - the MLA + MoE DeepSeek-V3 with MTP (k = 2: the drafter's graphs too; k = 1 extended);
 - a W8A8 (msModelSlim) DeepSeek-V3;
 - TP=2 with expert parallelism under MC2 (forced, Atlas A2; AllGather forced is extended)

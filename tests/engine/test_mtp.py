@@ -122,7 +122,7 @@ def test_each_run_used_the_ascend_runner_in_step(single_rank):
     _, runs, _ = single_rank
     for name, run in runs.items():
         assert run["runner"] == "NPUModelRunner", name
-        # off with drafts: the attention kernels need exact host sequence lengths (docs/runtime.md)
+        # off with drafts: the attention kernels need exact host sequence lengths (docs/model_runner.md)
         assert not run["async_scheduling"], name
 
 

@@ -143,7 +143,7 @@ def _runner_env(reference_log: Path) -> dict:
 
 
 # The one host read the forward may make: AllToAll's split sizes, once per MoE layer
-# (all_to_all_single takes them as host lists; docs/runtime.md, "Host synchronisations").
+# (all_to_all_single takes them as host lists; docs/contract_double.md, "Host synchronisations").
 # The A3 TP=2 run takes AllToAll: MC2 is out of reach of the tiny model's hidden size.
 # And an AllToAll layer's expert placement (_Placement), learnt once per layer on its
 # first forward, not per step.

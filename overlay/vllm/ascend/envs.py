@@ -1,4 +1,4 @@
-"""Environment variables of the vLLM Ascend distribution (documented in docs/runtime.md)."""
+"""Environment variables of the vLLM Ascend distribution (documented in docs/install.md)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def group_hccl_buffsize_mb() -> int:
     return _int_setting("VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB", HCCL_DEFAULT_BUFFSIZE_MB, "MB")
 
 
-# Every VLLM_* variable the distribution reads (docs/runtime.md), besides upstream's own
+# Every VLLM_* variable the distribution reads (docs/install.md), besides upstream's own
 # (vllm.envs). The builder's two (docs/builder.md) are listed too: they are often exported
 # in the shell that then runs `vllm serve`, and are harmless there.
 DISTRIBUTION_VARIABLES = (

@@ -11,5 +11,5 @@ with torch_npu's ``auto_dispatch_capture``, which makes every such call a task g
 of the step the attention metadata builders built last (``host_params.py``).
 
 How graph mode is chosen, capture sizes and what is refused: ``policy.py``; with what
-is NPU-unverified: docs/runtime.md, "Graph capture".
+is NPU-unverified: docs/model_runner.md, "Decode graphs".
 """

@@ -1,7 +1,7 @@
 """When decode graphs run: the graph mode and capture sizes the platform settles at
 start-up (``choose_graph_mode``, called from the platform's ``check_and_update_config``),
-and what keeps them off (``graph_refusal``), logged with the reason. docs/runtime.md,
-"Graph capture"."""
+and what keeps them off (``graph_refusal``), logged with the reason. docs/model_runner.md,
+"Decode graphs"."""
 
 from __future__ import annotations
 

@@ -101,5 +101,5 @@ def check_model_features(vllm_config) -> None:
     found = unsupported_features(vllm_config)
     if found:
         raise AscendConfigError(
-            f"not supported on Ascend yet: {'; '.join(found)} (docs/runtime.md, 'Supported models')"
+            f"not supported on Ascend yet: {'; '.join(found)} (docs/models.md, 'Supported models')"
         )
