@@ -3,38 +3,18 @@ and without VLLM_ASCEND_EMULATE fails with one line that says what to set."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import vllm
 
 from ascend_builder.config import pinned_version
-
-
-def _vllm_command(
-    *args: str,
-    emulate: str | None = None,
-    extra_env: dict | None = None,
-    without_torch_npu: bool = False,
-) -> tuple[list[str], dict]:
-    """The `vllm` CLI's argv and environment."""
-    exe = Path(sys.executable).with_name("vllm")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ASCEND_EMULATE"}
-    if without_torch_npu:  # no contract double either: a CPU host after the documented install
-        env.pop("PYTHONPATH", None)
-    if emulate is not None:
-        env["VLLM_ASCEND_EMULATE"] = emulate
-    env.update(extra_env or {})
-    return [str(exe) if exe.exists() else shutil.which("vllm"), *args], env
+from tests.support.vllm_cli import vllm_command
 
 
 def _vllm(*args: str, timeout: int = 300, **options) -> subprocess.CompletedProcess:
-    argv, env = _vllm_command(*args, **options)
+    argv, env = vllm_command(*args, **options)
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
 

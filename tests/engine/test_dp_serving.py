@@ -20,11 +20,10 @@ import time
 import httpx
 import pytest
 
+from tests.support import dp_collectives
 from tests.support.engines import RUNNER_LINE, VllmServer, greedy_completion
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import PROMPTS
-
-from . import dp_collectives
 
 MAX_TOKENS = 12
 SINGLE_REQUEST_BOUND = 90  # seconds for one 12-token request; a DP hang never answers

@@ -30,12 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import dp_collectives
 from tests.support.engines import VllmServer, greedy_completion
 from tests.support.models import MLA512, ROOT
 from tests.support.ports import free_ports
 from tests.support.prompts import PROMPTS
-
-from . import dp_collectives
 
 MAX_TOKENS = 10
 NPU = {"VLLM_ASCEND_KERNELS": "npu"}

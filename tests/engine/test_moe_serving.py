@@ -1,14 +1,14 @@
 """MoE serving end to end in host emulation: tiny DeepSeek-V3 models (MLA + MoE) with
 TP + EP and with DP x TP + EP, the MoE strategies spread over the starts (see
 QUANTIZED_TP2_STRATEGIES). The DP instances run under the collective recorder
-(``dp_collectives.py``).
+(``tests/support/dp_collectives.py``).
 
 The expert-parallel cases serve an msModelSlim W8A8 checkpoint (``--quantization
 ascend``, chosen from its description) of a three-layer DeepSeek-V3: static W8A8
 attention and dense / shared-expert MLPs, W8A8-dynamic routed experts in layer 1 and
 float routed experts in layer 2, which vLLM serves with the unquantized Ascend MoE
 method. So each start carries both MoE methods through its strategy. Their oracle is
-the fake-quantized transformers model (``quant_reference.py``), and the TP=1 engine of
+the fake-quantized transformers model (``tests/support/quant_reference.py``), and the TP=1 engine of
 the same checkpoint; a divergence at a near-tie of the oracle is reported, not hidden.
 
 A tiny Qwen3-MoE (softmax top-k routing, renormalised: the routing of Mixtral and the
@@ -26,6 +26,7 @@ import re
 
 import pytest
 
+from tests.support import dp_collectives
 from tests.support.engines import (
     IN_PROCESS,
     RUNNER_LINE,
@@ -37,10 +38,8 @@ from tests.support.engines import (
 from tests.support.models import make_model, quantize_model
 from tests.support.oracle import hf_greedy
 from tests.support.prompts import LONG_PROMPTS, PROMPTS
+from tests.support.quant_reference import compare, fake_quantized, greedy_with_gaps
 from tests.support.selection import extended_params
-
-from . import dp_collectives
-from .quant_reference import compare, fake_quantized, greedy_with_gaps
 
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "distributed_executor_backend": "mp"}

@@ -17,8 +17,7 @@ import pytest
 from tests.support.forked_cli import run_forked
 from tests.support.models import MLA512
 from tests.support.processes import run_concurrently
-
-from .test_cli import _vllm_command
+from tests.support.vllm_cli import vllm_command
 
 torch_npu = pytest.importorskip("torch_npu")
 if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
@@ -54,16 +53,16 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
     jobs = {}
     for i, (args, extra_env, _) in enumerate(NPU_START_UP_ERRORS):
         args = [json.dumps(_eagle3(tiny_models)) if a == "EAGLE3" else a for a in args]
-        jobs[("npu", i)] = _vllm_command(
+        jobs[("npu", i)] = vllm_command(
             "serve", qwen2, "--host", "127.0.0.1", "--port", "1", *args, extra_env={**NPU_HOST, **extra_env}
         )
-    jobs["nnal"] = _vllm_command(
+    jobs["nnal"] = vllm_command(
         "serve",
         str(tiny_models["deepseek_v3_mla512"]),
         *("--host", "127.0.0.1", "--port", "1", "--dtype", "bfloat16"),
         extra_env={**NPU_HOST, "TORCH_NPU_DOUBLE_NNAL": "0"},
     )
-    jobs["float32_npu_path"] = _vllm_command(
+    jobs["float32_npu_path"] = vllm_command(
         "serve",
         qwen2,
         "--dtype",
@@ -74,14 +73,14 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
         extra_env={"VLLM_ASCEND_KERNELS": "npu"},
     )
     spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}'
-    jobs["mtp_draft_tp"] = _vllm_command(
+    jobs["mtp_draft_tp"] = vllm_command(
         "serve",
         str(tiny_models["deepseek_v3"]),
         *("--dtype", "float32", "--port", "1", "--tensor-parallel-size", "2", "--speculative-config", spec),
         emulate="1",
     )
     moe = str(tiny_models["deepseek_v3"])  # LoRA runs on dense models only
-    jobs["lora_cli"] = _vllm_command(
+    jobs["lora_cli"] = vllm_command(
         "serve", moe, "--dtype", "float32", "--port", "1", "--enable-lora", emulate="1"
     )
     jobs["lora_api"] = (
@@ -91,7 +90,7 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
     capped = _with_config(
         tiny_models["llama"], tmp_path_factory.mktemp("capped"), attn_logit_softcapping=30.0
     )
-    jobs["soft_cap_cli"] = _vllm_command(  # NPU-path mode: the NPU kernels cannot cap logits
+    jobs["soft_cap_cli"] = vllm_command(  # NPU-path mode: the NPU kernels cannot cap logits
         "serve",
         str(capped),
         *("--dtype", "bfloat16", "--port", "1"),
@@ -99,7 +98,7 @@ def refusals(tiny_models, tmp_path_factory) -> dict:
         extra_env={"VLLM_ASCEND_KERNELS": "npu"},
     )
     for i, (args, _) in enumerate(CONTEXT_PARALLEL_REFUSALS):
-        jobs[("context_parallel", i)] = _vllm_command(
+        jobs[("context_parallel", i)] = vllm_command(
             "serve", qwen2, "--dtype", "float32", "--port", "1", *args, emulate="1"
         )
     return run_forked(jobs, workers=2, timeout=600)
@@ -115,7 +114,7 @@ def test_forked_runs_end_as_their_own_processes_would():
             env,
         ),
         "message": ([sys.executable, "-c", "import sys; sys.exit('stopped: a message')"], env),
-        "cli": _vllm_command("serve", "--no-such-flag", emulate="1"),
+        "cli": vllm_command("serve", "--no-such-flag", emulate="1"),
     }
     forked, plain = run_forked(jobs, workers=2, timeout=300), run_concurrently(jobs, workers=2, timeout=300)
     for key in jobs:

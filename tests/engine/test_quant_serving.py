@@ -21,8 +21,7 @@ from safetensors import safe_open
 from tests.support.engines import IN_PROCESS, clean_shutdown, run_spec
 from tests.support.models import make_model, quantize_model
 from tests.support.prompts import PROMPTS
-
-from .quant_reference import NEAR_TIE, STATIC_NEAR_TIE, compare, fake_quantized, greedy_with_gaps
+from tests.support.quant_reference import NEAR_TIE, STATIC_NEAR_TIE, compare, fake_quantized, greedy_with_gaps
 
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "seed": 0, "max_num_seqs": 8}

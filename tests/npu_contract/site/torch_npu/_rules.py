@@ -2,7 +2,7 @@
 
 A rule cites the text it enforces: a quote from a file inside the pinned torch_npu
 wheel (``torch_npu/_op_plugin_docs.py`` or ``torch_npu/op_plugin/atb/...``), checked
-verbatim against the wheel by ``tests/npu_contract/test_double.py``, or a quote from
+verbatim against the wheel by ``tests/npu_contract/test_double_provenance.py``, or a quote from
 public Ascend documentation / Ascend op-plugin sources (recorded with its address;
 those are not part of the wheel, so CI cannot re-read them).
 
