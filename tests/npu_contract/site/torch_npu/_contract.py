@@ -4,7 +4,7 @@
    generated from the wheel) is defined with ``torch.library`` in its namespace
    (``npu``, ``atb``), so the dispatcher checks argument names, types, defaults and
    keyword-only markers exactly as on an NPU host.
-2. The ops this project calls get a CPU kernel (``_ops.py``): documented
+2. The ops this project calls get a CPU kernel (``_ops/``, one module per op family): documented
    preconditions first, then the documented semantics in plain torch. An op the
    project does not call has a schema but no kernel, so calling it fails loudly.
 3. torch_npu's own meta functions are loaded from the pinned wheel (its sha256 must

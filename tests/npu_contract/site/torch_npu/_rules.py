@@ -121,7 +121,7 @@ RULES: dict[str, Rule] = {
         # One query row per batch. Read as "sparse_mode does nothing", which the double applied to
         # the band until hardware evidence contradicted it (vllm-ascend #8508, #8387: windowed TND
         # decode fixed by sparse_mode 4 with pre_tokens); the double keeps the reading only where it
-        # is moot (rightDownCausal over one row) and applies the band (_ops.py).
+        # is moot (rightDownCausal over one row) and applies the band (_ops/attention.py).
         Rule("FIA.incremental_sparse", DOCS, "Q_S为1且不带rope输入时该参数无效."),
         # TND's masks (v2's combined TND limits; v1 lists the same for its dense TND): no mask with
         # sparse 0, the optimised mask with 3, or with the band ("sparse模式支持sparse\_mode=4且传入

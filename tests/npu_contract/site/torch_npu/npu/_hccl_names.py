@@ -6,7 +6,7 @@ under which HCCL knows a group; MC2 ops take it as ``group_ep`` (torch_npu's
 .get_hccl_comm_name(rank)``). In NPU-path mode the groups are gloo groups on the CPU,
 so the double gives gloo's backend the same method, answering the c10d name of the
 group the backend belongs to; the double's MC2 ops resolve that name back to the group
-(``_ops._mc2_group``). The NPU device class (``vllm/ascend/device/npu.py``) thus runs
+(``_ops.mc2._mc2_group``). The NPU device class (``vllm/ascend/device/npu.py``) thus runs
 its own ``comm_name`` unchanged.
 """
 
