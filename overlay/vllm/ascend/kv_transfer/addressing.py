@@ -18,7 +18,7 @@ layers at a time) make theirs for the layers they read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -335,13 +335,13 @@ def joined(parts: list[tuple[Template, Piece]], prefill_base: int) -> list:
 
 def read_ranges(
     plan: TransferPlan,
-    read_ids,
+    read_ids: Sequence[int] | np.ndarray,
     src: np.ndarray,
     dst: np.ndarray,
     src_head0: int,
     dst_head0: int,
     block_sizes: tuple[int, int],
-):
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(local addresses, remote addresses, lengths) of ``read_ids`` of ``plan``, all from
     one prefill rank (its first KV head ``src_head0``; this rank's ``dst_head0``) whose
     planes are ``src`` (``dst`` here): per layer and plane ``(plane start, block bytes,
@@ -370,7 +370,7 @@ def layer_regions(layers: dict, layer_group: dict | None = None) -> list:
     ]
 
 
-def plane_regions(layers) -> list[Region]:
+def plane_regions(layers: Iterable[wire.LayerRegion]) -> list[Region]:
     """A rank's planes (from ``LayerRegion``s) as transport regions, each once (layers may
     share a cache)."""
     out = {}
@@ -390,7 +390,9 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return starts
 
 
-def merge_ranges(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray):
+def merge_ranges(
+    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Neighbouring ranges contiguous on both sides as one."""
     if local.size == 0:
         return local, remote, lengths

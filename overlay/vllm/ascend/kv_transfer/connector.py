@@ -11,7 +11,7 @@ group moves by its own block table (``groups.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.config.kv_transfer import KVCacheAccess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -28,7 +28,19 @@ from vllm.ascend.kv_transfer.scheduler_side import P2PScheduler
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats, P2PPromMetrics
 
-if TYPE_CHECKING:  # imported by a worker's connector only (it brings the transports)
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    # imported by a worker's connector only (it brings the transports)
     from vllm.ascend.kv_transfer.worker_side import P2PWorker
 
 
@@ -37,16 +49,18 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
     addresses_ascend_kv_planes = True
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return VLLM_LAYOUT
 
     @classmethod
-    def kv_cache_access(cls, kv_transfer_config) -> KVCacheAccess:
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> KVCacheAccess:
         # the workers register the device KV cache with the transport (Mooncake's engine or
         # LLM-DataDist), as upstream's Mooncake connector does
         return KVCacheAccess.REGISTERS
 
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = P2PSettings.from_config(vllm_config)
         self._groups = TransferGroups.of(kv_cache_config)
@@ -79,57 +93,65 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # -- scheduler side ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def may_load_async(self, request) -> bool:
+    def may_load_async(self, request: Request) -> bool:
         return self.scheduler.may_load_async(request)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> P2PConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2PConnectorMetadata:
         return self.scheduler.build_connector_meta(
             scheduler_output, idle=scheduler_output.total_num_scheduled_tokens == 0
         )
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(request)
 
-    def request_finished(self, request, block_ids: list[int]):
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.scheduler.request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         return self.scheduler.request_finished(request, block_ids)
 
-    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._groups.ids  # a pull restores the request's blocks of every group
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
 
     # -- worker side ------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, connector_metadata) -> None:
+    def bind_connector_metadata(self, connector_metadata: P2PConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.bind_step(connector_metadata)
 
-    def start_load_kv(self, forward_context, **kwargs) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_step(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole requests are pulled before they are scheduled
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         self.worker.layer_saved(layer_name)  # layer-wise: decode may read this layer once written
 
     def wait_for_save(self) -> None:
         self.worker.step_saved()
 
-    def get_finished(self, finished_req_ids: set[str]):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -153,7 +175,11 @@ class AscendP2PConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
     ) -> P2PPromMetrics:
         return P2PPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -42,6 +42,7 @@ from vllm.ascend.kv_transfer.pacer import IdlePacer
 from vllm.ascend.kv_transfer.planner import ReplicaPlanner
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import StatsInterval
+from vllm.ascend.kv_transfer.transport import Transport
 from vllm.ascend.kv_transfer.trust import TrustError
 
 logger = init_logger(__name__)
@@ -56,7 +57,7 @@ class _Attempt:
 
     spec: RecvSpec
     plan: object = None
-    layout: object = None  # layer-wise: the prefill instance's, once asked
+    layout: CPLayout | None = None  # layer-wise: the prefill instance's, once asked
     unreachable: bool = False  # layer-wise: no prefill replica answered (nothing to release)
     lease: LeaseCheck | None = None  # whole pulls: the renewals sent before the read
     read_end: float = 0.0
@@ -119,7 +120,7 @@ class DecodeSide:
         settings: P2PSettings,
         global_rank: int,
         tp_rank: int,
-        transport,
+        transport: Transport,
         layers: dict[str, tuple[int, LayerLayout]],
         groups: TransferGroups,
         pacer: IdlePacer,

@@ -18,6 +18,10 @@ side computes token N - 1 as upstream's NIXL connector arranges for its own back
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # upstream's type, for the annotations only
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,14 @@ class TransferGroups:
         return 1 if self.windowed else 0
 
     @classmethod
-    def of(cls, kv_cache_config) -> TransferGroups:
+    def of(cls, kv_cache_config: KVCacheConfig | None) -> TransferGroups:
         from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
+        if kv_cache_config is None:
+            raise ValueError(
+                "AscendP2PConnector needs the engine's KV-cache config (upstream passes it to every "
+                "connector it builds); it was built without one"
+            )
         ids = tuple(kv_cache_config.transfer_group_ids)
         groups = [kv_cache_config.kv_cache_groups[g] for g in ids]
         sizes = {g.kv_cache_spec.block_size for g in groups}

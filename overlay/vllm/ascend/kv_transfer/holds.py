@@ -21,6 +21,7 @@ import enum
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
@@ -53,8 +54,12 @@ class Done(enum.Enum):
 
 class Holds:
     def __init__(
-        self, lease_seconds: float, max_early: int = 4096, max_expired: int = 65536, clock=time.monotonic
-    ):
+        self,
+        lease_seconds: float,
+        max_early: int = 4096,
+        max_expired: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.lease = lease_seconds
         self._clock = clock
         self._max_early = max_early
@@ -77,7 +82,7 @@ class Holds:
                 if request_id in self._holds:  # an earlier message may have released it
                     self._done(request_id, reader, read_ids, total)
 
-    def done(self, request_id: str, reader: str, read_ids, reads_total: int) -> Done:
+    def done(self, request_id: str, reader: str, read_ids: Iterable[int], reads_total: int) -> Done:
         """Record ``reader``'s done message; what it may conclude (see the module's text)."""
         with self._lock:
             if request_id in self._expired:
@@ -103,7 +108,7 @@ class Holds:
         if len(hold.finished) >= hold.readers:
             self._release(request_id)
 
-    def renew(self, request_ids) -> float:
+    def renew(self, request_ids: Iterable[str]) -> float:
         """Extend the leases of those held; how long from now all of them stay held at
         least (0.0 if one is not held: not handed over yet, or already released)."""
         with self._lock:

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm.ascend.context_parallel.placement import CPLayout
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient
 
@@ -50,7 +53,7 @@ class _Entry:
 
 
 class Publications:
-    def __init__(self, num_layers: int, expiry: float, clock=time.monotonic):
+    def __init__(self, num_layers: int, expiry: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.num_layers = num_layers
         self.expiry = expiry
         self._clock = clock
@@ -78,7 +81,7 @@ class Publications:
     def saving(self) -> bool:
         return bool(self._saving)
 
-    def layer_saved(self, index: int, event) -> None:
+    def layer_saved(self, index: int, event: Any) -> None:
         """Layer ``index`` of this step's published requests is written once ``event``
         (recorded after its KV writes) completes."""
         with self._lock:
@@ -88,7 +91,7 @@ class Publications:
             for entry in self._saving:
                 entry.pending.append((event, (index,)))
 
-    def end_step(self, event) -> int:
+    def end_step(self, event: Any) -> int:
         """The forward is over: every layer not reported yet is written once ``event``
         completes. Returns how many layers had their own event."""
         with self._lock:
@@ -107,7 +110,7 @@ class Publications:
             if entry is not None:
                 entry.publish, entry.failed, entry.until = None, True, self._clock() + self.expiry
 
-    def progress(self, transfer_ids) -> list[wire.TransferProgress]:
+    def progress(self, transfer_ids: Iterable[str]) -> list[wire.TransferProgress]:
         out = []
         with self._lock:
             for transfer_id in transfer_ids:
@@ -137,7 +140,9 @@ class Publications:
         return len(self._entries)
 
 
-def release_messages(host: str, port: int, layout, transfer_id: str, reader: str) -> list:
+def release_messages(
+    host: str, port: int, layout: CPLayout, transfer_id: str, reader: str
+) -> list[tuple[str, wire.DoneReading]]:
     """Done messages that tell every rank of every replica of the prefill instance whose
     first control port is ``port`` that ``reader`` is done with a layer-wise request (which
     replica has it is not known; where it is not held yet the message waits as an early one)."""
@@ -152,7 +157,9 @@ def release_messages(host: str, port: int, layout, transfer_id: str, reader: str
     ]
 
 
-def release(client: ControlClient, host: str, port: int, layout, transfer_id: str, reader: str) -> None:
+def release(
+    client: ControlClient, host: str, port: int, layout: CPLayout, transfer_id: str, reader: str
+) -> None:
     """Send the ``release_messages`` of a layer-wise request; a rank that does not answer
     is logged (its lease frees the blocks anyway)."""
     requests = release_messages(host, port, layout, transfer_id, reader)

@@ -17,6 +17,7 @@ too long leaves the caller to wait for the done messages' answers, as before.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient
@@ -35,8 +36,8 @@ class LeaseCheck:
         addresses: list[str],
         engine_id: str,
         request_id: str,
-        clock=time.monotonic,
-    ):
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._client = client
         self._clock = clock
         message = wire.Renew(wire.WIRE_VERSION, engine_id, [request_id])

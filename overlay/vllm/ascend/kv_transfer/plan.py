@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -203,7 +203,7 @@ class TransferPlan:
             self.dst_offsets[s : s + n],
         )
 
-    def reads(self):
+    def reads(self) -> Iterator[Read]:
         return (self.read(i) for i in range(len(self)))
 
     def read_ids_of(self, decode_rank: int) -> np.ndarray:
@@ -530,8 +530,8 @@ class PlanShapes:
     def plan(
         self,
         num_tokens: int,
-        prefill_block_ids,
-        decode_block_ids,
+        prefill_block_ids: Sequence[int] | np.ndarray,
+        decode_block_ids: Sequence[int] | np.ndarray,
         prefill_dp_rank: int = 0,
         decode_dp_rank: int = 0,
         replica_offset: int = 0,
@@ -601,8 +601,8 @@ class PlanShapes:
     def group_plan(
         self,
         num_tokens: int,
-        prefill_tables,
-        decode_tables,
+        prefill_tables: Sequence[Sequence[int] | np.ndarray],
+        decode_tables: Sequence[Sequence[int] | np.ndarray],
         prefill_dp_rank: int = 0,
         decode_dp_rank: int = 0,
         replica_offset: int = 0,
@@ -675,8 +675,8 @@ def build_plan(
     prefill: CPLayout,
     decode: CPLayout,
     num_tokens: int,
-    prefill_block_ids,
-    decode_block_ids,
+    prefill_block_ids: Sequence[int] | np.ndarray,
+    decode_block_ids: Sequence[int] | np.ndarray,
     prefill_dp_rank: int = 0,
     decode_dp_rank: int = 0,
     replica_offset: int = 0,
@@ -691,8 +691,8 @@ def build_group_plan(
     prefill: CPLayout,
     decode: CPLayout,
     num_tokens: int,
-    prefill_tables,
-    decode_tables,
+    prefill_tables: Sequence[Sequence[int] | np.ndarray],
+    decode_tables: Sequence[Sequence[int] | np.ndarray],
     prefill_dp_rank: int = 0,
     decode_dp_rank: int = 0,
     replica_offset: int = 0,

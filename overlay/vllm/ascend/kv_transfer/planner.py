@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class Kept:
         with self._lock:
             return [(key, value) for key, (value, _) in self._values.items()]
 
-    def get(self, key: Hashable, make: Callable[[], object]):
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
         with self._lock:
             hit = self._values.get(key)
             if hit is not None:
@@ -117,8 +118,8 @@ class ReplicaPlanner:
     def plan(
         self,
         num_tokens: int,
-        prefill_tables,
-        decode_tables,
+        prefill_tables: Sequence[Sequence[int] | np.ndarray],
+        decode_tables: Sequence[Sequence[int] | np.ndarray],
         prefill_dp_rank: int = 0,
         decode_dp_rank: int = 0,
         replica_offset: int = 0,

@@ -54,8 +54,10 @@ class PrefillSide:
         self._told_layerwise = False
 
     # -- the control plane -----------------------------------------------------------------
-    def handle(self, message):
+    def handle(self, message: wire.Message) -> wire.Message:
         if isinstance(message, wire.Hello):
+            if self._info is None:
+                return wire.Reply(wire.WIRE_VERSION, False, "this rank has not registered its KV cache yet")
             return self._info
         if isinstance(message, wire.DoneReading):
             if not message.ok and message.reads_total:

@@ -37,8 +37,9 @@ import itertools
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import httpx
 from fastapi import FastAPI, Request
@@ -64,7 +65,7 @@ class Routed(NamedTuple):
     """A request sent to an instance, and its answer (an ``httpx.Response``, maybe streaming)."""
 
     instance: Instance
-    answer: Any
+    answer: httpx.Response  # maybe streaming
 
 
 class NoInstance(RuntimeError):
@@ -225,7 +226,7 @@ class PDRouter:
         return self.client
 
     @contextlib.asynccontextmanager
-    async def lifespan(self, app):
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         # idle connections are closed here before the instances' servers close them (uvicorn:
         # after 5 s), so a request never goes out on a connection the far end is closing
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
@@ -235,7 +236,7 @@ class PDRouter:
             await asyncio.wait(self.background, timeout=self.timeout)
         await self.client.aclose()
 
-    async def send(self, pool: Pool, path: str, body: dict, headers: dict, stream: bool):
+    async def send(self, pool: Pool, path: str, body: dict, headers: dict, stream: bool) -> Routed:
         """POST to the least-loaded instance of ``pool``; on a connection failure try the next."""
         client = self.http
         order = pool.order()
@@ -262,7 +263,7 @@ class PDRouter:
                 raise
         raise NoInstance(f"no {pool.role} instance could be reached")
 
-    async def handle(self, request: Request, path: str):
+    async def handle(self, request: Request, path: str) -> Response:
         try:
             body = parse_body(await request.body())
         except ValueError as e:
@@ -310,11 +311,11 @@ class PDRouter:
                 await self.release(instance, answer)
         return JSONResponse(merge_answers(answers, per_prompt))
 
-    async def release(self, instance: Instance, answer) -> None:
+    async def release(self, instance: Instance, answer: httpx.Response) -> None:
         instance.in_flight -= 1
         await answer.aclose()
 
-    async def merged_stream(self, outcomes: list, per_prompt: int):
+    async def merged_stream(self, outcomes: list[Routed], per_prompt: int) -> AsyncIterator[str]:
         """The prompts' streams as they come, choices renumbered; one usage chunk (summed) and
         one ``[DONE]`` at the end."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -352,7 +353,7 @@ class PDRouter:
             for task in tasks:
                 task.cancel()
 
-    async def pipeline(self, path: str, body: dict, headers: dict, stream: bool):
+    async def pipeline(self, path: str, body: dict, headers: dict, stream: bool) -> Routed | Response:
         """One prompt through prefill and decode: (decode instance, its answer), or the
         Response to give the client instead."""
         first = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "best_of")}
@@ -389,7 +390,9 @@ class PDRouter:
         except NoInstance as e:
             return _error(503, str(e))
 
-    async def layerwise(self, path: str, body: dict, first: dict, headers: dict, stream: bool):
+    async def layerwise(
+        self, path: str, body: dict, first: dict, headers: dict, stream: bool
+    ) -> Routed | Response:
         order = self.pools["prefill"].order()
         prefill_instance = next((i for i in order if i.down_until <= time.monotonic()), order[0])
         transfer_id = f"lw-{uuid.uuid4().hex}"
@@ -438,7 +441,7 @@ class PDRouter:
         finally:
             instance.in_flight -= 1
 
-    async def answer_from(self, instance: Instance, answer, stream: bool):
+    async def answer_from(self, instance: Instance, answer: httpx.Response, stream: bool) -> Response:
         """The decode instance's answer, relayed (streamed when asked)."""
         if not stream or answer.status_code != 200:
             try:
@@ -462,13 +465,13 @@ class PDRouter:
 
         return StreamingResponse(relay(), status_code=200, media_type=answer.headers.get("content-type"))
 
-    async def completions(self, request: Request):
+    async def completions(self, request: Request) -> Response:
         return await self.handle(request, "/v1/completions")
 
-    async def chat(self, request: Request):
+    async def chat(self, request: Request) -> Response:
         return await self.handle(request, "/v1/chat/completions")
 
-    async def models(self):
+    async def models(self) -> Response:
         client = self.http
         for instance in self.pools["decode"].order():
             try:
@@ -482,7 +485,7 @@ class PDRouter:
                 self.pools["decode"].mark_down(instance, e)
         return _error(503, "no decode instance could be reached")
 
-    async def health(self):
+    async def health(self) -> Response:
         client = self.http
 
         async def alive(instance: Instance) -> bool:

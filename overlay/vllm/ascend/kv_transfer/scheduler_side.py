@@ -35,11 +35,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from vllm.logger import init_logger
 
+from vllm.ascend.context_parallel.placement import CPLayout
 from vllm.ascend.kv_transfer import wire
 from vllm.ascend.kv_transfer.control import ControlClient, hello
 from vllm.ascend.kv_transfer.groups import TransferGroups
@@ -47,6 +49,12 @@ from vllm.ascend.kv_transfer.layerwise import Publish, release
 from vllm.ascend.kv_transfer.metadata import P2PConnectorMetadata, RecvSpec, RemotePrefill, parse_remote
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS, PULL_FIELDS, prompt_digest
+
+if TYPE_CHECKING:  # upstream's types, for the annotations only
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -101,7 +109,7 @@ class P2PScheduler:
         self._send_keys: dict[str, str] = {}
         self._publishes: list[Publish] = []
         self._failed: list[str] = []
-        self._layouts: dict[tuple[str, int], object] = {}  # decode: prefill kv_port -> layout
+        self._layouts: dict[tuple[str, int], CPLayout] = {}  # decode: prefill kv_port -> layout
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -112,7 +120,7 @@ class P2PScheduler:
             self._thread.start()
 
     # -- prefill ------------------------------------------------------------------------
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         """Prefill: leave the prompt's last ``backoff`` tokens to the decode side (groups.py).
         Once per request (a preempted request comes back already shortened)."""
         params = request.kv_transfer_params
@@ -143,7 +151,9 @@ class P2PScheduler:
                 request.request_id,
             )
 
-    def request_finished(self, request, block_ids: tuple[list[int], ...]):
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
         if self.settings.consumer:
             self._finished_here(request.request_id)
@@ -190,7 +200,7 @@ class P2PScheduler:
         self._send_readers[request_id] = _readers(params)
 
     # -- decode -------------------------------------------------------------------------
-    def remote_of(self, request) -> RemotePrefill | None:
+    def remote_of(self, request: Request) -> RemotePrefill | None:
         """The request's pull parameters once they are trusted (checked once), or None: not
         a pull, refused, or pulled already."""
         request_id = request.request_id
@@ -260,7 +270,7 @@ class P2PScheduler:
     def _key(remote: RemotePrefill) -> tuple:
         return remote.remote_engine_id, remote.remote_request_id
 
-    def may_load_async(self, request) -> bool:
+    def may_load_async(self, request: Request) -> bool:
         """Whether the request may still pull (upstream's ``--max-num-inflight-kv-loads``
         starts such requests while the batch is full): not one refused or pulled already, nor
         one that reads no external KV. Cheap: the trust check is made when it is scheduled."""
@@ -273,7 +283,9 @@ class P2PScheduler:
             and not getattr(request, "skip_reading_external_kv", False)
         )
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         remote = self.remote_of(request)
         if remote is None:
             return 0, False
@@ -298,7 +310,9 @@ class P2PScheduler:
         missing = remote.remote_num_tokens - num_computed_tokens
         return (missing, True) if missing > 0 else (0, False)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         remote = self._leading.pop(request.request_id, None)
         if remote is None:
             return
@@ -336,7 +350,9 @@ class P2PScheduler:
         self._over.discard(request_id)
         self._local_hits.pop(request_id, None)
 
-    def build_connector_meta(self, scheduler_output=None, idle: bool = False) -> P2PConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput | None = None, idle: bool = False
+    ) -> P2PConnectorMetadata:
         if self._outgoing and scheduler_output is not None:
             self._track_outgoing(scheduler_output)
         meta = P2PConnectorMetadata(
@@ -392,7 +408,7 @@ class P2PScheduler:
                 )
             )
 
-    def update_connector_output(self, output) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         done = output.finished_recving or ()
         if done:
             with self._lock:
@@ -461,7 +477,7 @@ class P2PScheduler:
             return
         release(self._client, remote.remote_host, remote.remote_port, layout, remote.layerwise_id, reader)
 
-    def prefill_layout(self, client: ControlClient, host: str, port: int):
+    def prefill_layout(self, client: ControlClient, host: str, port: int) -> CPLayout:
         """The layout of the prefill instance whose first control port is ``port``."""
         layout = self._layouts.get((host, port))
         if layout is None:

@@ -25,9 +25,13 @@ serves its control plane on ``kv_port + d x ranks_per_replica + r``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.ascend.context_parallel.placement import CPLayout, context_parallel_layout
 from vllm.ascend.kv_transfer.trust import Trust, load_secret
+
+if TYPE_CHECKING:  # upstream's type, for the annotations only
+    from vllm.config import VllmConfig
 
 KNOWN_KEYS = {
     "transport",
@@ -64,7 +68,7 @@ class P2PSettings:
     max_model_len: int = 1 << 30
 
     @classmethod
-    def from_config(cls, vllm_config) -> P2PSettings:
+    def from_config(cls, vllm_config: VllmConfig) -> P2PSettings:
         kv = vllm_config.kv_transfer_config
         extra = dict(kv.kv_connector_extra_config or {})
         unknown = sorted(set(extra) - KNOWN_KEYS)

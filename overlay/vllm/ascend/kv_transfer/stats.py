@@ -121,7 +121,13 @@ class StatsInterval:
 class P2PPromMetrics(KVConnectorPromMetrics):
     """``vllm:ascend_p2p_*`` metrics, one child per engine."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def per_engine(cls, name: str, documentation: str, **kwargs):

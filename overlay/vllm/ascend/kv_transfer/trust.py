@@ -27,7 +27,7 @@ import secrets
 import struct
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -108,7 +108,7 @@ LAYERWISE_FIELDS = ("layerwise_id", "remote_host", "remote_port", "remote_reader
 class Trust:
     """The secret (None: insecure) and what it signs and seals."""
 
-    def __init__(self, secret: bytes | None, clock=time.time):
+    def __init__(self, secret: bytes | None, clock: Callable[[], float] = time.time) -> None:
         self._key = secret
         self._clock = clock
 

@@ -28,12 +28,15 @@ an unknown type or version, or outside the field limits below; it never unpickle
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 from msgspec import Meta, Struct
 
 from vllm.ascend.context_parallel.placement import CPLayout
+
+if TYPE_CHECKING:
+    from vllm.ascend.kv_transfer.plan import TransferPlan
 
 # 2: every layer names its KV-cache group; 3: layer-wise progress; 4: granted leases; 5: readers
 WIRE_VERSION = 5
@@ -227,7 +230,7 @@ def _short(error: Exception) -> str:
 
 
 def done_messages(
-    plan, request_id: str, reader: str, failed: frozenset[int] = frozenset()
+    plan: TransferPlan, request_id: str, reader: str, failed: frozenset[int] = frozenset()
 ) -> list[DoneReading]:
     """The plan's done messages; a message whose reads include a failed one has ``ok`` False."""
     return [

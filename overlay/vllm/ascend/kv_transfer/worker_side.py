@@ -10,6 +10,8 @@ interval's statistics.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm.logger import init_logger
 
 from vllm.ascend import device as ascend_device
@@ -28,11 +30,16 @@ from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import P2PConnectorStats, StatsInterval
 from vllm.ascend.kv_transfer.transport import Transport, open_transport
 
+if TYPE_CHECKING:  # upstream's types, for the annotations only
+    import torch
+
+    from vllm.config import VllmConfig
+
 logger = init_logger(__name__)
 
 
 class P2PWorker:
-    def __init__(self, settings: P2PSettings, vllm_config, groups: TransferGroups):
+    def __init__(self, settings: P2PSettings, vllm_config: VllmConfig, groups: TransferGroups) -> None:
         from vllm.distributed.parallel_state import get_pcp_group, get_tensor_model_parallel_rank
 
         self.settings = settings
@@ -56,7 +63,7 @@ class P2PWorker:
         self.decode: DecodeSide | None = None
 
     # -- set-up -------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers: dict[str, tuple[int, LayerLayout]] = {}
         for name, tensor in kv_caches.items():
             if name not in self.groups.layer_group:
@@ -149,9 +156,9 @@ class P2PWorker:
         if self.prefill is not None:
             self.prefill.step_saved(self.global_rank)
 
-    def get_finished(self):
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._pacer.pace(self._idle)
-        if self.prefill is None:
+        if self.prefill is None or self.decode is None:
             return None, None
         return self.prefill.take_finished() or None, self.decode.take_finished() or None
 

@@ -7,6 +7,8 @@ layer answering for the CPU, gloo instead of HCCL, and the reference kernels.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from vllm.ascend.platform.npu import NPUPlatform
 
 HOST_BLOCK_SIZE = 16
@@ -49,7 +51,7 @@ class HostEmulationPlatform(NPUPlatform):
         )
 
     @classmethod
-    def inference_mode(cls):
+    def inference_mode(cls) -> AbstractContextManager:
         import torch
 
         return torch.no_grad()

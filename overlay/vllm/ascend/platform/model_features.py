@@ -9,8 +9,13 @@ so a model missed here still stops, as a worker error."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm.ascend.errors import AscendConfigError
 from vllm.ascend.kernels import npu_kernels
+
+if TYPE_CHECKING:  # upstream's types, for the annotations only
+    from vllm.config import ModelConfig, VllmConfig
 
 # Architectures whose upstream implementation gives every attention layer ALiBi slopes,
 # and those that do when their config says so.
@@ -20,13 +25,13 @@ ALIBI_WHEN_CONFIGURED = {"FalconForCausalLM": "alibi", "RWForCausalLM": "alibi"}
 SINK_MODEL_TYPES = {"gpt_oss"}
 
 
-def has_attention_sinks(model_config) -> bool:
+def has_attention_sinks(model_config: ModelConfig) -> bool:
     model_type = getattr(getattr(model_config, "hf_config", None), "model_type", None)
     hf_text = getattr(model_config, "hf_text_config", None)
     return model_type in SINK_MODEL_TYPES or bool(getattr(hf_text, "attention_sinks", False))
 
 
-def unsupported_features(vllm_config) -> list[str]:
+def unsupported_features(vllm_config: VllmConfig) -> list[str]:
     """Each unsupported feature of this model and configuration, as a phrase that says
     what to do where something can be done."""
     model = vllm_config.model_config
@@ -97,7 +102,7 @@ def _mentions_expert_substitution(model) -> bool:
     return isinstance(transform, dict) and "expert_substitution" in transform
 
 
-def check_model_features(vllm_config) -> None:
+def check_model_features(vllm_config: VllmConfig) -> None:
     found = unsupported_features(vllm_config)
     if found:
         raise AscendConfigError(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -125,7 +126,7 @@ class NPUPlatform(Platform):
     moe_experts_own_scratch: bool = True
 
     @classmethod
-    def pre_register_and_update(cls, parser=None) -> None:
+    def pre_register_and_update(cls, parser: Any = None) -> None:
         # before any ModelConfig checks the method name: ``--quantization ascend``
         import vllm.ascend.quantization.config  # noqa: F401  (registers through its decorator)
 
@@ -196,27 +197,27 @@ class NPUPlatform(Platform):
 
     # -- Model Runner V2's streams and events (hook patch on the V2 runner) -------------
     @classmethod
-    def new_stream(cls, device=None):
+    def new_stream(cls, device: Any = None) -> Any:
         return ascend_device.current().stream()
 
     @classmethod
-    def new_event(cls, blocking: bool = False, enable_timing: bool = False):
+    def new_event(cls, blocking: bool = False, enable_timing: bool = False) -> Any:
         return ascend_device.current().event(blocking=blocking, enable_timing=enable_timing)
 
     @classmethod
-    def current_device_stream(cls, device=None):
+    def current_device_stream(cls, device: Any = None) -> Any:
         return ascend_device.current().current_stream()
 
     @classmethod
-    def stream_context(cls, stream):
+    def stream_context(cls, stream: Any) -> AbstractContextManager:
         return ascend_device.current().stream_context(stream)
 
     @classmethod
-    def set_current_stream(cls, stream) -> None:
+    def set_current_stream(cls, stream: Any) -> None:
         ascend_device.current().set_stream(stream)
 
     @classmethod
-    def record_tensor_stream(cls, tensor, stream) -> None:
+    def record_tensor_stream(cls, tensor: torch.Tensor, stream: Any) -> None:
         ascend_device.current().record_stream(tensor, stream)
 
     @classmethod
@@ -247,19 +248,19 @@ class NPUPlatform(Platform):
         return npu_kernels()
 
     @classmethod
-    def new_graph(cls):
+    def new_graph(cls) -> Any:
         from vllm.ascend.graph.capture import AscendGraph
 
         return AscendGraph()
 
     @classmethod
-    def graph_capture_context(cls, device, stream=None):
+    def graph_capture_context(cls, device: Any, stream: Any = None) -> AbstractContextManager:
         from vllm.ascend.graph.capture import capture_context
 
         return capture_context(stream)
 
     @classmethod
-    def capture_graph(cls, graph, pool, stream):
+    def capture_graph(cls, graph: Any, pool: Any, stream: Any) -> AbstractContextManager:
         from vllm.ascend.graph.capture import capture
 
         return capture(graph, pool, stream)
@@ -269,11 +270,11 @@ class NPUPlatform(Platform):
         return True  # the torch.accelerator memory figures torch_npu answers (the device layer in emulation)
 
     @classmethod
-    def graph_pool_handle(cls):
+    def graph_pool_handle(cls) -> Any:
         return ascend_device.current().graph_pool_handle()
 
     @classmethod
-    def current_stream(cls):
+    def current_stream(cls) -> Any:
         return ascend_device.current().current_stream()
 
     @classmethod
@@ -298,7 +299,7 @@ class NPUPlatform(Platform):
         return "vllm.ascend.distributed.communicator.NPUCommunicator"
 
     @classmethod
-    def device_group_options(cls, group_name: str, backend) -> object | None:
+    def device_group_options(cls, group_name: str, backend: Any) -> object | None:
         # Each HCCL group's own buffer size (the hook patch on parallel_state.py); MC2's
         # group keeps HCCL_BUFFSIZE. vllm/ascend/distributed/groups.py explains.
         from vllm.ascend.distributed.groups import device_group_options
@@ -327,7 +328,7 @@ class NPUPlatform(Platform):
         return BACKEND_PATHS[name]
 
     @classmethod
-    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+    def get_mla_prefill_backend_cls(cls, mla_selector_config: Any) -> type:
         # The Ascend MLA impl runs prefill itself (vllm.ascend.attention.mla); the shared
         # MLA metadata builder still wants a prefill backend object to clone.
         from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
@@ -421,7 +422,7 @@ class NPUPlatform(Platform):
         _no_shared_experts_stream()
 
     @classmethod
-    def set_additional_forward_context(cls, *args, **kwargs) -> dict:
+    def set_additional_forward_context(cls, *args: Any, **kwargs: Any) -> dict:
         # The MoE strategy of this forward, from values every DP/EP rank shares.
         from vllm.ascend.moe.step import installed_plan
 
