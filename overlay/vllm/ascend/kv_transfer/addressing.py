@@ -121,7 +121,8 @@ class Template:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, f.name).nbytes for f in dataclasses.fields(self)[2:])
+        arrays = (self.local, self.remote, self.lengths, self.src_index, self.dst_index)
+        return sum(a.nbytes for a in (*arrays, self.src_bytes, self.dst_bytes))
 
 
 def make_template(

@@ -42,7 +42,7 @@ class Kept:
     def __init__(self, budget: int):
         self.budget = budget
         self.nbytes = 0
-        self.made = 0  # values made (a test's and a benchmark's measure of reuse)
+        self.made = 0  # values made (how tests see reuse)
         self._values: OrderedDict = OrderedDict()  # key -> (value, its bytes)
         self._lock = threading.Lock()
 
@@ -170,16 +170,3 @@ class ReplicaPlanner:
             if template.ranks:
                 parts.append((template, piece))
         return joined(parts, plan.prefill_ranks.start)
-
-
-def build_ranges(
-    plan: TransferPlan,
-    decode_rank: int,
-    tp_rank: int,
-    tables: Callable[[int], RankTables],
-    first_token: int = 0,
-    whole_blocks: bool = False,
-) -> list:
-    """``ReplicaPlanner.ranges`` of one plan with nothing kept (the inspector; tests)."""
-    planner = ReplicaPlanner(plan.prefill, plan.decode, decode_rank, tp_rank, tables)
-    return planner.ranges(plan, first_token, whole_blocks=whole_blocks)
