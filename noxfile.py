@@ -73,7 +73,7 @@ def _install_built_wheel(session: nox.Session) -> Path:
 UPSTREAM_TEST_REQUIREMENTS = str(ROOT / "tests" / "upstream" / "requirements.txt")
 TEST_REQUIREMENTS = str(ROOT / "tests" / "requirements.txt")
 LINT_REQUIREMENTS = str(ROOT / "tests" / "lint-requirements.txt")
-LINT_PATHS = ("overlay", "build", "tests", "benchmarks", "examples", "noxfile.py")
+LINT_PATHS = ("overlay", "build", "tests", "harness", "benchmarks", "examples", "noxfile.py")
 TYPED_PATHS = ("overlay/vllm/ascend", "build/ascend_builder")  # what mypy checks
 
 

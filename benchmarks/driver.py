@@ -71,7 +71,7 @@ def npu_path_env(**extra: str) -> dict:
     """The environment of an engine in NPU-path mode: host emulation with the torch_npu
     kernels of the contract double, the engine core in the benchmark's process."""
     sys.path.insert(0, str(ROOT))
-    from tests.npu_contract.wheel import double_env
+    from harness.doubles.torch_npu_wheel import double_env
 
     return {
         **os.environ,

@@ -15,7 +15,7 @@ that many requests, and for the decode steps only it reports:
   forward (views, allocations, and vLLM's own custom-op wrappers not counted; the ops
   inside a wrapper are), and the most frequent of them;
 - **syncs / step**: host reads of a device value inside the model forward, as the double
-  counts them (``tests/npu_contract/site/torch_npu/_syncs.py``);
+  counts them (``harness/doubles/torch_npu_site/torch_npu/_syncs.py``);
 - **host ms / step**: wall time of the model forward minus the time spent inside the
   dispatched ops (the host work an NPU would not hide: Python, argument handling), median.
 
@@ -125,7 +125,7 @@ def _site() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if "/torch/" not in path and "/npu_contract/" not in path and path != __file__:
+        if "/torch/" not in path and "/torch_npu_site/" not in path and path != __file__:
             module = path.rsplit("/vllm/", 1)[-1].removesuffix(".py").replace("/", ".")
             return f"{module}.{frame.f_code.co_name}:{frame.f_lineno}"
         frame = frame.f_back

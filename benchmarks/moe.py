@@ -4,7 +4,7 @@ with the selector's choice beside the measured fastest.
 
     nox -s bench -- moe [--tokens 1,4,16,64,256,1024,4096] [--ep 2,4] [--repeats 21]
 
-Each EP size is one set of gloo processes (tests/support/moe_ranks.py; EP = DP, TP 1);
+Each EP size is one set of gloo processes (harness/moe_ranks.py; EP = DP, TP 1);
 for every token count the strategies take turns on the same tokens (after one warm-up
 call each), so they see the same machine conditions. Latency: the slowest rank's median.
 AllToAll's bytes are compared with the routed minimum: per rank, the (token, expert)
@@ -30,7 +30,7 @@ def routed_minimum(case: dict, tokens: list[int]) -> list[int]:
     """Per rank: bytes of its rows bound for other ranks plus the rows it returns."""
     import torch
 
-    from tests.support.moe_ranks import problem
+    from harness.moe_ranks import problem
 
     ep = len(tokens)
     local = case["experts"] // ep
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
 
-    from tests.support.moe_ranks import run
+    from harness.moe_ranks import run
     from vllm.ascend.kernels import mc2 as mc2_kernels
     from vllm.ascend.moe import selector
 

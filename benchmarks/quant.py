@@ -106,7 +106,7 @@ def main() -> None:
             flush=True,
         )
         proc = subprocess.run(
-            [sys.executable, "-m", "tests.support.vllm_runner", json.dumps({"runs": runs})],
+            [sys.executable, "-m", "harness.vllm_runner", json.dumps({"runs": runs})],
             cwd=ROOT,
             env=dict(os.environ, VLLM_ASCEND_EMULATE="1"),
             capture_output=True,

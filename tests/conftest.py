@@ -1,5 +1,5 @@
 """Session set-up: on a host where the real torch_npu cannot run, the torch_npu
-contract double (tests/npu_contract/site) stands in for it, in this process and in
+contract double (harness/doubles/torch_npu_site) stands in for it, in this process and in
 every process the tests start (engines, workers, CLI), through PYTHONPATH.
 
 So every run of the suite exercises "torch_npu installed, no NPU visible"; tests that
@@ -21,7 +21,7 @@ import pytest
 # the builder's settings (pins, cache) for every tier, as `nox -s tests` gives them
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build"))
 
-from tests.npu_contract import wheel as npu_wheel  # noqa: E402
+from harness.doubles import torch_npu_wheel as npu_wheel  # noqa: E402
 from tests.support.models import TinyModels  # noqa: E402
 from tests.support.processes import kill_leftovers, mark_test_run  # noqa: E402
 

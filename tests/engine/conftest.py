@@ -1,5 +1,5 @@
 """Engine tests: host emulation of the Ascend platform, real vLLM processes (``LLM`` by
-tests/support/vllm_runner.py, ``vllm serve``), minutes each.
+harness/vllm_runner.py, ``vllm serve``), minutes each.
 
 Needs the built wheel installed (``nox -s tests`` does that). Tiny models are made by
 examples/make_tiny_model.py into a session temp dir (the ``tiny_models`` fixture of

@@ -4,7 +4,7 @@ two ranks, MTP k = 2) and with the tiny Qwen2 (dense), against Hugging Face tran
 tokens (which test_oracle and test_mtp hold DP = 1 to).
 
 Every worker of the DeepSeek instance runs under the collective recorder
-(``tests/dp_recorder``): the last test reads back what each rank issued and checks one
+(``harness/doubles/collective_recorder``): the last test reads back what each rank issued and checks one
 DP metadata collective per engine step (the drafter's steps included: Model Runner V2's
 speculator does not coordinate again), and identical
 collective sequences on both ranks, the idle rank's dummy steps included.

@@ -7,7 +7,7 @@ two must be equal (test_graphs.py's rule).
   over both ranks: one request at a time leaves one rank idle, whose dummy steps replay the
   same graphs as the busy rank's (the call log counts every replay and every collective a
   replay ran, per process: the two engine cores' counts must match), and the collective
-  recorder (``tests/dp_recorder``) checks the collectives outside the graphs: one DP
+  recorder (``harness/doubles/collective_recorder``) checks the collectives outside the graphs: one DP
   metadata all-reduce per step, the same sequence on both ranks.
 - The offline P/D example (a prefill and a decode ``LLM``, KV over Mooncake TCP) with the
   Qwen2: the decode instance decodes the pulled KV in graphs (that run moves it layer-wise,
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.ports import free_ports
 from tests.support import dp_collectives
 from tests.support.engines import VllmServer, greedy_completion
 from tests.support.models import MLA512, ROOT
-from tests.support.ports import free_ports
 from tests.support.prompts import PROMPTS
 
 MAX_TOKENS = 10

@@ -25,7 +25,7 @@ engine must give the eager engine's greedy tokens where vllm-ascend's graph mode
 Two bf16 runs may pick different tokens only at a near-tie (test_npu_path's rule, reported
 as a warning); graph and eager run the same kernels on the same values, so none is
 expected. One more graph engine replays every graph with the host lengths of its capture
-(tests/support/graph_sabotage.py): its tokens must change, which shows the update carries
+(harness/graph_sabotage.py): its tokens must change, which shows the update carries
 what the graphs need and that the double does freeze host values.
 """
 

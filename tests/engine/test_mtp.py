@@ -204,10 +204,9 @@ def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     """Transformers' greedy next token after each prefix ``prompt + generated[:j]``."""
     import torch
 
-    from tests.support.oracle import _HF_CACHE
+    from tests.support.oracle import hf_model
 
-    hf_greedy(model, [prompt], 1)  # loads and caches the model
-    tok, hf = _HF_CACHE[str(model)]
+    tok, hf = hf_model(model)
     ids = tok(prompt, return_tensors="pt").input_ids
     full = torch.cat([ids, torch.tensor([generated])], dim=1)
     with torch.no_grad():

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port
 from tests.support.engines import RUNNER_LINE, VllmServer, greedy_completion
 from tests.support.oracle import hf_greedy
-from tests.support.ports import free_port
 from tests.support.prompts import PROMPTS
 
 MAX_TOKENS = 12

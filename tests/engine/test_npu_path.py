@@ -154,7 +154,7 @@ ALLOWED_SYNC = re.compile(
 
 def _assert_no_host_syncs_in_forward(name: str, directory: Path) -> None:
     """The double counts every host read of a device value made while a device op was in
-    flight (tests/npu_contract/site/torch_npu/_syncs.py); none may happen inside the model
+    flight (harness/doubles/torch_npu_site/torch_npu/_syncs.py); none may happen inside the model
     runner's forward."""
     from torch_npu._syncs import read_log
 

@@ -27,9 +27,9 @@ import sys
 
 import pytest
 
+from harness.ports import free_ports
 from tests.support.models import ROOT
 from tests.support.oracle import hf_greedy
-from tests.support.ports import free_ports
 from tests.support.selection import cases_to_start, extended_params
 
 MAX_TOKENS = 12

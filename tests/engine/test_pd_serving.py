@@ -34,10 +34,10 @@ import msgspec
 import pytest
 import zmq
 
+from harness.ports import free_port, free_ports
 from tests.support.engines import RUNNER_LINE, VllmServer
 from tests.support.models import QWEN2_KV1
 from tests.support.oracle import hf_greedy
-from tests.support.ports import free_port, free_ports
 
 MAX_TOKENS = 12
 # Twice the defaults: six instances share a 2-core CI machine, and before empty steps were

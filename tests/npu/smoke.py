@@ -374,7 +374,7 @@ CHECKS: list[Callable] = [
 # -- running them ---------------------------------------------------------------------------
 def _environment(double: bool):
     """The device the checks run on, or the reason there is none. ``double``: the caller put
-    the contract double on the path (tests/npu_contract/wheel.py's ``double_env``)."""
+    the contract double on the path (harness/doubles/torch_npu_wheel.py's ``double_env``)."""
     if double:  # host emulation running the NPU kernels, through the double
         os.environ.update(VLLM_ASCEND_EMULATE="1", VLLM_ASCEND_KERNELS="npu")
     try:

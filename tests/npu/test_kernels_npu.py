@@ -2,7 +2,7 @@
 
 Marked ``npu``: they need an Ascend NPU with CANN and torch_npu and are skipped
 everywhere else, including this repository's CI (where the same kernels run against
-the torch_npu contract double instead: tests/npu_contract). Nothing here has run on
+the torch_npu contract double instead: harness/doubles/torch_npu_site). Nothing here has run on
 an NPU yet. The caches are the backends' real plane views of one contiguous layer
 region (attention/kv_layout.py) and the dtype is bfloat16, as in serving.
 """

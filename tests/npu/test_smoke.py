@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.npu_contract import wheel
+from harness.doubles import torch_npu_wheel as wheel
 from tests.support.models import ROOT
 
 pytest.importorskip("vllm")

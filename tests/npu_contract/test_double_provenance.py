@@ -9,8 +9,8 @@ import zipfile
 import pytest
 import torch
 
-from tests.npu_contract import extract_schemas
-from tests.npu_contract import wheel as npu_wheel
+from harness.doubles import extract_schemas
+from harness.doubles import torch_npu_wheel as npu_wheel
 from tests.npu_contract.contract_cases import BF16
 
 torch_npu = pytest.importorskip("torch_npu")

@@ -13,7 +13,7 @@ import zipfile
 
 import pytest
 
-from tests.npu_contract import wheel as npu_wheel
+from harness.doubles import torch_npu_wheel as npu_wheel
 
 torch_npu = pytest.importorskip("torch_npu")
 if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.npu_contract import wheel as npu_wheel
+from harness.doubles import torch_npu_wheel as npu_wheel
 
 SCRIPT = textwrap.dedent(
     """

@@ -1,3 +1,3 @@
-"""Helpers the test tiers import (plain modules, no fixtures): ports, prompts, tiny
-models, the transformers oracle, engine runners; and the multi-process programs the
-tests and benchmarks start (``vllm_runner``, ``moe_ranks``)."""
+"""Helpers the test tiers import (plain modules, no fixtures): prompts, tiny models, the
+transformers oracle, engine runners. What the benchmarks use too (the doubles, the
+multi-process programs, free ports) is in ``harness/``."""

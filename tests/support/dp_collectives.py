@@ -1,4 +1,4 @@
-"""Reading back what the collective recorder (``tests/dp_recorder/sitecustomize.py``)
+"""Reading back what the collective recorder (``harness/doubles/collective_recorder/sitecustomize.py``)
 wrote for a DP deployment, and the checks every DP test makes on it.
 
 A *step* of a rank starts at its metadata all-reduce: Model Runner V2's
@@ -17,12 +17,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from harness.doubles import COLLECTIVE_RECORDER
+
 # Model Runner V2 agrees on a step in one all-reduce (tokens, graph mode, uniform length,
 # query length, micro-batching, requests, draft skipping)
 ROWS = 7
 # upstream's V1 runner's int32[4, dp] exchange, which nothing may issue besides
 V1_ROWS = 4
-RECORDER_DIR = Path(__file__).resolve().parents[1] / "dp_recorder"
+RECORDER_DIR = COLLECTIVE_RECORDER
 
 
 def recorder_env(out: Path) -> dict:

@@ -1,5 +1,5 @@
 """vLLM engines in host emulation, each in its own process: ``LLM`` runs by
-``tests/support/vllm_runner.py`` (``run_spec``, ``run_vllm``) and ``vllm serve``
+``harness/vllm_runner.py`` (``run_spec``, ``run_vllm``) and ``vllm serve``
 instances (``VllmServer``, ``vllm_server``)."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.ports import free_port
+
 from .models import ROOT
-from .ports import free_port
 
 # A single-rank engine with its engine core in the runner process (upstream's switch): the
 # same scheduler and model runner without a second Python start. Multi-rank, serving and
@@ -29,12 +30,12 @@ RUNNER_LINE = "Ascend model runner: NPUModelRunner (Model Runner V2)\n"
 
 
 def run_spec(spec: dict, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
-    """Run tests/support/vllm_runner.py in a fresh process (``env``: added to its
+    """Run harness/vllm_runner.py in a fresh process (``env``: added to its
     environment; a run's own "env" overrides it for that run): (its JSON result, its whole
     output: vLLM logs to stdout, Python warnings and tracebacks go to stderr)."""
     env = dict(os.environ, VLLM_ASCEND_EMULATE="1", **(env or {}))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.vllm_runner", json.dumps(spec)],
+        [sys.executable, "-m", "harness.vllm_runner", json.dumps(spec)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -18,6 +18,13 @@ def _attention(config) -> dict:
 def hf_greedy(model: Path, prompts: list, max_tokens: int = 16) -> list[list[int]]:
     """Oracle: transformers' greedy generate, one prompt at a time, float32, no EOS stop.
     A prompt is text, or token ids as vLLM takes them (``{"prompt_token_ids": [...]}``)."""
+    tok, hf = hf_model(model)
+    return _generate(tok, hf, prompts, max_tokens)
+
+
+def hf_model(model: Path) -> tuple:
+    """The tokenizer and the float32 transformers model of ``model`` (no EOS stop), loaded
+    once per test process."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -32,8 +39,7 @@ def hf_greedy(model: Path, prompts: list, max_tokens: int = 16) -> list[list[int
         hf = auto.from_pretrained(model, dtype=torch.float32, **_attention(config)).eval()
         hf.generation_config.eos_token_id = None
         _HF_CACHE[key] = (tok, hf)
-    tok, hf = _HF_CACHE[key]
-    return _generate(tok, hf, prompts, max_tokens)
+    return _HF_CACHE[key]
 
 
 def _generate(tok, hf, prompts: list[str], max_tokens: int) -> list[list[int]]:

@@ -16,19 +16,14 @@ from pathlib import Path
 
 import torch
 
-from tests.support.oracle import _HF_CACHE, hf_greedy
-
-
-def _model(model: Path):
-    hf_greedy(model, [], 0)  # loads and caches the tokenizer and the model
-    return _HF_CACHE[str(model)]
+from tests.support.oracle import hf_model
 
 
 def bad_word_sequences(model: Path, words: list[str]) -> list[list[int]]:
     """The token sequences vLLM bans for ``words``: each word as tokenized alone, and with
     a leading space when that gives other tokens of the same count (the word in the
     middle of a text)."""
-    tok, _ = _model(model)
+    tok, _ = hf_model(model)
     out = []
     for word in words:
         alone = tok.encode(word.lstrip(), add_special_tokens=False)
@@ -71,7 +66,7 @@ def greedy(model: Path, prompts: list[str], max_tokens: int, options: dict) -> l
     """Per prompt: the greedy "token_ids", the "prompt_ids", and the raw log-softmax rows
     of every generated position ("rows") and of every prompt position after the first
     ("prompt_rows")."""
-    tok, hf = _model(model)
+    tok, hf = hf_model(model)
     extra = {}
     if options.get("bad_words"):
         extra["bad_words"] = bad_word_sequences(model, options["bad_words"])

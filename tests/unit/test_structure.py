@@ -277,3 +277,68 @@ def test_the_annotation_scan_sees_a_missing_annotation():
         "    def n(self) : ...\n"
     )
     assert _unannotated(source) == ["g:2", "C.m:6", "C.n:7"]
+
+
+# -- the harness, the benchmarks and the tests ------------------------------------------------
+REPO = OVERLAY.parent
+
+
+def _imported(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """(module, names) of every absolute import, inside functions too; ``-m module``
+    arguments of child processes count as imports of that module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.List | ast.Tuple):
+            items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            found += [(m, []) for flag, m in zip(items, items[1:]) if flag == "-m" and isinstance(m, str)]
+    return found
+
+
+def _upward_into_tests(source: str) -> list[str]:
+    return [m for m, _ in _imported(ast.parse(source)) if m == "tests" or m.startswith("tests.")]
+
+
+def _private_names_of_other_test_modules(source: str, own: str) -> list[str]:
+    return [
+        f"{m}.{name}"
+        for m, names in _imported(ast.parse(source))
+        if m.startswith("tests.") and m != own
+        for name in names
+        if name.startswith("_")
+    ]
+
+
+def test_benchmarks_and_the_harness_import_no_test_module():
+    found = {
+        str(path.relative_to(REPO)): bad
+        for room in ("benchmarks", "harness")
+        for path in sorted((REPO / room).rglob("*.py"))
+        if (bad := _upward_into_tests(path.read_text()))
+    }
+    assert not found, f"move what these need into harness/: {found}"
+
+
+def test_tests_import_no_private_helper_of_another_test_module():
+    found = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        own = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        if bad := _private_names_of_other_test_modules(path.read_text(), own):
+            found[own] = bad
+    assert not found, f"make these public in their module (or move them into tests/support): {found}"
+
+
+def test_the_import_scans_see_what_they_look_for():
+    source = (
+        "import os\n"
+        "from tests.support.oracle import hf_greedy, _cache\n"
+        "def f():\n"
+        "    import tests.npu\n"
+        "    run([sys.executable, '-m', 'tests.support.x', spec])\n"
+    )
+    assert _upward_into_tests(source) == ["tests.support.oracle", "tests.npu", "tests.support.x"]
+    assert _private_names_of_other_test_modules(source, "tests.a") == ["tests.support.oracle._cache"]
+    assert _private_names_of_other_test_modules(source, "tests.support.oracle") == []

@@ -1,6 +1,6 @@
 """One conformance suite for every KV transport that can run here: Mooncake's
 TransferEngine over TCP (real), and LLM-DataDist through its contract double
-(tests/llmdatadist_double). The far end is a separate process, as on a cluster."""
+(harness/doubles/llm_datadist_site). The far end is a separate process, as on a cluster."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import multiprocessing as mp
 import socket
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from harness.doubles import LLM_DATADIST_SITE
 from tests.unit.kv_transfer import kv_transport_peer as peer
 from vllm.ascend.kv_transfer.transport import Region, TransferError, open_transport
 
-DOUBLE = str(Path(__file__).resolve().parents[2] / "llmdatadist_double")
+DOUBLE = str(LLM_DATADIST_SITE)
 
 
 def _port() -> int:

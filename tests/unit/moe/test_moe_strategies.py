@@ -1,5 +1,5 @@
 """The MoE communication strategies on real processes over gloo, against a dense
-single-process computation of the same batch (``tests/support/moe_ranks.py``).
+single-process computation of the same batch (``harness/moe_ranks.py``).
 
 Each layout is one set of processes running every strategy on several rounds of
 per-DP-rank token counts, including ranks with no tokens, experts no token picks,
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.npu_contract.wheel import double_env
-from tests.support.moe_ranks import run
+from harness.doubles.torch_npu_wheel import double_env
+from harness.moe_ranks import run
 
 # float32 sums in another order than the dense reference: a few ulps of the output.
 FLOAT32_TOLERANCE = 1e-5

@@ -1,7 +1,7 @@
 """The LLM-DataDist transport (``llm_datadist``, shipped with CANN; not on the package index).
 
 Written against LLM-DataDist's public Python documentation and NPU-unverified: in CI it
-runs against a contract double of the documented API (tests/llmdatadist_double). It
+runs against a contract double of the documented API (harness/doubles/llm_datadist_site). It
 moves whole blocks only (``pull_blocks``), so it serves layouts whose reads are whole
 blocks on both sides: the same block size, the same KV heads per rank and the same
 context-parallel layout; other layouts are refused with the reason (use mooncake).

@@ -1,6 +1,6 @@
 """Run vLLM (LLM API) engines in this process and print JSON results.
 
-    python -m tests.support.vllm_runner '<json spec>'
+    python -m harness.vllm_runner '<json spec>'
 
 Spec: {"model": DIR, "engine": {...EngineArgs...}, "batches": [[prompt, ...], ...] (a prompt:
 text, or {"embeds_of": text}: the model's input embeddings of its tokens, as prompt embeddings),
@@ -18,7 +18,7 @@ returned in "call_results"), "kv_dump": {"prompt": str,
 first attention layer's KV planes of the request's blocks to DIR/rank<N>.pt; needs
 VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_ALLOW_INSECURE_SERIALIZATION=1),
 "freeze_graph_updates": true (every decode graph replays with the host arguments of its
-capture: tests/support/graph_sabotage.py; an in-process engine), "env": {...}}, or
+capture: harness/graph_sabotage.py; an in-process engine), "env": {...}}, or
 {"runs": [spec, ...]} to run several engines one after another in this process (each
 with its own environment overrides, applied before its engine processes start).
 Batches run one after another on the same engine (so later batches can hit the
@@ -49,7 +49,7 @@ def _run(spec: dict) -> dict:
     os.environ.update(spec.get("env", {}))
     restore = None
     if spec.get("freeze_graph_updates"):
-        from tests.support.graph_sabotage import freeze_graph_updates
+        from harness.graph_sabotage import freeze_graph_updates
 
         restore = freeze_graph_updates()
     graphs_before = _graph_stats()

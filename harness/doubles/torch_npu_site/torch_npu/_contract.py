@@ -1,6 +1,6 @@
 """How the double stands in for torch_npu: schemas, kernels, meta functions, names.
 
-1. Every schema torch_npu 2.14.0 registers (``tests/npu_contract/schemas.json``,
+1. Every schema torch_npu 2.14.0 registers (``harness/doubles/schemas.json``,
    generated from the wheel) is defined with ``torch.library`` in its namespace
    (``npu``, ``atb``), so the dispatcher checks argument names, types, defaults and
    keyword-only markers exactly as on an NPU host.
@@ -50,13 +50,13 @@ def _wheel(expected_sha256: str) -> zipfile.ZipFile:
     if not path:
         raise RuntimeError(
             f"the torch_npu contract double needs the pinned torch_npu wheel for its meta functions: "
-            f"set {WHEEL_VARIABLE} (tests/npu_contract/wheel.py fetches it)"
+            f"set {WHEEL_VARIABLE} (harness/doubles/torch_npu_wheel.py fetches it)"
         )
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if digest != expected_sha256:
         raise RuntimeError(
             f"{path} has sha256 {digest}, but schemas.json was generated from {expected_sha256}; "
-            "regenerate the schemas (tests/npu_contract/extract_schemas.py) or use the pinned wheel"
+            "regenerate the schemas (harness/doubles/extract_schemas.py) or use the pinned wheel"
         )
     return zipfile.ZipFile(path)
 

@@ -1,6 +1,6 @@
 """Regenerate ``schemas.json``: the op schemas the pinned torch_npu wheel registers.
 
-    python tests/npu_contract/extract_schemas.py --wheel torch_npu-2.14.0-...whl \
+    python harness/doubles/extract_schemas.py --wheel torch_npu-2.14.0-...whl \
         --op-plugin /path/to/Ascend/op-plugin [--op-plugin-commit SHA]
 
 Sources, in this order of trust:
@@ -112,7 +112,7 @@ def extract(wheel: Path, op_plugin: Path | None, op_plugin_commit: str | None) -
             atb[key] = text
             atb_sources[key] = "op-plugin m.def, checked against AtbOpsInterface.h"
     return {
-        "generated_by": "tests/npu_contract/extract_schemas.py",
+        "generated_by": "harness/doubles/extract_schemas.py",
         "torch_npu": {
             "version": version,
             "wheel": wheel.name,

@@ -1,6 +1,6 @@
 """Run the Ascend MoE kernel (strategies + local experts) on N real processes over gloo.
 
-    python -m tests.support.moe_ranks '<json case>'
+    python -m harness.moe_ranks '<json case>'
 
 Every rank joins vLLM's own distributed set-up (world, TP, DP, EP groups; the MC2
 group as the Ascend worker creates it), builds the kernel exactly as the Ascend MoE
@@ -27,7 +27,7 @@ import time
 
 import torch.multiprocessing as mp
 
-from tests.support.ports import free_ports
+from harness.ports import free_ports
 
 
 def problem(case: dict, num_tokens: int, dp_rank: int, seed_offset: int = 0):

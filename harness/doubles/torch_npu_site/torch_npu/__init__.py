@@ -4,8 +4,8 @@ Stands in for torch_npu 2.14.0 on hosts without CANN so the distribution's NPU
 code paths run end to end on the CPU: the exact op schemas the real wheel
 registers, the documented preconditions (each citing its source), the documented
 semantics in plain torch, and torch_npu's own meta functions checking every
-result. Put ``tests/npu_contract/site`` first on ``PYTHONPATH`` and set
-``TORCH_NPU_DOUBLE_WHEEL`` to the pinned wheel (``tests/npu_contract/wheel.py``).
+result. Put ``harness/doubles/torch_npu_site`` first on ``PYTHONPATH`` and set
+``TORCH_NPU_DOUBLE_WHEEL`` to the pinned wheel (``harness/doubles/torch_npu_wheel.py``).
 
 Passing the double means "passes the torch_npu contract", not "works on an NPU":
 kernel numerics, NZ formats, HCCL and performance are out of its reach.

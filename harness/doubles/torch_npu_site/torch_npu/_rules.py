@@ -796,5 +796,5 @@ def require(condition: bool, op: str, rule_id: str, detail: str) -> None:
 def unmodelled(op: str, what: str) -> NotImplementedError:
     return NotImplementedError(
         f"torch_npu contract double: {op} with {what} is not modelled; add its documented semantics "
-        "and preconditions to tests/npu_contract before calling it"
+        "and preconditions to harness/doubles/torch_npu_site before calling it"
     )

@@ -15,8 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.doubles import TORCH_NPU_SITE as SITE
+
 HERE = Path(__file__).resolve().parent
-SITE = HERE / "site"
 
 
 def pinned() -> dict:
