@@ -12,6 +12,7 @@ choice of a process never changes).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -27,7 +28,7 @@ def pick(reference: Callable, npu: Callable) -> Callable:
     return npu if npu_kernels() else reference
 
 
-def request_of_token(ends: torch.Tensor, num_tokens: int):
+def request_of_token(ends: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tokens 0..num_tokens-1 of a ragged batch whose requests end at ``ends``
     (inclusive cumulative counts, one per request, at least one request): each token's
     request (clamped to the last), its position in that request, and whether it belongs
@@ -63,7 +64,7 @@ def soc_notes(soc: str) -> list[str]:
     return [f"{op}: {why}" for op, (listed, why) in SOC_NOTES.items() if soc not in listed]
 
 
-def torch_npu():
+def torch_npu() -> ModuleType:
     """The torch_npu module (loaded once by the device layer), or a clear error."""
     from vllm.ascend.device.npu_runtime import failure_reason, load_torch_npu
 

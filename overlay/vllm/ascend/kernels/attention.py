@@ -35,7 +35,7 @@ _masks: dict[torch.device, torch.Tensor] = {}
 
 
 # -- reference (plain torch; the oracle and host emulation) --------------------------
-def valid_slots(slot_mapping, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def valid_slots(slot_mapping: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The first ``num_tokens`` slots as int64, and a mask of the non-padding ones
     (None when every slot is real, the common case)."""
     slots = slot_mapping[:num_tokens].to(torch.int64)
@@ -43,7 +43,7 @@ def valid_slots(slot_mapping, num_tokens: int) -> tuple[torch.Tensor, torch.Tens
     return (slots, None) if bool(valid.all()) else (slots[valid], valid)
 
 
-def gather_tokens(plane, block_row, seq_len: int) -> torch.Tensor:
+def gather_tokens(plane: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` tokens ``[seq_len, heads, dim]`` of one request from a
     head-major plane ``[blocks, heads, block_size, dim]``."""
     block_size = plane.shape[2]
@@ -51,7 +51,7 @@ def gather_tokens(plane, block_row, seq_len: int) -> torch.Tensor:
     return plane[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
 
 
-def gather_range(plane, block_row, start: int, end: int) -> torch.Tensor:
+def gather_range(plane: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Tokens ``start .. end - 1`` ``[end - start, heads, dim]`` of one request from a
     head-major plane (only the blocks that hold them are read)."""
     block_size = plane.shape[2]
@@ -62,9 +62,9 @@ def gather_range(plane, block_row, start: int, end: int) -> torch.Tensor:
 
 
 def causal_attention(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     context_len: int,
     scale: float,
     window: int | None = None,
@@ -100,7 +100,14 @@ def causal_attention(
     return out.transpose(0, 1).to(dtype)
 
 
-def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -> None:
+def reference_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    index: torch.Tensor | None = None,
+) -> None:
     slots, valid = valid_slots(slot_mapping, key.shape[0])
     if valid is not None:
         key, value = key[valid], value[valid]
@@ -111,14 +118,14 @@ def reference_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=N
 
 
 def reference_paged_attention(
-    query,
-    k_plane,
-    v_plane,
-    block_table,
+    query: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    block_table: torch.Tensor,
     query_start_loc: list[int],
     seq_lens: list[int],
-    scale,
-    out,
+    scale: float,
+    out: torch.Tensor,
     window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -142,7 +149,14 @@ def reference_paged_attention(
     return out
 
 
-def reference_paged_decode(query, k_plane, v_plane, block_table, seq_lens: list[int], scale):
+def reference_paged_decode(
+    query: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per request over its first ``seq_lens[b]`` cached tokens, with the softmax
     log-sum-exp: ``query [B, H, D]`` -> (``out [B, H, Dv]``, ``lse [B, H]`` float32). A
     request with no cached tokens here gets ``out`` 0 and ``lse`` -inf (a context-parallel
@@ -170,7 +184,7 @@ def causal_mask(device: torch.device) -> torch.Tensor:
     return _masks[device]
 
 
-def npu_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
+def npu_slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Slots without a host sync: padding tokens (-1) go to slot 0, which belongs to
     vLLM's null block (block 0 is reserved by the block pool and never given to a
     request), so their writes land where nothing reads."""
@@ -178,7 +192,7 @@ def npu_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
     return torch.where(slots >= 0, slots, torch.zeros_like(slots))
 
 
-def npu_write_index(slot_mapping, num_tokens: int, heads: int, block_size: int) -> torch.Tensor:
+def npu_write_index(slot_mapping: torch.Tensor, num_tokens: int, heads: int, block_size: int) -> torch.Tensor:
     """The (block, head, offset) coordinates ``[T, heads, 3]`` of every token's rows in a
     head-major plane: the same for every layer of a KV-cache group, so the backend builds
     it once per step."""
@@ -192,11 +206,18 @@ def npu_write_index(slot_mapping, num_tokens: int, heads: int, block_size: int) 
     )
 
 
-def reference_write_index(slot_mapping, num_tokens: int, heads: int, block_size: int) -> None:
+def reference_write_index(slot_mapping: torch.Tensor, num_tokens: int, heads: int, block_size: int) -> None:
     return None  # the reference write computes its positions itself
 
 
-def npu_write_kv_cache(key, value, k_plane, v_plane, slot_mapping, index=None) -> None:
+def npu_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    index: torch.Tensor | None = None,
+) -> None:
     """``npu_scatter_nd_update_`` at (block, head, offset) coordinates: the head-major
     planes have no token-major rows for ATB's ReshapeAndCache to write. ``index``: this
     step's ``write_index`` when the caller has it."""
@@ -237,14 +258,14 @@ _FIA_V2_NAMES = ("num_query_heads", "softmax_scale", "actual_seq_qlen", "actual_
 
 
 def npu_paged_attention(
-    query,
-    k_plane,
-    v_plane,
-    block_table,
+    query: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    block_table: torch.Tensor,
     query_start_loc: list[int],
     seq_lens: list[int],
-    scale,
-    out,
+    scale: float,
+    out: torch.Tensor,
     window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -308,7 +329,9 @@ def npu_paged_attention(
     return out
 
 
-def empty_rows_to_identity(out, lse, seq_lens: list[int]):
+def empty_rows_to_identity(
+    out: torch.Tensor, lse: torch.Tensor, seq_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows with no keys: out 0, lse -inf, whatever the kernel left there (the combine
     then gives them no weight)."""
     empty = torch.tensor([n == 0 for n in seq_lens], device=lse.device)
@@ -318,7 +341,14 @@ def empty_rows_to_identity(out, lse, seq_lens: list[int]):
     return out, lse
 
 
-def npu_paged_decode(query, k_plane, v_plane, block_table, seq_lens: list[int], scale):
+def npu_paged_decode(
+    query: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_fused_infer_attention_score`` in TND with one query row per request, page
     attention over the ``(blocknum, KV_N, blocksize, D)`` planes, ``softmax_lse_flag``."""
     batch, heads = query.shape[:2]

@@ -44,7 +44,9 @@ def npu_combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor
     return merged.view(tokens, heads, dim)
 
 
-def reference_merge_partials(out_a, lse_a, out_b, lse_b):
+def reference_merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     lses = torch.stack([lse_a.float(), lse_b.float()])
     lse = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - lse.unsqueeze(0)).nan_to_num_(0.0)
@@ -52,7 +54,9 @@ def reference_merge_partials(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
-def npu_merge_partials(out_a, lse_a, out_b, lse_b):
+def npu_merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_attention_update`` with update_type 1 (its ``lse_out`` is only valid then)."""
     rows, heads, dim = out_a.shape
     merged, lse = torch_npu().npu_attention_update(

@@ -111,7 +111,9 @@ def _send_order(expert_ids: torch.Tensor, active_mask: torch.Tensor) -> tuple[to
     return order, flat[order]
 
 
-def reference_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int) -> Mc2Dispatched:
+def reference_mc2_dispatch(
+    x: torch.Tensor, expert_ids: torch.Tensor, active_mask: torch.Tensor, comm: Mc2Comm, num_experts: int
+) -> Mc2Dispatched:
     _validate(x, expert_ids, active_mask, comm, num_experts)
     bs, k = expert_ids.shape
     ep, local = comm.ep_size, num_experts // comm.ep_size
@@ -153,11 +155,11 @@ def reference_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_expert
 
 
 def reference_mc2_combine(
-    expand_x,
-    expert_ids,
+    expand_x: torch.Tensor,
+    expert_ids: torch.Tensor,
     dispatched: Mc2Dispatched,
-    expert_scales,
-    active_mask,
+    expert_scales: torch.Tensor,
+    active_mask: torch.Tensor,
     comm: Mc2Comm,
     num_experts: int,
 ) -> torch.Tensor:
@@ -194,7 +196,9 @@ def _soc_arguments(comm: Mc2Comm) -> dict:
     return extra
 
 
-def npu_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int) -> Mc2Dispatched:
+def npu_mc2_dispatch(
+    x: torch.Tensor, expert_ids: torch.Tensor, active_mask: torch.Tensor, comm: Mc2Comm, num_experts: int
+) -> Mc2Dispatched:
     """``torch_npu.npu_moe_distribute_dispatch_v2`` (unquantized, uniform BS with an
     active mask). Passes the contract double; not verified on an NPU."""
     out = torch_npu().npu_moe_distribute_dispatch_v2(
@@ -214,11 +218,11 @@ def npu_mc2_dispatch(x, expert_ids, active_mask, comm: Mc2Comm, num_experts: int
 
 
 def npu_mc2_combine(
-    expand_x,
-    expert_ids,
+    expand_x: torch.Tensor,
+    expert_ids: torch.Tensor,
     dispatched: Mc2Dispatched,
-    expert_scales,
-    active_mask,
+    expert_scales: torch.Tensor,
+    active_mask: torch.Tensor,
     comm: Mc2Comm,
     num_experts: int,
 ) -> torch.Tensor:

@@ -60,7 +60,14 @@ def head_major(plane: torch.Tensor) -> torch.Tensor:
 
 
 # -- reference --------------------------------------------------------------------------
-def reference_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, step_slots=None) -> None:
+def reference_write_latent_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    step_slots: torch.Tensor | None = None,
+) -> None:
     # step_slots (the NPU form's once-per-step int32 slots) is None here: reference_write_slots
     slots, valid = valid_slots(slot_mapping, kv_c.shape[0])
     k_pe = k_pe.reshape(k_pe.shape[0], -1)
@@ -85,7 +92,15 @@ def reference_rope_order(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def reference_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
+def reference_latent_prolog(
+    kv_lora: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    rows: tuple[torch.Tensor, torch.Tensor],
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     rank = latent.shape[-1]
     c, k = kv_lora.split([rank, kv_lora.shape[-1] - rank], dim=-1)
     c = norm.reference_rms_norm(c, gamma, eps)
@@ -107,17 +122,17 @@ def verification_row_lens(seq_lens: list[int], q_len: int) -> list[int]:
 
 
 def reference_mla_decode(
-    q_nope,
-    q_pe,
-    latent,
-    rope,
-    block_table,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: list[int],
-    scale,
+    scale: float,
     return_lse: bool = False,
-    q_rope=None,
+    q_rope: torch.Tensor | None = None,
     q_len: int = 1,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``q_len`` query rows per request (1 + k when verifying k drafts; the rows of request
     ``b`` are ``b * q_len ..``): row i of a request attends to its first
     ``seq_len - q_len + i + 1`` keys. With ``return_lse`` also the softmax log-sum-exp
@@ -140,7 +155,15 @@ def reference_mla_decode(
     return (out, lse) if return_lse else out
 
 
-def reference_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, causal: bool):
+def reference_dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (``out [T, H, Dv]`` in q's dtype, ``lse [T, H]`` float32), computed in float32."""
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
@@ -166,17 +189,17 @@ def reference_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], sc
 
 
 # -- NPU (torch_npu; passes the contract double in CI, not verified on an NPU) ----------
-def npu_write_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
+def npu_write_slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The int32 slot indices ATB's ReshapeAndCache takes (padding to the null block's slot
     0): the same for every layer, so the backend builds them once per step."""
     return npu_slots(slot_mapping, num_tokens).to(torch.int32)
 
 
-def reference_write_slots(slot_mapping, num_tokens: int) -> None:
+def reference_write_slots(slot_mapping: torch.Tensor, num_tokens: int) -> None:
     return None  # the reference write reads the slot mapping itself
 
 
-def graph_padding_slots(slot_mapping, num_tokens: int) -> torch.Tensor:
+def graph_padding_slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The latent prolog's slots for a graph batch, whose padding rows (slot -1) differ from
     replay to replay: each padding row takes the null block's slot of its own row number, so
     the indices stay distinct (the fused op leaves repeated indices undefined) and real
@@ -192,7 +215,7 @@ def _rows_bnsd(rows, batch: int, q_len: int = 1):
     return tuple(r.view(batch, 1, q_len, r.shape[-1]) for r in rows)
 
 
-def npu_rope_query(x: torch.Tensor, rows) -> torch.Tensor:
+def npu_rope_query(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``npu_interleave_rope`` on ``[T, N, 1, R]`` (it takes contiguous input only)."""
     cos, sin = _rows_bnsd(rows, x.shape[0])
     return torch_npu().npu_interleave_rope(x.unsqueeze(2).contiguous(), cos, sin)[:, :, 0]
@@ -205,7 +228,15 @@ def npu_rope_order(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
 
 
-def npu_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mapping):
+def npu_latent_prolog(
+    kv_lora: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    rows: tuple[torch.Tensor, torch.Tensor],
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_kv_rmsnorm_rope_cache`` in PA_BNSD mode: one launch for the norm, the rotary
     and both plane writes; ``kv_lora`` as ``[T, 1, 1, L + R]``, the slots as int64 indices
     (the caller passes no padding: the op leaves repeated indices undefined)."""
@@ -226,7 +257,14 @@ def npu_latent_prolog(kv_lora, gamma, eps: float, rows, latent, rope, slot_mappi
     return c.view(tokens, -1), k_pe.view(tokens, 1, -1)
 
 
-def npu_write_latent_cache(kv_c, k_pe, latent, rope, slot_mapping, slots=None) -> None:
+def npu_write_latent_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slots: torch.Tensor | None = None,
+) -> None:
     """ATB ReshapeAndCache with key = ``c`` and value = ``k_pe`` (their last dims may
     differ), one head each. ``slots``: this step's ``write_slots`` when the caller has them."""
     num_tokens = kv_c.shape[0]
@@ -252,17 +290,17 @@ def npu_padded_heads(num_heads: int) -> int:
 
 
 def npu_mla_decode(
-    q_nope,
-    q_pe,
-    latent,
-    rope,
-    block_table,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: list[int],
-    scale,
+    scale: float,
     return_lse: bool = False,
-    q_rope=None,
+    q_rope: torch.Tensor | None = None,
     q_len: int = 1,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``npu_fused_infer_attention_score`` in its MLA form: BNSD query ``c``-space parts
     (heads padded to 32/64/128), ``query_rope``/``key_rope`` the rotary parts, value = ``c``;
     ``softmax_lse_flag`` gives the log-sum-exp as ``[B, N, S, 1]``. ``q_len`` > 1 (draft
@@ -353,7 +391,15 @@ def _dense_subcalls(q_lens: list[int], kv_lens: list[int]):
     return calls
 
 
-def npu_dense_attention(q, k, v, q_lens: list[int], kv_lens: list[int], scale, causal: bool):
+def npu_dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_fused_infer_attention_score`` in TND without page attention, made to fit the
     form's limits: bfloat16 in (other dtypes cast there and back), K/V heads repeated to
     the query's (Q_N = K_N = V_N) and zero heads padded up to 8/16/32/64/128 (more than 128

@@ -25,7 +25,7 @@ from vllm.ascend.kernels.activation import (
 ACTIVATIONS = ("silu", "swigluoai")
 
 
-def activation_name(activation) -> str:
+def activation_name(activation: object) -> str:
     """``silu`` or ``swigluoai`` from upstream's ``MoEActivation`` (or its string), or an
     error naming what the Ascend experts cannot run."""
     name = str(getattr(activation, "value", activation)).lower()
@@ -65,16 +65,16 @@ def _reference_experts(x, topk_weights, topk_ids, expert_map, apply_router_weigh
 
 
 def reference_moe_experts(
-    x,
-    w13,
-    w2,
-    topk_weights,
-    topk_ids,
-    expert_map=None,
-    apply_router_weight_on_input=False,
-    activation="silu",
-    w13_bias=None,
-    w2_bias=None,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    activation: object = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     activate = {"silu": reference_silu_and_mul, "swigluoai": reference_swigluoai_and_mul}[
         activation_name(activation)
@@ -149,7 +149,12 @@ def _sorted_by_expert(x, ids, expert_num: int, active: int):
 class ExpertMlp:
     """What runs between and after the grouped matmuls: the activation and the biases."""
 
-    def __init__(self, activation="silu", w13_bias=None, w2_bias=None):
+    def __init__(
+        self,
+        activation: object = "silu",
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ):
         self.activation = activation_name(activation)
         self.w13_bias, self.w2_bias = w13_bias, w2_bias
 
@@ -226,16 +231,16 @@ def _routed_on_device_with_map(
 
 
 def npu_moe_experts(
-    x,
-    w13,
-    w2,
-    topk_weights,
-    topk_ids,
-    expert_map=None,
-    apply_router_weight_on_input=False,
-    activation="silu",
-    w13_bias=None,
-    w2_bias=None,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    activation: object = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """With the router weights on the output: routing, grouped matmuls and the weighted
     sum on device through ``npu_moe_init_routing_v2`` (``_routed_on_device``, and with an
@@ -266,15 +271,15 @@ moe_experts = pick(reference_moe_experts, npu_moe_experts)
 # in int32, dequantized (weight scale x token scale) into the activation dtype, SwiGLU'd,
 # quantized per token again for the down projection, and dequantized.
 def reference_moe_experts_w8a8_dynamic(
-    x,
-    w13,
-    w2,
-    w13_scale,
-    w2_scale,
-    topk_weights,
-    topk_ids,
-    expert_map=None,
-    apply_router_weight_on_input=False,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     from vllm.ascend.kernels.quant import reference_quantize_dynamic
 
@@ -295,15 +300,15 @@ def reference_moe_experts_w8a8_dynamic(
 
 
 def npu_moe_experts_w8a8_dynamic(
-    x,
-    w13,
-    w2,
-    w13_scale,
-    w2_scale,
-    topk_weights,
-    topk_ids,
-    expert_map=None,
-    apply_router_weight_on_input=False,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Tokens sorted by expert, ``npu_dynamic_quant``, two per-token quantized grouped
     matmuls (``npu_grouped_matmul`` with ``scale`` and ``per_token_scale``; the scale is

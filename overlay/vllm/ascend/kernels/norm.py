@@ -28,7 +28,9 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return _normed(x.to(torch.float32), weight, eps, x.dtype)
 
 
-def reference_add_rms_norm(x, residual, weight, eps: float):
+def reference_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     s = x.to(torch.float32) + residual.to(torch.float32)
     return _normed(s, weight, eps, x.dtype), s.to(x.dtype)
 
@@ -37,7 +39,9 @@ def npu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return torch_npu().npu_rms_norm(x, weight, eps)[0]
 
 
-def npu_add_rms_norm(x, residual, weight, eps: float):
+def npu_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, s = torch_npu().npu_add_rms_norm(x, residual, weight, eps)
     return y, s
 

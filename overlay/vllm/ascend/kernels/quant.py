@@ -32,25 +32,33 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # -- activation quantization ------------------------------------------------------------
 # A static layer's activation parameters are put once, after loading, into the form its
 # ``quantize_static`` takes (``static_params``); the two forms take different ones.
-def reference_static_params(input_scale, input_offset, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_static_params(
+    input_scale: torch.Tensor, input_offset: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-tensor scale and offset as float32 tensors of one element."""
     return input_scale.to(torch.float32).reshape(1), input_offset.to(torch.float32).reshape(1)
 
 
-def reference_quantize_static(x, input_scale, input_offset) -> torch.Tensor:
+def reference_quantize_static(
+    x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor
+) -> torch.Tensor:
     """Per-tensor asymmetric int8 (``input_scale``/``input_offset`` float tensors of one element)."""
     q = torch.round(x.to(torch.float32) / input_scale.to(torch.float32) + input_offset.to(torch.float32))
     return q.clamp(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
-def npu_static_params(input_scale, input_offset, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def npu_static_params(
+    input_scale: torch.Tensor, input_offset: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_quantize`` multiplies: the scale's reciprocal and the zero point as float32
     vectors along the input's last axis (width ``k``), as vllm-ascend prepares them."""
     reciprocal = (1.0 / input_scale.to(torch.float32)).reshape(1).expand(k).contiguous()
     return reciprocal, input_offset.to(torch.float32).reshape(1).expand(k).contiguous()
 
 
-def npu_quantize_static(x, scale_reciprocal, offset) -> torch.Tensor:
+def npu_quantize_static(
+    x: torch.Tensor, scale_reciprocal: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
     """``npu_quantize`` in multiply mode (``x * (1 / scale) + zero_point``, rounded half to
     even, saturated) with ``npu_static_params``' vectors. Multiplying by the reciprocal may
     round an exact .5 tie differently from the reference's division. The activations go in
@@ -60,7 +68,7 @@ def npu_quantize_static(x, scale_reciprocal, offset) -> torch.Tensor:
     return torch_npu().npu_quantize(x, scale_reciprocal, offset, torch.qint8, axis=-1, div_mode=False)
 
 
-def reference_quantize_dynamic(x) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 and the row scales (float32, ``x.shape[:-1]``)."""
     xf = x.to(torch.float32)
     scale = xf.abs().amax(dim=-1) / INT8_MAX
@@ -69,7 +77,7 @@ def reference_quantize_dynamic(x) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def npu_quantize_dynamic(x) -> tuple[torch.Tensor, torch.Tensor]:
+def npu_quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_dynamic_quant`` (int8 output, per-token mode)."""
     return torch_npu().npu_dynamic_quant(x)
 
@@ -79,7 +87,13 @@ def _int32_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     return torch.mm(_rows(x_q).to(torch.int32), w_q.to(torch.int32))
 
 
-def reference_matmul_static(x_q, w_q, deq_scale, quant_bias, out_dtype) -> torch.Tensor:
+def reference_matmul_static(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """``x_q [..., k]`` int8, ``w_q [k, n]`` int8, ``deq_scale [n]`` float32,
     ``quant_bias [n]`` int32 or None (TP ranks other than the first of a row-parallel
     layer add none: the partial sums are all-reduced)."""
@@ -90,14 +104,27 @@ def reference_matmul_static(x_q, w_q, deq_scale, quant_bias, out_dtype) -> torch
     return out.to(out_dtype).reshape(*x_q.shape[:-1], w_q.shape[1])
 
 
-def npu_matmul_static(x_q, w_q, deq_scale, quant_bias, out_dtype) -> torch.Tensor:
+def npu_matmul_static(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     out = torch_npu().npu_quant_matmul(
         _rows(x_q), w_q, deq_scale.to(torch.float32), bias=quant_bias, output_dtype=out_dtype
     )
     return out.reshape(*x_q.shape[:-1], w_q.shape[1])
 
 
-def reference_matmul_dynamic(x_q, w_q, weight_scale, token_scale, bias, out_dtype) -> torch.Tensor:
+def reference_matmul_dynamic(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    token_scale: torch.Tensor,
+    bias: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """``weight_scale [n]`` and ``token_scale [...]`` float32; ``bias [n]`` float or None."""
     acc = _int32_matmul(x_q, w_q).to(torch.float32)
     out = acc * weight_scale.to(torch.float32) * token_scale.reshape(-1, 1).to(torch.float32)
@@ -106,7 +133,14 @@ def reference_matmul_dynamic(x_q, w_q, weight_scale, token_scale, bias, out_dtyp
     return out.to(out_dtype).reshape(*x_q.shape[:-1], w_q.shape[1])
 
 
-def npu_matmul_dynamic(x_q, w_q, weight_scale, token_scale, bias, out_dtype) -> torch.Tensor:
+def npu_matmul_dynamic(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    token_scale: torch.Tensor,
+    bias: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     out = torch_npu().npu_quant_matmul(
         _rows(x_q),
         w_q,

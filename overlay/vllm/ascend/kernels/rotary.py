@@ -47,7 +47,9 @@ def full_tables(cos_sin_cache: torch.Tensor, neox: bool) -> tuple[torch.Tensor, 
     return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
 
-def tables_at(tables, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tables_at(
+    tables: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     index = positions.flatten()
     cos, sin = (t.index_select(0, index)[None, :, None] for t in tables)
     return cos, sin
@@ -70,11 +72,15 @@ def npu_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return out[0]
 
 
-def reference_rotate_pair(q, k, cos, sin, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_rotate_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return reference_rotate(q, cos, sin, neox), reference_rotate(k, cos, sin, neox)
 
 
-def npu_rotate_pair(q, k, cos, sin, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def npu_rotate_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     fused = (
         neox
         and q.shape[-1] in APPLY_ROTARY_DIMS

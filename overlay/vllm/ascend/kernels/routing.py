@@ -89,7 +89,9 @@ def _finish(weights: torch.Tensor, ids: torch.Tensor, routing: Routing):
     return weights, ids.to(torch.int32)
 
 
-def reference_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None):
+def reference_route(
+    logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(logits, routing)
     choice = scores if bias is None else scores + bias.to(torch.float32).unsqueeze(0)
     groups = routing.num_expert_group
@@ -119,7 +121,9 @@ def _gating_op_takes(num_experts: int, routing: Routing) -> bool:
     )
 
 
-def npu_route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None):
+def npu_route(
+    logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     npu = torch_npu()
     x = logits.to(torch.float32)  # scores in float32, as the reference computes them
     num_experts = x.shape[-1]

@@ -41,15 +41,15 @@ def _masked_set(target: torch.Tensor, index: tuple[torch.Tensor, ...], values, m
 
 # -- inputs (input_batch.py) ----------------------------------------------------------
 def prepare_pos_seq_lens(
-    pos_ptr,
-    seq_lens_ptr,
-    idx_mapping_ptr,
-    query_start_loc_ptr,
-    num_computed_tokens_ptr,
-    max_num_reqs,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    pos_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    max_num_reqs: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     computed = num_computed_tokens_ptr[idx_mapping_ptr.long()].to(torch.int64)
     qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
@@ -63,20 +63,20 @@ def prepare_pos_seq_lens(
 
 
 def combine_sampled_and_draft_tokens(
-    input_ids_ptr,
-    idx_mapping_ptr,
-    last_sampled_tokens_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    prefill_len_ptr,
-    draft_tokens_ptr,
-    draft_tokens_stride,
-    cu_num_logits_ptr,
-    logits_indices_ptr,
-    BLOCK_SIZE=None,
-    NUM_NEW_SAMPLED_TOKENS=1,
-    **launch,
-):
+    input_ids_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    last_sampled_tokens_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    prefill_len_ptr: torch.Tensor,
+    draft_tokens_ptr: torch.Tensor,
+    draft_tokens_stride: int,
+    cu_num_logits_ptr: torch.Tensor,
+    logits_indices_ptr: torch.Tensor,
+    BLOCK_SIZE: int | None = None,
+    NUM_NEW_SAMPLED_TOKENS: int = 1,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
@@ -110,20 +110,20 @@ def combine_sampled_and_draft_tokens(
 
 
 def prepare_prefill_inputs(
-    input_ids_ptr,
-    next_prefill_tokens_ptr,
-    next_prefill_tokens_stride,
-    num_lookahead,
-    idx_mapping_ptr,
-    query_start_loc_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    prefill_lens_ptr,
-    num_computed_tokens_ptr,
-    BLOCK_SIZE=None,
-    LOOKAHEAD_BLOCK=None,
-    **launch,
-):
+    input_ids_ptr: torch.Tensor,
+    next_prefill_tokens_ptr: torch.Tensor,
+    next_prefill_tokens_stride: int,
+    num_lookahead: int,
+    idx_mapping_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    prefill_lens_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    BLOCK_SIZE: int | None = None,
+    LOOKAHEAD_BLOCK: int | None = None,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
@@ -153,14 +153,14 @@ def prepare_prefill_inputs(
 
 
 def get_num_sampled_and_rejected(
-    num_sampled_ptr,
-    num_rejected_ptr,
-    seq_lens_ptr,
-    cu_num_logits_ptr,
-    idx_mapping_ptr,
-    prefill_len_ptr,
-    **launch,
-):
+    num_sampled_ptr: torch.Tensor,
+    num_rejected_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    cu_num_logits_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    prefill_len_ptr: torch.Tensor,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
@@ -173,24 +173,24 @@ def get_num_sampled_and_rejected(
 
 
 def post_update(
-    idx_mapping_ptr,
-    num_computed_tokens_ptr,
-    last_sampled_tokens_ptr,
-    output_bin_counts_ptr,
-    output_bin_counts_stride,
-    sampled_tokens_ptr,
-    sampled_tokens_stride,
-    num_sampled_ptr,
-    num_rejected_ptr,
-    query_start_loc_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    total_len_ptr,
-    draft_tokens_ptr,
-    draft_tokens_out_ptr,
-    num_draft_tokens,
-    **launch,
-):
+    idx_mapping_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    last_sampled_tokens_ptr: torch.Tensor,
+    output_bin_counts_ptr: torch.Tensor,
+    output_bin_counts_stride: int,
+    sampled_tokens_ptr: torch.Tensor,
+    sampled_tokens_stride: int,
+    num_sampled_ptr: torch.Tensor,
+    num_rejected_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    total_len_ptr: torch.Tensor,
+    draft_tokens_ptr: torch.Tensor,
+    draft_tokens_out_ptr: torch.Tensor,
+    num_draft_tokens: int,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
@@ -236,7 +236,12 @@ def post_update(
     num_computed_tokens_ptr.index_put_((req,), delta, accumulate=True)
 
 
-def post_update_num_computed_tokens(idx_mapping_ptr, num_computed_tokens_ptr, query_start_loc_ptr, **launch):
+def post_update_num_computed_tokens(
+    idx_mapping_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
@@ -246,13 +251,13 @@ def post_update_num_computed_tokens(idx_mapping_ptr, num_computed_tokens_ptr, qu
 
 
 def expand_idx_mapping(
-    idx_mapping_ptr,
-    expanded_idx_mapping_ptr,
-    expanded_local_pos_ptr,
-    cu_num_logits_ptr,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    idx_mapping_ptr: torch.Tensor,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    expanded_local_pos_ptr: torch.Tensor,
+    cu_num_logits_ptr: torch.Tensor,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     num_reqs = idx_mapping_ptr.shape[0]
     size = expanded_idx_mapping_ptr.shape[0]
     if num_reqs == 0 or size == 0:
@@ -264,16 +269,16 @@ def expand_idx_mapping(
 
 
 def dcp_local_seq_lens(
-    out_ptr,
-    seq_lens_ptr,
-    dcp_size,
-    dcp_rank,
-    cp_interleave,
-    num_reqs,
-    max_num_reqs,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    out_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    dcp_size: int,
+    dcp_rank: int,
+    cp_interleave: int,
+    num_reqs: int,
+    max_num_reqs: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     """Tokens of each request this DCP rank holds (the placement's count); 0 past
     ``num_reqs``."""
     seq = seq_lens_ptr[:num_reqs].to(out_ptr.dtype)
@@ -283,20 +288,20 @@ def dcp_local_seq_lens(
 
 # -- M-RoPE positions (mm/rope.py) ----------------------------------------------------
 def prepare_rope_positions(
-    positions_ptr,
-    positions_stride,
-    prefill_positions_ptr,
-    prefill_positions_stride0,
-    prefill_positions_stride1,
-    prefill_delta_ptr,
-    idx_mapping_ptr,
-    query_start_loc_ptr,
-    prefill_lens_ptr,
-    num_computed_tokens_ptr,
-    BLOCK_SIZE=None,
-    NUM_DIMS=None,
-    **launch,
-):
+    positions_ptr: torch.Tensor,
+    positions_stride: int,
+    prefill_positions_ptr: torch.Tensor,
+    prefill_positions_stride0: int,
+    prefill_positions_stride1: int,
+    prefill_delta_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    prefill_lens_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    BLOCK_SIZE: int,
+    NUM_DIMS: int,
+    **launch: object,
+) -> None:
     """Each scheduled token's position per M-RoPE channel: the model's precomputed
     prefill positions while the request is in its prompt, then the plain position plus
     the request's delta. Rows past the batch keep their values."""
@@ -323,17 +328,17 @@ def prepare_rope_positions(
 
 # -- staged state writes (buffer_utils.py) --------------------------------------------
 def apply_write(
-    output_ptr,
-    output_stride,
-    write_indices_ptr,
-    write_starts_ptr,
-    write_contents_ptr,
-    write_cu_lens_ptr,
-    write_group_ids_ptr,
-    BLOCK_SIZE=None,
-    MULTI_GROUP=False,
-    **launch,
-):
+    output_ptr: torch.Tensor,
+    output_stride: int,
+    write_indices_ptr: torch.Tensor,
+    write_starts_ptr: torch.Tensor,
+    write_contents_ptr: torch.Tensor,
+    write_cu_lens_ptr: torch.Tensor,
+    write_group_ids_ptr: torch.Tensor,
+    BLOCK_SIZE: int | None = None,
+    MULTI_GROUP: bool = False,
+    **launch: object,
+) -> None:
     if MULTI_GROUP:
         # tables of data pointers: vllm.ascend.worker.block_tables applies each group alone
         raise NotImplementedError("the multi-group staged write reads raw pointers; apply each group alone")
@@ -349,14 +354,14 @@ def apply_write(
 
 # -- sampling (sample/gumbel.py) ------------------------------------------------------
 def apply_temperature(
-    logits_ptr,
-    logits_stride,
-    expanded_idx_mapping_ptr,
-    temperature_ptr,
-    vocab_size,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    temperature_ptr: torch.Tensor,
+    vocab_size: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     num_tokens = logits_ptr.shape[0]
     if num_tokens == 0:
         return
@@ -425,7 +430,15 @@ def _log1p_neg_stable(value: torch.Tensor) -> torch.Tensor:
     return torch.where(value < 0.25, series, direct)
 
 
-def gumbel_noised(logits, temp, seed, pos, is_drafting: bool, use_fp64: bool, apply_temperature: bool):
+def gumbel_noised(
+    logits: torch.Tensor,
+    temp: torch.Tensor,
+    seed: torch.Tensor,
+    pos: torch.Tensor,
+    is_drafting: bool,
+    use_fp64: bool,
+    apply_temperature: bool,
+) -> torch.Tensor:
     """Upstream's Gumbel-max scores of ``logits`` [tokens, vocab] (float32): divided by
     the temperature, plus the token's noise; rows at temperature 0 stay plain logits."""
     hot = temp != 0.0
@@ -458,34 +471,34 @@ _GUMBEL_ROWS = 64  # rows at a time: the noise holds several int64 copies of the
 
 
 def gumbel_sample(
-    local_argmax_ptr,
-    local_argmax_stride,
-    local_max_ptr,
-    local_max_stride,
-    logits_cache_ptr,
-    logits_cache_stride_0,
-    logits_cache_stride_1,
-    logits_cache_col_ptr,
-    logits_cache_source_ptr,
-    logits_cache_source_stride,
-    logits_cache_row_mapping_ptr,
-    logits_ptr,
-    logits_stride,
-    bias_ptr,
-    bias_stride,
-    expanded_idx_mapping_ptr,
-    seeds_ptr,
-    pos_ptr,
-    temp_ptr,
-    vocab_size,
-    BLOCK_SIZE,
-    IS_DRAFTING,
-    APPLY_TEMPERATURE,
-    USE_FP64,
-    PER_TOKEN_COL,
-    HAS_BIAS=False,
-    **launch,
-):
+    local_argmax_ptr: torch.Tensor,
+    local_argmax_stride: int,
+    local_max_ptr: torch.Tensor,
+    local_max_stride: int,
+    logits_cache_ptr: torch.Tensor,
+    logits_cache_stride_0: int,
+    logits_cache_stride_1: int,
+    logits_cache_col_ptr: torch.Tensor,
+    logits_cache_source_ptr: torch.Tensor,
+    logits_cache_source_stride: int,
+    logits_cache_row_mapping_ptr: torch.Tensor,
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    bias_ptr: torch.Tensor,
+    bias_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    seeds_ptr: torch.Tensor,
+    pos_ptr: torch.Tensor,
+    temp_ptr: torch.Tensor,
+    vocab_size: int,
+    BLOCK_SIZE: int,
+    IS_DRAFTING: int,
+    APPLY_TEMPERATURE: int,
+    USE_FP64: int,
+    PER_TOKEN_COL: int,
+    HAS_BIAS: bool = False,
+    **launch: object,
+) -> None:
     num_tokens = logits_ptr.shape[0]
     vocab_size = int(vocab_size)
     if num_tokens == 0:
@@ -546,15 +559,15 @@ def gumbel_sample(
 
 
 def gumbel_combine(
-    local_argmax_ptr,
-    local_argmax_stride,
-    local_max_ptr,
-    local_max_stride,
-    sampled_ptr,
-    num_blocks,
-    PADDED_NUM_BLOCKS=None,
-    **launch,
-):
+    local_argmax_ptr: torch.Tensor,
+    local_argmax_stride: int,
+    local_max_ptr: torch.Tensor,
+    local_max_stride: int,
+    sampled_ptr: torch.Tensor,
+    num_blocks: int,
+    PADDED_NUM_BLOCKS: int | None = None,
+    **launch: object,
+) -> None:
     """Each row's sampled token: the local argmax of its winning block, the first NaN
     block if any, else the first block holding the maximum (torch.argmax's choice, made
     explicit so the device's argmax tie and NaN rules do not matter)."""

@@ -33,8 +33,14 @@ def _flags(num_rows: int, size: int, ids: torch.Tensor, on: torch.Tensor) -> tor
 
 
 def apply_min_p(
-    logits_ptr, logits_stride, expanded_idx_mapping_ptr, min_p_ptr, vocab_size, BLOCK_SIZE=None, **launch
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    min_p_ptr: torch.Tensor,
+    vocab_size: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     num_tokens, vocab = logits_ptr.shape[0], int(vocab_size)
     if num_tokens == 0:
         return
@@ -46,22 +52,22 @@ def apply_min_p(
 
 
 def apply_penalties(
-    logits_ptr,
-    logits_stride,
-    expanded_idx_mapping_ptr,
-    token_ids_ptr,
-    expanded_local_pos_ptr,
-    repetition_penalty_ptr,
-    frequency_penalty_ptr,
-    presence_penalty_ptr,
-    prompt_bin_mask_ptr,
-    prompt_bin_mask_stride,
-    output_bin_counts_ptr,
-    output_bin_counts_stride,
-    vocab_size,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    token_ids_ptr: torch.Tensor,
+    expanded_local_pos_ptr: torch.Tensor,
+    repetition_penalty_ptr: torch.Tensor,
+    frequency_penalty_ptr: torch.Tensor,
+    presence_penalty_ptr: torch.Tensor,
+    prompt_bin_mask_ptr: torch.Tensor,
+    prompt_bin_mask_stride: int,
+    output_bin_counts_ptr: torch.Tensor,
+    output_bin_counts_stride: int,
+    vocab_size: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     num_tokens, vocab = logits_ptr.shape[0], int(vocab_size)
     if num_tokens == 0:
         return
@@ -96,18 +102,18 @@ _BINCOUNT_ROWS = 16  # rows at a time: a [rows, vocab] count table each
 
 
 def bincount(
-    expanded_idx_mapping_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    prompt_len_ptr,
-    prefill_len_ptr,
-    prompt_bin_mask_ptr,
-    prompt_bin_mask_stride,
-    output_bin_counts_ptr,
-    output_bin_counts_stride,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    expanded_idx_mapping_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    prompt_len_ptr: torch.Tensor,
+    prefill_len_ptr: torch.Tensor,
+    prompt_bin_mask_ptr: torch.Tensor,
+    prompt_bin_mask_stride: int,
+    output_bin_counts_ptr: torch.Tensor,
+    output_bin_counts_stride: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     num_rows = expanded_idx_mapping_ptr.shape[0]
     if num_rows == 0:
         return
@@ -136,29 +142,29 @@ def bincount(
 
 
 def apply_bias(
-    logits_ptr,
-    logits_stride,
-    vocab_size,
-    expanded_idx_mapping_ptr,
-    num_allowed_token_ids_ptr,
-    allowed_token_ids_ptr,
-    allowed_token_ids_stride,
-    num_logit_bias_ptr,
-    bias_token_ids_ptr,
-    bias_token_ids_stride,
-    bias_ptr,
-    bias_stride,
-    pos_ptr,
-    min_lens_ptr,
-    num_stop_token_ids_ptr,
-    restore_when_all_masked_ptr,
-    stop_token_ids_ptr,
-    stop_token_ids_stride,
-    BLOCK_SIZE=None,
-    LOGITS_BLOCK_SIZE=None,
-    CHECK_ALL_MASKED_ROWS=False,
-    **launch,
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    vocab_size: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    num_allowed_token_ids_ptr: torch.Tensor,
+    allowed_token_ids_ptr: torch.Tensor,
+    allowed_token_ids_stride: int,
+    num_logit_bias_ptr: torch.Tensor,
+    bias_token_ids_ptr: torch.Tensor,
+    bias_token_ids_stride: int,
+    bias_ptr: torch.Tensor,
+    bias_stride: int,
+    pos_ptr: torch.Tensor,
+    min_lens_ptr: torch.Tensor,
+    num_stop_token_ids_ptr: torch.Tensor,
+    restore_when_all_masked_ptr: torch.Tensor,
+    stop_token_ids_ptr: torch.Tensor,
+    stop_token_ids_stride: int,
+    BLOCK_SIZE: int | None = None,
+    LOGITS_BLOCK_SIZE: int | None = None,
+    CHECK_ALL_MASKED_ROWS: bool = False,
+    **launch: object,
+) -> None:
     num_tokens, vocab = logits_ptr.shape[0], int(vocab_size)
     if num_tokens == 0:
         return
@@ -196,22 +202,22 @@ def apply_bias(
 
 
 def apply_bad_words(
-    logits_ptr,
-    logits_stride,
-    expanded_idx_mapping_ptr,
-    bad_word_token_ids_ptr,
-    bad_word_token_ids_stride,
-    bad_word_offsets_ptr,
-    bad_word_offsets_stride,
-    num_bad_words_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    prompt_len_ptr,
-    total_len_ptr,
-    input_ids_ptr,
-    expanded_local_pos_ptr,
-    **launch,
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    bad_word_token_ids_ptr: torch.Tensor,
+    bad_word_token_ids_stride: int,
+    bad_word_offsets_ptr: torch.Tensor,
+    bad_word_offsets_stride: int,
+    num_bad_words_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    prompt_len_ptr: torch.Tensor,
+    total_len_ptr: torch.Tensor,
+    input_ids_ptr: torch.Tensor,
+    expanded_local_pos_ptr: torch.Tensor,
+    **launch: object,
+) -> None:
     """A bad word's last token is banned where the tokens before it (outputs, then this
     step's drafts) end with the word's other tokens."""
     num_tokens = logits_ptr.shape[0]
@@ -255,17 +261,17 @@ def apply_bad_words(
 
 # -- logprobs (logprob.py, prompt_logprob.py) ------------------------------------------
 def topk_log_softmax(
-    output_ptr,
-    logits_ptr,
-    logits_stride,
-    topk_ids_ptr,
-    topk_ids_stride,
-    topk,
-    vocab_size,
-    BLOCK_SIZE=None,
-    TOPK_BLOCK_SIZE=None,
-    **launch,
-):
+    output_ptr: torch.Tensor,
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    topk_ids_ptr: torch.Tensor,
+    topk_ids_stride: int,
+    topk: int,
+    vocab_size: int,
+    BLOCK_SIZE: int | None = None,
+    TOPK_BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     rows, vocab, k = logits_ptr.shape[0], int(vocab_size), int(topk)
     if rows == 0 or k == 0:
         return
@@ -276,7 +282,15 @@ def topk_log_softmax(
     output_ptr.view(-1)[: rows * k].copy_((picked - top - lse).reshape(-1))
 
 
-def token_ranks(output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size, BLOCK_SIZE=None, **launch):
+def token_ranks(
+    output_ptr: torch.Tensor,
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    token_ids_ptr: torch.Tensor,
+    vocab_size: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     rows, vocab = logits_ptr.shape[0], int(vocab_size)
     if rows == 0:
         return
@@ -286,21 +300,21 @@ def token_ranks(output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size
 
 
 def fill_logprob_token_ids(
-    out_token_ids_ptr,
-    out_token_ids_stride,
-    out_valid_mask_ptr,
-    out_valid_mask_stride,
-    sampled_token_ids_ptr,
-    topk_indices_ptr,
-    topk_indices_stride,
-    expanded_idx_mapping_ptr,
-    num_per_req_token_ids_ptr,
-    per_req_token_ids_ptr,
-    per_req_token_ids_stride,
-    NUM_TOPK,
-    PADDED_COLS=None,
-    **launch,
-):
+    out_token_ids_ptr: torch.Tensor,
+    out_token_ids_stride: int,
+    out_valid_mask_ptr: torch.Tensor,
+    out_valid_mask_stride: int,
+    sampled_token_ids_ptr: torch.Tensor,
+    topk_indices_ptr: torch.Tensor,
+    topk_indices_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    num_per_req_token_ids_ptr: torch.Tensor,
+    per_req_token_ids_ptr: torch.Tensor,
+    per_req_token_ids_stride: int,
+    NUM_TOPK: int,
+    PADDED_COLS: int | None = None,
+    **launch: object,
+) -> None:
     rows, cols = out_token_ids_ptr.shape[0], out_token_ids_ptr.shape[1] - 1
     if rows == 0:
         return
@@ -328,15 +342,15 @@ def fill_logprob_token_ids(
 
 
 def prompt_logprobs_token_ids(
-    prompt_logprobs_token_ids_ptr,
-    query_start_loc_ptr,
-    idx_mapping_ptr,
-    num_computed_tokens_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    prompt_logprobs_token_ids_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     """Each scheduled token's next prompt token (the token its logprob is for)."""
     num_reqs = idx_mapping_ptr.shape[0]
     size = prompt_logprobs_token_ids_ptr.shape[0]
@@ -352,17 +366,17 @@ def prompt_logprobs_token_ids(
 
 # -- structured outputs (structured_outputs.py) ---------------------------------------
 def apply_grammar_bitmask(
-    logits_ptr,
-    logits_stride,
-    logits_indices_ptr,
-    cu_num_logits_ptr,
-    bitmask_ptr,
-    bitmask_stride,
-    vocab_size,
-    MASK_STRIDE,
-    BLOCK_SIZE=None,
-    **launch,
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    logits_indices_ptr: torch.Tensor,
+    cu_num_logits_ptr: torch.Tensor,
+    bitmask_ptr: torch.Tensor,
+    bitmask_stride: int,
+    vocab_size: int,
+    MASK_STRIDE: int,
+    BLOCK_SIZE: int | None = None,
+    **launch: object,
+) -> None:
     """Each mask row bans the tokens whose bit is 0 at (request, position), where that
     position is among the request's logits this step."""
     masks, vocab, rows = logits_indices_ptr.shape[0], int(vocab_size), logits_ptr.shape[0]
@@ -399,22 +413,22 @@ def _last(hit: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def update_committed_marker_cache(
-    req_ids_ptr,
-    thinking_token_budget_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    total_len_ptr,
-    cached_last_start_ptr,
-    cached_last_end_ptr,
-    cached_scan_pos_ptr,
-    reasoning_start_token_ids_ptr,
-    natural_reasoning_end_token_ids_ptr,
-    START_LEN,
-    NATURAL_END_LEN,
-    MAX_LEN,
-    BLOCK,
-    **launch,
-):
+    req_ids_ptr: torch.Tensor,
+    thinking_token_budget_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    total_len_ptr: torch.Tensor,
+    cached_last_start_ptr: torch.Tensor,
+    cached_last_end_ptr: torch.Tensor,
+    cached_scan_pos_ptr: torch.Tensor,
+    reasoning_start_token_ids_ptr: torch.Tensor,
+    natural_reasoning_end_token_ids_ptr: torch.Tensor,
+    START_LEN: int,
+    NATURAL_END_LEN: int,
+    MAX_LEN: int,
+    BLOCK: int,
+    **launch: object,
+) -> None:
     """The last reasoning start and natural end markers in each budgeted request's
     committed tokens: a first scan takes the nearest block (of ``BLOCK`` tokens, counted
     back from the end) holding any marker; later ones extend the cached markers over the
@@ -456,25 +470,25 @@ def update_committed_marker_cache(
 
 
 def apply_thinking_budget(
-    logits_ptr,
-    logits_stride,
-    expanded_idx_mapping_ptr,
-    thinking_token_budget_ptr,
-    all_token_ids_ptr,
-    all_token_ids_stride,
-    total_len_ptr,
-    input_ids_ptr,
-    expanded_local_pos_ptr,
-    cached_last_start_ptr,
-    cached_last_end_ptr,
-    reasoning_start_token_ids_ptr,
-    natural_reasoning_end_token_ids_ptr,
-    reasoning_end_token_ids_ptr,
-    START_LEN,
-    NATURAL_END_LEN,
-    END_LEN,
-    **launch,
-):
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    thinking_token_budget_ptr: torch.Tensor,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    total_len_ptr: torch.Tensor,
+    input_ids_ptr: torch.Tensor,
+    expanded_local_pos_ptr: torch.Tensor,
+    cached_last_start_ptr: torch.Tensor,
+    cached_last_end_ptr: torch.Tensor,
+    reasoning_start_token_ids_ptr: torch.Tensor,
+    natural_reasoning_end_token_ids_ptr: torch.Tensor,
+    reasoning_end_token_ids_ptr: torch.Tensor,
+    START_LEN: int,
+    NATURAL_END_LEN: int,
+    END_LEN: int,
+    **launch: object,
+) -> torch.Tensor:
     """Once a request has reasoned for its budget (counting the draft tokens before each
     row), force the next token of the reasoning end sequence."""
     rows = logits_ptr.shape[0]
