@@ -53,18 +53,16 @@ def host_kv_cache_bytes() -> int:
 
 
 PREFILL_CHUNK_DEFAULT = 8192
-PREFILL_CHUNK_MAX = 65536  # npu_fused_infer_attention_score's dense TND form: "T小于等于65536"
 
 
-def prefill_chunk_tokens() -> int:
+def prefill_chunk_tokens(high: int) -> int:
     """VLLM_ASCEND_PREFILL_CHUNK_TOKENS: how many tokens of a prefill's history (cached
     context and the step's own tokens) attention expands (MLA ``kv_b_proj``) or gathers
-    (context parallelism) at once, per layer (default 8192, at most 65536). Longer
-    histories are processed chunk by chunk and merged by log-sum-exp, so the transient
-    memory is bounded by this setting, not by the context length."""
-    return _int_setting(
-        "VLLM_ASCEND_PREFILL_CHUNK_TOKENS", PREFILL_CHUNK_DEFAULT, "tokens", high=PREFILL_CHUNK_MAX
-    )
+    (context parallelism) at once, per layer (default 8192, at most ``high``: the dense
+    attention kernel's row limit, kernels/mla.NPU_DENSE_MAX_T). Longer histories are
+    processed chunk by chunk and merged by log-sum-exp, so the transient memory is
+    bounded by this setting, not by the context length."""
+    return _int_setting("VLLM_ASCEND_PREFILL_CHUNK_TOKENS", PREFILL_CHUNK_DEFAULT, "tokens", high=high)
 
 
 HCCL_DEFAULT_BUFFSIZE_MB = 200  # CANN's, when HCCL_BUFFSIZE is unset: "不配置时默认为200MB"

@@ -111,7 +111,7 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendAttentionMet
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.prefill_chunk = envs.prefill_chunk_tokens()
+        self.prefill_chunk = envs.prefill_chunk_tokens(high=prefill_chunks.MAX_CALL_ROWS)
         if self.cp_rank is not None:
             self.reorder_batch_threshold = 1  # decode requests first: their rows combine across ranks
 

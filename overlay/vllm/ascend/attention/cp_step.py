@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.ascend.attention.prefill_chunks import ChunkPlan, Run, build_chunk_plan
+from vllm.ascend.attention.prefill_chunks import MAX_CALL_ROWS, ChunkPlan, Run, build_chunk_plan
 from vllm.ascend.context_parallel.placement import RankLayout, local_count, local_slot, owner
-from vllm.ascend.envs import PREFILL_CHUNK_MAX
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,7 @@ def build_step(
     seq_lens: list[int],
     num_decodes: int,
     rank: RankLayout,
-    chunk: int = PREFILL_CHUNK_MAX,
+    chunk: int = MAX_CALL_ROWS,
 ) -> CPStep:
     """The plan of one step: ``query_start``/``seq_lens`` per request (host lists, the
     runner's order, decode requests first), ``num_decodes`` of them decode requests;

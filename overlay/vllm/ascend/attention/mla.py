@@ -90,7 +90,7 @@ class AscendMLAMetadataBuilder(MLACommonMetadataBuilder[AscendMLAMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, **kwargs)
         self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.prefill_chunk = envs.prefill_chunk_tokens()
+        self.prefill_chunk = envs.prefill_chunk_tokens(high=prefill_chunks.MAX_CALL_ROWS)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
