@@ -12,10 +12,13 @@ import pytest
 from transformers import (
     BertConfig,
     BloomConfig,
+    DeepseekV4Config,
+    DeepseekV32Config,
     FalconConfig,
     Gemma2Config,
     GptOssConfig,
     LlamaConfig,
+    LongcatFlashConfig,
     MambaConfig,
     MistralConfig,
     Qwen2Config,
@@ -30,12 +33,43 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, vocab_size=256)
 HEADS = dict(TINY, num_attention_heads=4)
 SMALL = dict(HEADS, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=512)
 WINDOW = 64
+MLA = dict(
+    SMALL,
+    kv_lora_rank=512,  # with rope 64: the NPU MLA kernel's sizes
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    q_lora_rank=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
+
+
+def _longcat(zero_expert_type: str):
+    config = LongcatFlashConfig(
+        architectures=["LongcatFlashForCausalLM"],
+        **{k: v for k, v in MLA.items() if k not in ("num_hidden_layers", "num_experts_per_tok")},
+        num_layers=2,
+        moe_topk=2,
+        zero_expert_num=2,
+        expert_ffn_hidden_size=32,
+        ffn_hidden_size=128,
+    )
+    config.zero_expert_type = zero_expert_type
+    return config
+
+
 FEATURES = (
     "sliding-window attention",
     "soft-capping",
     "ALiBi",
     "attention sinks",
-    "sparse attention",
+    "sparse attention with a lightning indexer",
+    "compressed attention",
+    "hyper-connections",
+    "hash-routed MoE",
+    "zero-computation experts",
     "encoder-only",
     "encoder-decoder",
     "state-space",
@@ -138,6 +172,36 @@ CASES = [
         lambda: BertConfig(architectures=["BertModel"], intermediate_size=128, **HEADS),
         {"runner": "pooling"},
         ["encoder-only attention"],
+    ),
+    (
+        "deepseek-v3.2",
+        lambda: DeepseekV32Config(architectures=["DeepseekV32ForCausalLM"], **MLA, index_topk=16),
+        {},
+        ["sparse attention with a lightning indexer (index_topk=16)"],
+    ),
+    (
+        "deepseek-v4",  # V4 names its own layers, not V3.2's
+        lambda: DeepseekV4Config(
+            architectures=["DeepseekV4ForCausalLM"],
+            **MLA,
+            index_topk=16,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe"],
+        ),
+        {},
+        [
+            "sparse attention with a lightning indexer (index_topk=16)",
+            "compressed attention (compress ratios 4, 128)",
+            "hyper-connections (hc_mult=4)",
+            "hash-routed MoE layers (1)",
+        ],
+    ),
+    ("longcat-identity-experts", lambda: _longcat("identity"), {}, None),
+    (
+        "longcat-other-zero-experts",
+        lambda: _longcat("zero"),
+        {},
+        ["zero-computation experts of type 'zero' (the Ascend MoE runs identity ones)"],
     ),
     (
         "mamba",

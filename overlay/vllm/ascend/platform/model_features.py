@@ -59,8 +59,7 @@ def unsupported_features(vllm_config: VllmConfig) -> list[str]:
                 f"attention sinks with a head size of {head_size} with the NPU attention kernels "
                 f"(npu_fused_infer_attention_score_v2's learnable_sink takes at most {NPU_SINK_MAX_HEAD_SIZE})"
             )
-    if hasattr(hf, "index_topk"):
-        found.append("sparse attention (DeepSeek V3.2's indexer)")
+    found += _deepseek_sparse_features(hf)
     kind = model.attn_type
     if kind in ("encoder_only", "encoder_decoder"):
         found.append(f"{kind.replace('_', '-')} attention (the Ascend backends run decoder self-attention)")
@@ -68,8 +67,32 @@ def unsupported_features(vllm_config: VllmConfig) -> list[str]:
         found.append("state-space or linear-attention layers (upstream's kernels for them need Triton)")
     if model.is_moe:
         found += _moe_route_changes(model)
+    zero_kind = getattr(hf, "zero_expert_type", None)
+    if getattr(hf, "zero_expert_num", 0) and zero_kind != "identity":
+        found.append(f"zero-computation experts of type {zero_kind!r} (the Ascend MoE runs identity ones)")
     if vllm_config.parallel_config.enable_eplb:
         found.append("expert-parallel load balancing (drop --enable-eplb)")
+    return found
+
+
+def _deepseek_sparse_features(hf) -> list[str]:
+    """DeepSeek V3.2's and V4's layers the Ascend backends lack, each named as the config
+    announces it (GLM-5's indexer reads as V3.2's)."""
+    from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
+
+    found = []
+    if hasattr(hf, "index_topk"):
+        found.append(f"sparse attention with a lightning indexer (index_topk={hf.index_topk})")
+    ratios = sorted({r for r in get_compress_ratios(hf) if r > 1})  # 0: a sliding-window layer
+    if ratios:
+        found.append(f"compressed attention (compress ratios {', '.join(map(str, ratios))})")
+    if getattr(hf, "hc_mult", 1) > 1:
+        found.append(f"hyper-connections (hc_mult={hf.hc_mult})")
+    hash_layers = getattr(hf, "num_hash_layers", None)
+    if hash_layers is None:
+        hash_layers = list(getattr(hf, "mlp_layer_types", None) or ()).count("hash_moe")
+    if hash_layers:
+        found.append(f"hash-routed MoE layers ({hash_layers})")
     return found
 
 
