@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -155,6 +156,8 @@ def make_model(args, tok: Tokenizer):
         GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        LongcatFlashConfig,
+        LongcatFlashForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Qwen2Config,
@@ -263,6 +266,28 @@ def make_model(args, tok: Tokenizer):
             tie_word_embeddings=tie,
         )
         return Qwen2VLForConditionalGeneration(config)
+    if args.arch == "longcat_flash":
+        # MLA (its LoRA norms scaled, as LongCat has them) and a MoE whose zero-computation
+        # experts pass the token through, weighted: the router scores real and zero experts
+        # together (softmax, correction bias, scaled, not renormalised)
+        cfg["num_layers"] = cfg.pop("num_hidden_layers")
+        config = LongcatFlashConfig(
+            **cfg,
+            num_key_value_heads=args.heads,
+            q_lora_rank=args.q_lora_rank or 32,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            head_dim=args.qk_rope_head_dim,
+            ffn_hidden_size=args.intermediate_size,
+            n_routed_experts=args.experts,
+            zero_expert_num=args.zero_experts,
+            moe_topk=2,
+            expert_ffn_hidden_size=args.intermediate_size // 2,
+            routed_scaling_factor=2.0,
+        )
+        return LongcatFlashForCausalLM(config)
     config = DeepseekV3Config(
         **cfg,
         num_key_value_heads=args.heads,
@@ -356,6 +381,7 @@ def main(argv: list[str] | None = None) -> Path:
             "gemma2",
             "gemma3",
             "gpt_oss",
+            "longcat_flash",
         ],
     )
     p.add_argument("--out", required=True, type=Path)
@@ -388,7 +414,18 @@ def main(argv: list[str] | None = None) -> Path:
         default=1.0,
         help="attention logit soft-cap (gemma2's attn_logit_softcapping)",
     )
-    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3, qwen3_moe, gpt_oss)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=8,
+        help="routed experts (deepseek_v3, qwen3_moe, gpt_oss, longcat_flash)",
+    )
+    p.add_argument(
+        "--zero-experts",
+        type=int,
+        default=4,
+        help="zero-computation (identity) experts routed beside the real ones (longcat_flash)",
+    )
     p.add_argument(
         "--kv-lora-rank",
         type=int,
@@ -420,7 +457,7 @@ def main(argv: list[str] | None = None) -> Path:
     torch.manual_seed(args.seed)
     model = make_model(args, tok).to(DTYPES[args.dtype]).eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
-    if args.arch == "deepseek_v3":
+    if args.arch in ("deepseek_v3", "longcat_flash"):
         randomize_routing_bias(model, generator)
     if args.arch == "gemma2":
         shrink_tied_embeddings(model)
@@ -440,6 +477,21 @@ def main(argv: list[str] | None = None) -> Path:
         mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)
         weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
         save_file(weights, weights_path, metadata={"format": "pt"})
+    if args.arch == "longcat_flash":
+        # keys LongCat's own config.json carries and transformers' class does not keep; vLLM
+        # reads them (transformers applies both scales and identity zero experts always)
+        config.update(zero_expert_type="identity", mla_scale_q_lora=True, mla_scale_kv_lora=True)
+        # transformers' fused gate/up parameter has rows for the zero experts too; they are
+        # never used and LongCat's checkpoints have none
+        weights_path = args.out / "model.safetensors"
+        weights = load_file(weights_path)
+        zero = re.compile(r"\.mlp\.experts\.(\d+)\.")
+        kept = {
+            name: t
+            for name, t in weights.items()
+            if not ((m := zero.search(name)) and int(m.group(1)) >= args.experts)
+        }
+        save_file(kept, weights_path, metadata={"format": "pt"})
     if args.arch == "qwen2_vl":
         config["text_config"]["dtype"] = args.dtype  # the decoder's own copy
         (args.out / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR, indent=2))

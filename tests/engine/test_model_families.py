@@ -5,14 +5,17 @@ alternating: two KV-cache groups in upstream's hybrid manager), a Gemma 2 (the s
 alternation, its attention scores soft-capped where the cap changes its tokens:
 examples/make_tiny_model.py), a dense Qwen3 and a gpt-oss (attention sinks, alternating
 windows, YaRN, biased experts with the clamped SwiGLU; sinks and biases large enough that
-dropping any of them changes the tokens).
+dropping any of them changes the tokens), and a LongCat-Flash (MLA, a MoE whose router also
+chooses zero-computation experts, which pass the token through at their weight: chosen for
+some tokens of every prompt, and dropping their output changes the tokens).
 
 Windows of 24 tokens over 8-token blocks, prompts up to ~60 tokens and 32 generated ones, so
 every sequence outgrows its window (that the kernel never reads the blocks before a window,
 which upstream's sliding-window manager may hand back to the pool, is checked in
 tests/unit/kernels/test_kernels.py). One runner process serves every engine, each with chunked
 prefill and prefix caching (the second prefix batch starts on cached blocks), plus each
-family at TP=2 (gpt-oss also with expert parallelism under AllToAll and MC2; Mistral,
+family at TP=2 (gpt-oss also with expert parallelism under AllToAll and MC2, LongCat under
+AllToAll: the identity experts' output is added once, after the ranks' sum; Mistral,
 Gemma 2 and Qwen3 at TP=2 in the extended tier only); engine cores in the runner process
 (no second Python start).
 """
@@ -53,6 +56,11 @@ TP2_RUNS = {
     "gpt_oss_tp2": ("gpt_oss", {}),
     "gpt_oss_tp2_ep_alltoall": ("gpt_oss", {**EP, "additional_config": {"moe_comm_method": "alltoall"}}),
     "gpt_oss_tp2_ep_mc2": ("gpt_oss", {**EP, "additional_config": {"moe_comm_method": "mc2"}}),
+    "longcat_flash_tp2": ("longcat_flash", {}),
+    "longcat_flash_tp2_ep_alltoall": (
+        "longcat_flash",
+        {**EP, "additional_config": {"moe_comm_method": "alltoall"}},
+    ),
 }
 # extended (out of CI's run): the dense families' TP=2 splits are Gemma 3's (windows and
 # full layers) and gpt-oss's (sinks, windows); their TP=1 runs stay in CI
@@ -101,7 +109,10 @@ def test_family_matches_transformers(family, tiny_models, served):
     assert _tokens(batches[0] + batches[1] + batches[2]) == expected
     assert all(len(set(t)) >= 8 for t in expected)  # varied outputs: the oracle discriminates
     assert all(r["num_cached_tokens"] > 0 for r in batches[2]), batches[2]
-    if family != "qwen3":  # every sequence outgrows the window; some prompts already do
+    if family not in (
+        "qwen3",
+        "longcat_flash",
+    ):  # every sequence outgrows the window; some prompts already do
         assert min(r["prompt_len"] for r in batches[0]) + MAX_TOKENS > WINDOW
         assert max(r["prompt_len"] for r in batches[0]) > 2 * WINDOW
 
@@ -110,6 +121,32 @@ def test_family_matches_transformers(family, tiny_models, served):
 def test_families_at_tensor_parallel_2(name, tiny_models, served):
     family = TP2_RUNS[name][0]
     assert _tokens(served[name][0]) == hf_greedy(tiny_models[family], PROMPTS, MAX_TOKENS)
+
+
+def test_longcat_routes_tokens_to_its_zero_computation_experts(tiny_models):
+    """The identity experts are exercised: transformers' router picks one for some tokens of
+    every prompt (ids past the real experts)."""
+    import torch
+
+    from tests.support.oracle import hf_model
+
+    tok, hf = hf_model(tiny_models["longcat_flash"])
+    real = hf.config.n_routed_experts
+    chosen = []
+    hooks = [
+        layer.mlp.router.register_forward_hook(lambda module, args, out: chosen.append(out[2]))
+        for layer in hf.model.layers
+    ]
+    try:
+        for prompt in PROMPTS:
+            chosen.clear()
+            with torch.no_grad():
+                hf(tok(prompt, return_tensors="pt").input_ids)
+            assert len(chosen) == len(hf.model.layers)
+            assert any((ids >= real).any() for ids in chosen), prompt
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_the_forced_moe_strategies_ran(served):

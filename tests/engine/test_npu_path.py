@@ -9,9 +9,10 @@ with expert parallelism and the strategy the selector picks); Mistral (a sliding
 every layer), Gemma 3 (sliding-window layers alternating with full ones) and Qwen3 (q/k
 norms) run the reference and the NPU kernels at TP=1; gpt-oss (attention sinks through the
 fused attention's v2, alternating windows, biased experts with a clamped SwiGLU) at TP=1 and
-at TP=2 with expert parallelism. CI's run (``nox -s tests``) takes Qwen2, the MLA model,
-Mistral (its window in decode steps past window + 512 keys), Qwen3 (the fused q/k rotary)
-and the quantized pair; the other models are ``extended`` cases (see EXTENDED_ARCHS).
+at TP=2 with expert parallelism; LongCat-Flash (MLA with 512-wide latents, zero-computation
+experts routed beside the real ones) at TP=1. CI's run (``nox -s tests``) takes Qwen2, the
+MLA model, Mistral (its window in decode steps past window + 512 keys), Qwen3 (the fused q/k
+rotary), LongCat and the quantized pair; the other models are ``extended`` cases (see EXTENDED_ARCHS).
 The NPU engines run the NPU device class (``NPUPathDevice``), which asks the double for
 the SoC: the TP=2 engines report an Atlas A3 (``TORCH_NPU_DOUBLE_SOC=A3``), the others an
 A2. On A3 the selector would pick MC2, but the tiny model's hidden size (64) is outside
@@ -46,7 +47,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec
-from tests.support.models import MLA512, QWEN3_MOE, quantize_model
+from tests.support.models import LONGCAT512, MLA512, QWEN3_MOE, quantize_model
 from tests.support.npu_compare import (
     NEAR_TIE_CANDIDATES,
     NearTieDivergence,
@@ -74,34 +75,35 @@ GQA = ("llama", "qwen2")
 # on every layer (Mistral) and alternating with full layers (Gemma 3: two KV-cache groups),
 # the fused op's band, in decode-only steps too;
 # q/k norms (Qwen3). Gemma 3's GELU MLP and (1 + w) norms have no torch_npu form here.
-FAMILIES = ("mistral", "gemma3", "qwen3", "gpt_oss")
+FAMILIES = ("mistral", "gemma3", "qwen3", "gpt_oss", LONGCAT512)
 GQA_LIKE = (*GQA, "mistral", "qwen3")
 GPT_OSS = "gpt_oss"
 # the MoE models: TP=2 with expert parallelism as well
 MOE_ARCHS = (MLA512, QWEN3_MOE, GPT_OSS)
 # op -> architectures whose NPU path must have called it
 EXPECTED_OPS = {
-    "npu::npu_fused_infer_attention_score": (*GQA_LIKE, MLA512, QWEN3_MOE, "gemma3"),
+    "npu::npu_fused_infer_attention_score": (*GQA_LIKE, MLA512, QWEN3_MOE, "gemma3", LONGCAT512),
     # gpt-oss's attention sinks: v2's learnable_sink
     "npu::npu_fused_infer_attention_score_v2": (GPT_OSS,),
     "npu::npu_scatter_nd_update_": (*GQA_LIKE, QWEN3_MOE, "gemma3", GPT_OSS),
-    "npu::npu_kv_rmsnorm_rope_cache": (MLA512,),  # the MLA layer's fused latent prolog
-    "npu::npu_interleave_rope": (MLA512,),  # its query's rope part
-    "npu::npu_grouped_matmul": MOE_ARCHS,
-    "npu::npu_swiglu": (*GQA_LIKE, MLA512, QWEN3_MOE),
+    "npu::npu_kv_rmsnorm_rope_cache": (MLA512, LONGCAT512),  # the MLA layer's fused latent prolog
+    "npu::npu_interleave_rope": (MLA512, LONGCAT512),  # its query's rope part
+    "npu::npu_grouped_matmul": (*MOE_ARCHS, LONGCAT512),
+    "npu::npu_swiglu": (*GQA_LIKE, MLA512, QWEN3_MOE, LONGCAT512),
     "npu::npu_clipped_swiglu": (GPT_OSS,),  # its experts' clamped SwiGLU
-    "npu::npu_rms_norm": (*GQA_LIKE, *MOE_ARCHS),
-    "npu::npu_add_rms_norm": (*GQA_LIKE, *MOE_ARCHS),
+    "npu::npu_rms_norm": (*GQA_LIKE, *MOE_ARCHS, LONGCAT512),
+    "npu::npu_add_rms_norm": (*GQA_LIKE, *MOE_ARCHS, LONGCAT512),
     # (gpt-oss's YaRN tables carry its attention factor, outside the op's range: plain torch)
     "npu::npu_rotary_mul": (*GQA, "mistral", QWEN3_MOE),
     # q and k in one launch: contiguous heads of 64 (Qwen3's q/k norms make new tensors)
     "npu::npu_apply_rotary_pos_emb": ("qwen3",),
     # DeepSeek's grouped sigmoid top-k; Qwen3-MoE's and gpt-oss's renormalised softmax top-k
     # (the softmax of the top k logits: the softmax op's _v2 with renorm 1)
-    "npu::npu_moe_gating_top_k": (MLA512,),
+    # (LongCat: softmax over real and zero experts with a correction bias, not renormalised)
+    "npu::npu_moe_gating_top_k": (MLA512, LONGCAT512),
     "npu::npu_moe_gating_top_k_softmax_v2": (QWEN3_MOE, GPT_OSS),
-    "npu::npu_moe_init_routing_v2": MOE_ARCHS,
-    "npu::npu_moe_finalize_routing": MOE_ARCHS,
+    "npu::npu_moe_init_routing_v2": (*MOE_ARCHS, LONGCAT512),
+    "npu::npu_moe_finalize_routing": (*MOE_ARCHS, LONGCAT512),
 }
 # Where the NPU TP=2 run is compared with reference kernels at TP=2 (same layout) rather
 # than at TP=1: a MoE model's routing turns TP=2's other bf16 summation order (about an

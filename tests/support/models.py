@@ -14,6 +14,8 @@ ARCHS = ("llama", "qwen2", "deepseek_v3")
 QWEN3_MOE = "qwen3_moe"
 # The DeepSeek variant whose MLA sizes (latent 512, rope 64) torch_npu's MLA kernel takes.
 MLA512 = "deepseek_v3_mla512"
+# The LongCat-Flash variant with those MLA sizes (its identity experts on the NPU path).
+LONGCAT512 = "longcat_flash_mla512"
 # A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
 QWEN2_KV1 = "qwen2_kv1"
 # A Qwen2-VL (M-RoPE positions; text prompts only): tests/engine/test_model_runner_v2.py.
@@ -24,8 +26,9 @@ LLAMA_DRAFT = "llama_draft"
 LLAMA_EAGLE = "llama_eagle"
 # Families served by tests/engine/test_model_families.py: sliding windows on every layer
 # (Mistral), alternating with full attention (Gemma 3; Gemma 2 with soft-capped attention
-# logits), dense q/k-norm attention (Qwen3).
-FAMILIES = ("mistral", "gemma2", "gemma3", "qwen3", "gpt_oss")
+# logits), dense q/k-norm attention (Qwen3), sinks and biased experts (gpt-oss), MLA with
+# zero-computation (identity) experts (LongCat-Flash).
+FAMILIES = ("mistral", "gemma2", "gemma3", "qwen3", "gpt_oss", "longcat_flash")
 # name: make_tiny_model.py's options
 VARIANTS = {
     **{arch: ["--arch", arch] for arch in FAMILIES},
@@ -33,6 +36,7 @@ VARIANTS = {
     "qwen3": ["--arch", "qwen3", "--hidden-size", "128", "--heads", "2"],
     **{arch: ["--arch", arch] for arch in ARCHS},
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
+    LONGCAT512: ["--arch", "longcat_flash", "--kv-lora-rank", "512"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],
     QWEN3_MOE: ["--arch", "qwen3_moe"],
     QWEN2_VL: ["--arch", "qwen2_vl"],

@@ -36,10 +36,36 @@ def hf_model(model: Path) -> tuple:
         config = AutoConfig.from_pretrained(model)
         vl = getattr(config, "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
-        hf = auto.from_pretrained(model, dtype=torch.float32, **_attention(config)).eval()
+        if config.model_type == "longcat_flash":
+            hf = _longcat(model)
+        else:
+            hf = auto.from_pretrained(model, dtype=torch.float32, **_attention(config)).eval()
         hf.generation_config.eos_token_id = None
         _HF_CACHE[key] = (tok, hf)
     return _HF_CACHE[key]
+
+
+def _longcat(model: Path):
+    """LongCat checkpoints (the tiny one as the real ones) hold no weights for the
+    zero-computation experts, but transformers' class gives them gate/up rows, never used
+    (they are identities), so it refuses the checkpoint's smaller stack: load with that
+    stack left out, then put the real experts' gate and up projections in its first rows."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, ignore_mismatched_sizes=True)
+    weights = load_file(Path(model) / "model.safetensors")
+    real = hf.config.n_routed_experts
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            name = f"model.layers.{i}.mlp.experts.{{}}.{{}}_proj.weight"
+            rows = [
+                torch.cat([weights[name.format(e, "gate")], weights[name.format(e, "up")]])
+                for e in range(real)
+            ]
+            layer.mlp.experts.gate_up_proj[:real] = torch.stack(rows)
+    return hf.eval()
 
 
 def _generate(tok, hf, prompts: list[str], max_tokens: int) -> list[list[int]]:

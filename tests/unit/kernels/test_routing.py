@@ -338,3 +338,59 @@ def test_unmodelled_routing_arguments_are_refused():
         torch_npu.npu_moe_gating_top_k_softmax_v2(
             torch.randn(4, 8), k=2, finished=torch.zeros(4, dtype=torch.bool)
         )
+
+
+# -- zero-computation experts (LongCat) ----------------------------------------------------------
+def test_split_zero_experts_equals_a_loop_over_slots():
+    torch.manual_seed(2)
+    real, zero, tokens, k = 6, 3, 40, 3
+    ids = torch.stack([torch.randperm(real + zero)[:k] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, k)
+    got_w, got_ids, got_zero = R.split_zero_experts(weights, ids, real)
+    assert got_ids.dtype == torch.int32 and got_w.dtype == torch.float32
+    assert got_zero.shape == (tokens, 1)
+    for t in range(tokens):
+        total = 0.0
+        for s in range(k):
+            if ids[t, s] >= real:
+                total += float(weights[t, s])
+                assert got_ids[t, s] == 0 and got_w[t, s] == 0  # expert 0 at weight 0
+            else:
+                assert got_ids[t, s] == ids[t, s] and got_w[t, s] == weights[t, s]
+        assert torch.isclose(got_zero[t, 0], torch.tensor(total))
+    assert (ids >= real).any()  # the draw chose zero experts
+
+
+def test_layer_routing_scores_the_zero_experts_beside_the_real_ones():
+    from vllm.ascend.moe.method import layer_routing, zero_experts
+
+    layer = _layer(e_score_correction_bias=torch.zeros(12), top_k=10)  # 8 real + 4 zero
+    assert zero_experts(layer) == 4
+    assert layer_routing(layer).top_k == 10  # more than the real experts: checked against 12
+    assert zero_experts(_layer()) == 0 and zero_experts(_layer(e_score_correction_bias=torch.zeros(8))) == 0
+
+
+def test_method_hands_over_the_identity_experts_output_once():
+    """Zero experts' slots leave the routes (expert 0 at weight 0); their output is the
+    token times their summed weight, taken once by upstream's runner (the hook patch)."""
+    from vllm.ascend.moe.method import AscendMoEMethod
+
+    torch.manual_seed(3)
+    layer = _layer(e_score_correction_bias=torch.randn(12) * 0.1, renormalize=False)
+    logits, x = torch.randn(5, 12), torch.randn(5, 16)
+    seen = {}
+
+    class Method(AscendMoEMethod):
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            seen.update(weights=topk_weights, ids=topk_ids)
+            return torch.zeros_like(x)
+
+    method = Method()
+    method.apply_monolithic(layer, x, logits)
+    weights, ids = R.route(logits, R.Routing(2, "softmax", False, 1, 1, 2.5), layer.e_score_correction_bias)
+    zero = ids >= 8
+    assert zero.any()  # the router chose zero experts for some token
+    assert torch.equal(seen["ids"], torch.where(zero, 0, ids))
+    expected = x * torch.where(zero, weights, 0.0).sum(-1, keepdim=True)
+    assert torch.allclose(method.take_zero_expert_output(), expected)
+    assert method.take_zero_expert_output() is None

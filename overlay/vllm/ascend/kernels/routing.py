@@ -75,6 +75,19 @@ class Routing:
             )
 
 
+def split_zero_experts(
+    weights: torch.Tensor, ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routes over ``num_experts`` real experts followed by zero-computation ones (LongCat's
+    identity experts, ids ``>= num_experts``): the routes with each zero expert's slot
+    turned into expert 0 at weight 0 (every strategy and expert kernel sees valid ids, as
+    upstream's zero-expert router leaves them), and per token ``[T, 1]`` the summed weight of
+    its zero experts, which an identity expert's output is that weight times the token."""
+    zero = ids >= num_experts
+    zero_weight = torch.where(zero, weights, 0.0).sum(dim=-1, keepdim=True)
+    return torch.where(zero, 0.0, weights), torch.where(zero, 0, ids), zero_weight
+
+
 def _scores(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
     x = logits.to(torch.float32)
     return torch.softmax(x, dim=-1) if routing.scoring_func == "softmax" else torch.sigmoid(x)

@@ -26,7 +26,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
 from vllm.ascend.kernels.moe import ACTIVATIONS, activation_name
-from vllm.ascend.kernels.routing import Routing, route
+from vllm.ascend.kernels.routing import Routing, route, split_zero_experts
 from vllm.ascend.moe.experts import AscendExperts
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 
@@ -46,6 +46,13 @@ def apply_kernel(kernel, layer, x, topk_weights, topk_ids, shared_experts, share
         shared_experts=shared_experts,
         shared_experts_input=shared_experts_input,
     )
+
+
+def zero_experts(layer) -> int:
+    """Zero-computation experts the router scores after the layer's real ones (LongCat):
+    upstream's zero-expert router needs a correction bias, which covers them too."""
+    bias = layer.e_score_correction_bias
+    return 0 if bias is None else max(0, int(bias.shape[0]) - layer.global_num_experts)
 
 
 def layer_routing(layer) -> Routing:
@@ -82,7 +89,7 @@ def layer_routing(layer) -> Routing:
         routed_scaling_factor=float(layer.routed_scaling_factor) if scaled else 1.0,
     )
     try:
-        routing.check(layer.global_num_experts)
+        routing.check(layer.global_num_experts + zero_experts(layer))
     except ValueError as e:
         raise NotImplementedError(f"{name}: {e}") from None
     return routing
@@ -110,6 +117,8 @@ class AscendMoEMethod:
     method: upstream calls ``apply_monolithic`` with the router logits; the method routes
     (``routing.route``, or the model's own routing function) and runs its modular kernel,
     built once weights are loaded (``set_up_kernel``)."""
+
+    zero_expert_output: torch.Tensor | None = None  # identity experts' output, until taken
 
     # what the upstream method class it is mixed into has (annotations only)
     moe: Any
@@ -151,8 +160,20 @@ class AscendMoEMethod:
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         topk_weights, topk_ids = self.select_experts(layer, x, router_logits)
+        if router_logits.shape[-1] > layer.global_num_experts:  # zero-computation experts
+            topk_weights, topk_ids, zero_weight = split_zero_experts(
+                topk_weights, topk_ids, layer.global_num_experts
+            )
+            # identity experts: the runner adds this after the routed output's reduction
+            self.zero_expert_output = (x.to(torch.float32) * zero_weight).to(x.dtype)
         # Shared experts: the runner ran them before this call (the kernel cannot overlap them).
         return self.apply(layer, x, topk_weights, topk_ids, None, None)
+
+    def take_zero_expert_output(self) -> torch.Tensor | None:
+        """The identity experts' output of the last ``apply_monolithic`` (upstream's runner
+        asks for it once per forward, through the zero-expert hook patch)."""
+        output, self.zero_expert_output = self.zero_expert_output, None
+        return output
 
 
 @UnquantizedFusedMoEMethod.register_oot
