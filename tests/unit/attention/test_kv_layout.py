@@ -71,3 +71,23 @@ def test_run_bounds_are_checked():
         layout.run(0, 2)
     with pytest.raises(IndexError):
         layout.run(1, 0, 1, 1)
+
+
+def test_planes_within_blocks_stay_inside_each_blocks_page():
+    """A hybrid model shares pages between attention and state layers: writing block b's K
+    and V (the planes within blocks) changes block b's page and no other byte; the
+    region-wide planes would write into other blocks' pages."""
+    blocks, heads, block_size, hk, hv = 5, 2, 3, 4, 6
+    cache = torch.zeros(blocks, heads, block_size, hk + hv)
+    k, v = gqa_planes(cache, hk, hv, within_blocks=True)
+    assert k.shape == (blocks, heads, block_size, hk) and v.shape == (blocks, heads, block_size, hv)
+    k[3].fill_(1.0)
+    v[3].fill_(2.0)
+    pages = cache.view(blocks, -1)
+    assert pages[3].count_nonzero() == pages[3].numel()  # K and V fill block 3's page exactly
+    assert pages[[0, 1, 2, 4]].count_nonzero() == 0
+    region = torch.zeros_like(cache)
+    region_k, _ = gqa_planes(region, hk, hv)
+    region_k[3].fill_(1.0)  # the region-wide K plane of block 3 lies in other blocks' pages
+    touched = region.view(blocks, -1).count_nonzero(dim=1)
+    assert touched[3] < touched.sum()

@@ -227,9 +227,14 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.need_to_return_lse_for_decode = self.cp_rank is not None
+        # a hybrid model's attention pages are shared with its state layers (kv_layout.gqa_planes)
+        model_config = get_current_vllm_config().model_config
+        self.pages_shared = bool(model_config is not None and model_config.is_hybrid)
 
     def _planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return gqa_planes(kv_cache, self.head_size, kv_cache.shape[-1] - self.head_size)
+        return gqa_planes(
+            kv_cache, self.head_size, kv_cache.shape[-1] - self.head_size, within_blocks=self.pages_shared
+        )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if kv_cache.numel() == 0:  # no cache bound yet (profiling without one)

@@ -71,12 +71,25 @@ def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(-1)
 
 
-def gqa_planes(kv_cache: torch.Tensor, head_size: int, head_size_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_cache [blocks, kv_heads, block_size, head_size + head_size_v]`` -> (K, V) planes."""
+def gqa_planes(
+    kv_cache: torch.Tensor, head_size: int, head_size_v: int, within_blocks: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_cache [blocks, kv_heads, block_size, head_size + head_size_v]`` -> (K, V) planes.
+
+    ``within_blocks``: each block's K and V stay inside that block's page (K, then V, per
+    block; strided planes). A hybrid model's attention layers share their pages with the
+    state layers' (upstream's hybrid manager hands one block id to one group at a time),
+    so a plane that spans the whole region would write into other blocks' states. The
+    reference kernels index such planes; the torch_npu kernels need contiguous ones."""
     blocks, heads, block_size, content = kv_cache.shape
     if content != head_size + head_size_v:
         raise KVLayoutError(f"cache content {content} != head_size {head_size} + head_size_v {head_size_v}")
     flat = _flat(kv_cache)
+    if within_blocks:
+        pages = flat.view(blocks, -1)
+        k_elems = heads * block_size * head_size
+        k = pages[:, :k_elems].unflatten(1, (heads, block_size, head_size))
+        return k, pages[:, k_elems:].unflatten(1, (heads, block_size, head_size_v))
     k_elems = blocks * heads * block_size * head_size
     k = flat[:k_elems].view(blocks, heads, block_size, head_size)
     v = flat[k_elems:].view(blocks, heads, block_size, head_size_v)
