@@ -586,6 +586,27 @@ def gumbel_combine(
     sampled_ptr.copy_(sampled.to(sampled_ptr.dtype))
 
 
+def scatter_num_accepted(
+    idx_mapping_ptr: torch.Tensor,
+    num_sampled_ptr: torch.Tensor,
+    num_accepted_ptr: torch.Tensor,
+    **launch: object,
+) -> None:
+    """A hybrid model's tokens accepted per request (at least 1), by its state row; rows
+    mapped to -1 are skipped."""
+    rows = idx_mapping_ptr.to(torch.int64)
+    keep = rows >= 0
+    value = num_sampled_ptr[: rows.shape[0]].clamp(min=1).to(num_accepted_ptr.dtype)
+    num_accepted_ptr.index_put_((rows[keep],), value[keep])
+
+
+def fill_num_accepted(
+    idx_mapping_ptr: torch.Tensor, num_accepted_ptr: torch.Tensor, num_sampled: int, **launch: object
+) -> None:
+    rows = idx_mapping_ptr.to(torch.int64)
+    num_accepted_ptr.index_fill_(0, rows[rows >= 0], num_sampled)
+
+
 KERNELS = {
     _V2 + "input_batch._prepare_pos_seq_lens_kernel": prepare_pos_seq_lens,
     _V2 + "input_batch._combine_sampled_and_draft_tokens_kernel": combine_sampled_and_draft_tokens,
@@ -600,6 +621,8 @@ KERNELS = {
     _V2 + "sample.gumbel._temperature_kernel": apply_temperature,
     _V2 + "sample.gumbel._gumbel_sample_kernel": gumbel_sample,
     _V2 + "sample.gumbel._gumbel_combine_kernel": gumbel_combine,
+    _V2 + "model_states.mamba_hybrid._scatter_num_accepted_kernel": scatter_num_accepted,
+    _V2 + "model_states.mamba_hybrid._fill_num_accepted_kernel": fill_num_accepted,
 }
 
 

@@ -72,6 +72,20 @@ class NPUModelRunner(GPUModelRunner):
                 self.max_num_reqs, state.hidden_size, state.dtype, self.device
             )
 
+    def _init_kv_zero_meta(self) -> None:
+        # Hybrid models have newly allocated attention blocks zeroed each step; upstream's
+        # zeroer writes through a table of raw device addresses (a Triton kernel), its CPU
+        # runner's through the cache tensors' own views, which any device runs.
+        from vllm.v1.worker.cpu.utils import CPUKVBlockZeroer
+
+        self.kv_block_zeroer = CPUKVBlockZeroer(
+            self.device,
+            attn_groups_iter=(g for groups in self.attn_groups for g in groups),
+            kernel_block_sizes=self.kernel_block_sizes,
+            static_forward_context=self.compilation_config.static_forward_context,
+            num_blocks=self.kv_cache_config.num_blocks,
+        )
+
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
         refuse_plane_blind_connector(self.vllm_config, is_profiling)
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling, **kwargs)
