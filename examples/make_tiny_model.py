@@ -164,10 +164,16 @@ def make_model(args, tok: Tokenizer):
         Qwen2ForCausalLM,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
     )
 
     cfg = base_config(args, tok)
@@ -235,6 +241,32 @@ def make_model(args, tok: Tokenizer):
             norm_topk_prob=True,
         )
         return Qwen3MoeForCausalLM(config)
+    if args.arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        # Gated DeltaNet hybrids: linear-attention layers (causal conv, gated delta rule over a
+        # recurrent state) with a full-attention layer every fourth, as the real ones
+        head_dim = args.hidden_size // args.heads
+        hybrid = dict(
+            num_key_value_heads=args.kv_heads or args.heads // 2,
+            head_dim=head_dim,
+            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(args.layers)],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_conv_kernel_dim=4,
+        )
+        moe = dict(
+            num_experts=args.experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=args.intermediate_size // 2,
+            shared_expert_intermediate_size=args.intermediate_size // 2,
+        )
+        if args.arch == "qwen3_next":
+            return Qwen3NextForCausalLM(Qwen3NextConfig(**cfg, **hybrid, **moe, decoder_sparse_step=1))
+        if args.arch == "qwen3_5_moe":
+            cfg.pop("intermediate_size")
+            return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**cfg, **hybrid, **moe))
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg, **hybrid))
     if args.arch == "qwen2_vl":
         half = args.hidden_size // args.heads // 2  # rotary pairs per head, split over t/h/w
         h = w = (half - half // 4) // 2  # Qwen2-VL's own split is 16/24/24 of 64
@@ -382,6 +414,9 @@ def main(argv: list[str] | None = None) -> Path:
             "gemma3",
             "gpt_oss",
             "longcat_flash",
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_moe",
         ],
     )
     p.add_argument("--out", required=True, type=Path)

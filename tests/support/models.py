@@ -27,11 +27,24 @@ LLAMA_EAGLE = "llama_eagle"
 # Families served by tests/engine/test_model_families.py: sliding windows on every layer
 # (Mistral), alternating with full attention (Gemma 3; Gemma 2 with soft-capped attention
 # logits), dense q/k-norm attention (Qwen3), sinks and biased experts (gpt-oss), MLA with
-# zero-computation (identity) experts (LongCat-Flash).
-FAMILIES = ("mistral", "gemma2", "gemma3", "qwen3", "gpt_oss", "longcat_flash")
+# zero-computation (identity) experts (LongCat-Flash), Gated DeltaNet linear attention with
+# a full-attention layer every fourth (Qwen3-Next with its MoE, Qwen3.5 dense and MoE).
+FAMILIES = (
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "qwen3",
+    "gpt_oss",
+    "longcat_flash",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 # name: make_tiny_model.py's options
 VARIANTS = {
     **{arch: ["--arch", arch] for arch in FAMILIES},
+    # four layers: three Gated DeltaNet, one full attention
+    **{arch: ["--arch", arch, "--layers", "4"] for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe")},
     # heads of 64 (the others have 16): the head sizes torch_npu's fused q/k rotary takes
     "qwen3": ["--arch", "qwen3", "--hidden-size", "128", "--heads", "2"],
     **{arch: ["--arch", arch] for arch in ARCHS},

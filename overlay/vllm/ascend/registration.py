@@ -4,7 +4,7 @@ Called in every process that builds models (workers) and by the platform's confi
 step: attention backend names into vLLM's backend enum and the MoE method as the
 out-of-tree replacement of upstream's unquantized MoE method, the ``ascend``
 quantization config (msModelSlim checkpoints), and the Ascend forms of upstream's layer
-ops (``vllm/ascend/ops``).
+ops (``vllm/ascend/ops``); for hybrid models also the Gated DeltaNet layer.
 """
 
 from __future__ import annotations
@@ -22,3 +22,11 @@ def register_runtime_components() -> None:
     from vllm.ascend.ops import register_layer_ops
 
     register_layer_ops()
+
+
+@cache
+def register_state_layer_components() -> None:
+    """What hybrid models need besides: the Ascend Gated DeltaNet layer (``ops/gdn.py``)."""
+    from vllm.ascend.ops import register_state_layer_ops
+
+    register_state_layer_ops()

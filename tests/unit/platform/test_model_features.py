@@ -22,7 +22,9 @@ from transformers import (
     MambaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from tests.support.models import engine_config
@@ -43,6 +45,17 @@ MLA = dict(
     n_routed_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
+)
+
+
+GDN = dict(
+    SMALL,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
 )
 
 
@@ -73,6 +86,8 @@ FEATURES = (
     "encoder-only",
     "encoder-decoder",
     "state-space",
+    "Gated DeltaNet layers with the NPU kernels",
+    "prefix caching with Gated DeltaNet layers",
     "expert-parallel load balancing",
     "MoE routing simulation",
     "MoE expert substitution",
@@ -207,7 +222,19 @@ CASES = [
         "mamba",
         lambda: MambaConfig(architectures=["MambaForCausalLM"], **TINY),
         {},
-        ["state-space or linear-attention layers"],
+        ["state-space or linear-attention layers other than Qwen3-Next's and Qwen3.5's Gated DeltaNet"],
+    ),
+    (
+        "qwen3-next",  # prefix caching is on by default; its state copies are Triton kernels
+        lambda: Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **GDN, num_experts=4),
+        {},
+        ["Gated DeltaNet layers with the NPU kernels", "prefix caching with Gated DeltaNet layers"],
+    ),
+    (
+        "qwen3.5-without-prefix-caching",  # the reference kernels serve it
+        lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **GDN),
+        {"enable_prefix_caching": False},
+        ["Gated DeltaNet layers with the NPU kernels (no torch_npu form yet"],
     ),
 ]
 
@@ -222,7 +249,11 @@ def test_unsupported_model_features_are_named_when_the_config_is_built(
     if kernels == "npu":
         engine_args = {"dtype": "bfloat16", **engine_args}  # the NPU kernels' dtypes
     elif named is not None:
-        named = [phrase for phrase in named if "NPU attention kernels" not in phrase] or None
+        named = [
+            phrase
+            for phrase in named
+            if "NPU attention kernels" not in phrase and "with the NPU kernels" not in phrase
+        ] or None
     if named is None:
         engine_config(tmp_path, make(), **engine_args)
         return

@@ -5,7 +5,9 @@ builds a layer) of ``RMSNorm`` with and without the residual add (``norm.py``),
 ``RotaryEmbedding`` and its subclasses that only change the cosine/sine cache, and
 DeepSeek's YaRN rotary (``rotary.py``), and ``SiluAndMul`` (``activation.py``); the
 out-of-tree replacement (``PluggableLayer.register_oot``) of upstream's multi-head latent
-attention layer, whose forward fuses the latent prolog (``mla.py``). They run where upstream's
+attention layer, whose forward fuses the latent prolog (``mla.py``), and of the Qwen Gated
+DeltaNet layer, whose core runs the reference kernels (``gdn.py``; registered in the
+workers of hybrid models only). They run where upstream's
 custom-op switch runs ``forward_oot``: ``compilation_config.custom_ops`` turns them on by
 default; ``none`` turns all off, ``-rms_norm`` / ``-rotary_embedding`` / ``-silu_and_mul``
 one of them (upstream's op names, which the forms keep).
@@ -28,3 +30,12 @@ def register_layer_ops() -> None:
     rotary.register()
     activation.register()
     mla.register()
+
+
+@cache
+def register_state_layer_ops() -> None:
+    """The Gated DeltaNet layer, for hybrid models only (its upstream module takes a second
+    and a half to import)."""
+    from vllm.ascend.ops import gdn
+
+    gdn.register()

@@ -23,6 +23,9 @@ ALIBI_ARCHITECTURES = {"BloomForCausalLM", "Step1ForCausalLM"}
 ALIBI_WHEN_CONFIGURED = {"FalconForCausalLM": "alibi", "RWForCausalLM": "alibi"}
 # Attention with one learned sink logit per head.
 SINK_MODEL_TYPES = {"gpt_oss"}
+# Hybrids whose linear-attention layers are upstream's QwenGatedDeltaNetAttention, which
+# ops/gdn.py replaces (reference kernels); other state-space and linear layers stay refused.
+GATED_DELTANET_ARCHITECTURES = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}
 
 
 def has_attention_sinks(model_config: ModelConfig) -> bool:
@@ -64,7 +67,13 @@ def unsupported_features(vllm_config: VllmConfig) -> list[str]:
     if kind in ("encoder_only", "encoder_decoder"):
         found.append(f"{kind.replace('_', '-')} attention (the Ascend backends run decoder self-attention)")
     elif kind in ("hybrid", "attention_free"):
-        found.append("state-space or linear-attention layers (upstream's kernels for them need Triton)")
+        if architectures & GATED_DELTANET_ARCHITECTURES:
+            found += _gated_deltanet_limits(vllm_config)
+        else:
+            found.append(
+                "state-space or linear-attention layers other than Qwen3-Next's and Qwen3.5's Gated "
+                "DeltaNet (upstream's kernels for them need Triton)"
+            )
     if model.is_moe:
         found += _moe_route_changes(model)
     zero_kind = getattr(hf, "zero_expert_type", None)
@@ -72,6 +81,29 @@ def unsupported_features(vllm_config: VllmConfig) -> list[str]:
         found.append(f"zero-computation experts of type {zero_kind!r} (the Ascend MoE runs identity ones)")
     if vllm_config.parallel_config.enable_eplb:
         found.append("expert-parallel load balancing (drop --enable-eplb)")
+    return found
+
+
+def _gated_deltanet_limits(vllm_config: VllmConfig) -> list[str]:
+    """What the Gated DeltaNet layers' reference form (ops/gdn.py) does not run yet."""
+    found = []
+    if npu_kernels():
+        found.append(
+            "Gated DeltaNet layers with the NPU kernels (no torch_npu form yet; the reference "
+            "kernels run them: VLLM_ASCEND_KERNELS=reference)"
+        )
+    if vllm_config.cache_config.enable_prefix_caching:
+        found.append(
+            "prefix caching with Gated DeltaNet layers (upstream's state copies at block "
+            "boundaries are Triton kernels; pass --no-enable-prefix-caching)"
+        )
+    if vllm_config.speculative_config is not None:
+        found.append("speculative decoding with Gated DeltaNet layers (drop --speculative-config)")
+    if vllm_config.kv_transfer_config is not None:
+        found.append("a KV connector with Gated DeltaNet layers (their states are not transferred)")
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        found.append("context parallelism with Gated DeltaNet layers")
     return found
 
 

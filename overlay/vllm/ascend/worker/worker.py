@@ -19,7 +19,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 from vllm.ascend import device as ascend_device
 from vllm.ascend import envs
 from vllm.ascend.kernels import npu_kernels
-from vllm.ascend.registration import register_runtime_components
+from vllm.ascend.registration import register_runtime_components, register_state_layer_components
 
 logger = init_logger(__name__)
 
@@ -72,9 +72,11 @@ def device_local_rank(parallel_config, local_rank: int, visible: int | None = No
 class NPUWorker(Worker):
     local_rank: int  # upstream's (annotation only)
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
         register_runtime_components()
-        super().__init__(*args, **kwargs)
+        if vllm_config.model_config is not None and vllm_config.model_config.is_hybrid:
+            register_state_layer_components()  # (importing them costs a second and a half)
+        super().__init__(vllm_config, *args, **kwargs)
 
     def init_device(self) -> None:
         dev = ascend_device.current()

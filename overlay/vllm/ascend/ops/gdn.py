@@ -1,0 +1,119 @@
+"""The Ascend form of upstream's Qwen Gated DeltaNet layer (Qwen3-Next, Qwen3.5).
+
+Registered with ``PluggableLayer.register_oot`` in place of
+``QwenGatedDeltaNetAttention``: upstream's layer sends an out-of-tree platform down its
+CUDA path, where the convolution, the gating and the recurrence are Triton kernels (its
+CPU path calls compiled CPU ops this wheel does not build). This form keeps upstream's
+parameters, weight loading, projections, gated norm and output projection, and runs the
+core from ``vllm.ascend.kernels.gdn`` sequence by sequence over the layer's state cache:
+the conv state ``[slots, W-1, D]`` (upstream's default layout; the transposed one when
+``VLLM_SSM_CONV_STATE_LAYOUT=DS``) and the recurrent state ``[slots, HV, Dv, Dk]``, one
+slot per request (upstream's GDN metadata names it). A prefill chunk starts from the
+request's state when it has computed tokens and writes it back; the chunked form runs
+prefills, the recurrent one decodes.
+
+Host emulation with the reference kernels only: the platform refuses these layers with
+the NPU kernels, with speculative decoding, and prefix caching for them stays off
+(``platform/model_features.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.custom_op import PluggableLayer
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+from vllm.ascend.kernels import gdn
+
+
+class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._forward_method = self.forward_ascend
+        # upstream's fused decode and speculative paths are Triton kernels
+        self.enable_packed_recurrent_decode = False
+        self.enable_fused_gdn_spec_decode = False
+
+    def forward_ascend(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        if self.gqa_interleaved_layout:  # Qwen3-Next: q, k, v, z, b, a interleaved per key head
+            query, key, value, z, b, a = self.fix_query_key_value_ordering(mixed_qkvz, ba)
+            query, key, value = (rearrange(t, "l p d -> l (p d)") for t in (query, key, value))
+            mixed_qkv = torch.cat((query, key, value), dim=-1)
+        else:  # Qwen3.5: [q, k, v | z] and [b | a]
+            qkv_size = (self.key_dim * 2 + self.value_dim) // self.tp_size
+            mixed_qkv, z = mixed_qkvz.split([qkv_size, self.value_dim // self.tp_size], dim=-1)
+            z = z.reshape(z.size(0), -1, self.head_v_dim)
+            b, a = ba.chunk(2, dim=-1)
+        core = torch.zeros(
+            hidden_states.shape[0],
+            self.num_v_heads // self.tp_size,
+            self.head_v_dim,
+            dtype=hidden_states.dtype,
+            device=hidden_states.device,
+        )
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, dict) and metadata.get(self.prefix) is not None:
+            self._run_core(mixed_qkv, b, a, core, metadata[self.prefix])
+        # (no metadata: a profile or dummy run; the state cache is not touched)
+        return self._output_projection(core, z)
+
+    def _run_core(
+        self,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        metadata: GDNAttentionMetadata,
+    ) -> None:
+        if metadata.spec_sequence_masks is not None:
+            raise NotImplementedError(
+                "speculative decoding with Gated DeltaNet layers is not supported on Ascend"
+            )
+        conv_state, ssm_state = self.kv_cache[0], self.kv_cache[1]
+        if is_conv_state_dim_first():
+            conv_state = conv_state.transpose(-1, -2)  # [slots, W-1, D] either way
+        weight = self.conv1d.weight.view(self.conv1d.weight.size(0), -1)
+        heads_k = self.num_k_heads // self.tp_size
+        heads_v = self.num_v_heads // self.tp_size
+        split = [self.key_dim // self.tp_size, self.key_dim // self.tp_size, self.value_dim // self.tp_size]
+        sequences = metadata.num_decodes + metadata.num_prefills
+        assert metadata.non_spec_query_start_loc is not None
+        assert metadata.non_spec_state_indices_tensor is not None
+        bounds = metadata.non_spec_query_start_loc[: sequences + 1].tolist()
+        slots = metadata.non_spec_state_indices_tensor[:sequences].tolist()
+        started = (
+            metadata.has_initial_state.tolist()
+            if metadata.has_initial_state is not None
+            else [True] * sequences
+        )
+        for i in range(sequences):
+            lo, hi, slot = bounds[i], bounds[i + 1], slots[i]
+            if hi == lo:
+                continue
+            y, conv_state[slot] = gdn.conv(mixed_qkv[lo:hi], weight, conv_state[slot] if started[i] else None)
+            q, k, v = y.split(split, dim=-1)
+            g, beta = gdn.gating(a[lo:hi], b[lo:hi], self.A_log, self.dt_bias)
+            rule = gdn.recurrent_delta_rule if i < metadata.num_decodes else gdn.chunked_delta_rule
+            o, state = rule(
+                q.unflatten(-1, (heads_k, -1)),
+                k.unflatten(-1, (heads_k, -1)),
+                v.unflatten(-1, (heads_v, -1)),
+                g,
+                beta,
+                ssm_state[slot] if started[i] else None,
+            )
+            ssm_state[slot] = state.to(ssm_state.dtype)
+            out[lo:hi] = o.to(out.dtype)
+
+
+def register() -> None:
+    PluggableLayer.register_oot(AscendQwenGatedDeltaNet, name="QwenGatedDeltaNetAttention")
