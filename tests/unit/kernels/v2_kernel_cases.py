@@ -154,6 +154,23 @@ def case_post_update_num_computed_tokens(g, side, guard):
     return [computed]
 
 
+def case_mamba_num_accepted(g, side, guard):
+    """A hybrid model's accepted-token counts per request slot (its state layers read
+    them): scattered from the sampled counts (at least 1), then filled with one count;
+    rows mapped to -1 are skipped."""
+    from vllm.v1.worker.gpu.model_states import mamba_hybrid
+
+    n, idx, _ = _batch(g)
+    idx = torch.where(torch.rand(n, generator=g) < 0.25, -1, idx)
+    sampled = _ints(g, 4, (n,))
+    scattered = _ints(g, 9, (MAX_REQS,), low=5)
+    filled = scattered.clone()
+    with guard():
+        mamba_hybrid._scatter_num_accepted_kernel[(n,)](idx, sampled, scattered)
+        mamba_hybrid._fill_num_accepted_kernel[(n,)](idx, filled, 3)
+    return [scattered, filled]
+
+
 def case_expand_idx_mapping(g, side, guard):
     from vllm.v1.worker.gpu.input_batch import expand_idx_mapping
 
