@@ -1,6 +1,6 @@
 """Regenerate ``schemas.json``: the op schemas the pinned torch_npu wheel registers.
 
-    python harness/doubles/extract_schemas.py --wheel torch_npu-2.14.0-...whl \
+    python -m harness.doubles.extract_schemas --wheel torch_npu-2.14.0-...whl \
         --op-plugin /path/to/Ascend/op-plugin [--op-plugin-commit SHA]
 
 Sources, in this order of trust:
@@ -26,11 +26,11 @@ import argparse
 import hashlib
 import json
 import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from harness.doubles.torch_npu_wheel import download
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "schemas.json"
@@ -139,22 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     wheel = args.wheel
     if wheel is None:
-        tmp = Path(tempfile.mkdtemp())
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "-d",
-                str(tmp),
-                f"torch-npu=={args.version}",
-            ],
-            check=True,
-        )
-        [wheel] = tmp.glob("*.whl")
+        wheel = download(args.version, Path(tempfile.mkdtemp()))
     data = extract(wheel, args.op_plugin, args.op_plugin_commit)
     args.out.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     counts = {ns: len(v) for ns, v in data["schemas"].items()}

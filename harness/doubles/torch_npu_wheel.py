@@ -1,4 +1,5 @@
-"""The pinned torch_npu wheel, fetched once with pip and cached by its sha256.
+"""The pinned torch_npu wheel, fetched once with pip and cached by its sha256
+(``python -m harness.doubles.torch_npu_wheel`` from the repository root prints its path).
 
 The contract double reads torch_npu's own meta functions (and the tests read its
 docs) from this file; nothing from it is imported as torch_npu or installed.
@@ -31,6 +32,29 @@ def cache_dir() -> Path:
     return Path(base) / "torch-npu"
 
 
+def download(version: str, directory: Path) -> Path:
+    """torch_npu ``version``'s wheel downloaded into ``directory`` with pip (no dependencies,
+    no install)."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "-d",
+            str(directory),
+            f"torch-npu=={version}",
+        ],
+        check=True,
+    )
+    [wheel] = directory.glob("*.whl")
+    return wheel
+
+
 def fetch() -> Path:
     """Path of the pinned wheel, downloading it (no dependencies, no install) if needed."""
     pin = pinned()
@@ -38,23 +62,7 @@ def fetch() -> Path:
     if target.exists() and hashlib.sha256(target.read_bytes()).hexdigest() == pin["sha256"]:
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--only-binary",
-                ":all:",
-                "-d",
-                tmp,
-                f"torch-npu=={pin['version']}",
-            ],
-            check=True,
-        )
-        [got] = Path(tmp).glob("*.whl")
+        got = download(pin["version"], Path(tmp))
         digest = hashlib.sha256(got.read_bytes()).hexdigest()
         if digest != pin["sha256"]:
             raise RuntimeError(f"downloaded {got.name} has sha256 {digest}, expected {pin['sha256']}")

@@ -194,7 +194,8 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
     ) -> None:
         if alibi_slopes is not None:
             raise NotImplementedError("Ascend attention does not support alibi_slopes yet")
-        self.cp_rank = cp.rank_layout(get_current_vllm_config().parallel_config)
+        vllm_config = get_current_vllm_config()
+        self.cp_rank = cp.rank_layout(vllm_config.parallel_config)
         self.sinks = extra.get("sinks")
         if self.sinks is not None and self.cp_rank is not None:
             raise NotImplementedError("Ascend attention does not support sinks with context parallelism yet")
@@ -228,7 +229,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.need_to_return_lse_for_decode = self.cp_rank is not None
         # a hybrid model's attention pages are shared with its state layers (kv_layout.gqa_planes)
-        model_config = get_current_vllm_config().model_config
+        model_config = vllm_config.model_config
         self.pages_shared = bool(model_config is not None and model_config.is_hybrid)
 
     def _planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,7 +103,7 @@ def chunked_delta_rule(
 
     # heads first, chunks of CHUNK tokens: [HV, N, C, .]; padded tokens write nothing (beta 0)
     def chunks(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) if t.dim() > 1 else F.pad(t, (0, pad))
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))  # tokens are dim 0 of every input
         return t.transpose(0, 1).unflatten(1, (-1, CHUNK))
 
     qc, kc, vc = (chunks(t) for t in (q, k, v))

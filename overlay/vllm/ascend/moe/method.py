@@ -160,7 +160,7 @@ class AscendMoEMethod:
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         topk_weights, topk_ids = self.select_experts(layer, x, router_logits)
-        if router_logits.shape[-1] > layer.global_num_experts:  # zero-computation experts
+        if zero_experts(layer):
             topk_weights, topk_ids, zero_weight = split_zero_experts(
                 topk_weights, topk_ids, layer.global_num_experts
             )
