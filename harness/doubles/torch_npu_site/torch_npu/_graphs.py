@@ -23,6 +23,8 @@ What the device does, and so what the double does:
 - **Host reads of device values are errors during capture**: ``item()``/``bool()`` and
   the other reads the double counts as synchronisations (``_syncs.py``), and ops whose
   output size depends on device data (no meta function can size them).
+- **Ops documented for single-op and static-graph modes only** (``_NOT_CAPTURED``:
+  ``npu_recurrent_gated_delta_rule``) are contract violations during capture.
 - **Replay re-runs exactly the recorded ops** on the recorded memory, with the frozen
   Python values, through the double's kernels (their documented rules are checked then).
 - **Memory from before the capture is held by address, not owned**: if it was freed
@@ -83,6 +85,7 @@ from torch.utils import _python_dispatch as dispatch_modes
 from torch.utils._pytree import tree_map
 
 from . import _contract, _syncs
+from ._rules import require
 
 
 class GraphCaptureError(RuntimeError):
@@ -113,6 +116,8 @@ _HOST_SIDE = frozenset(
 )
 _ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 _HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})
+# device ops whose docs name the modes they run in, ACL graph capture not among them
+_NOT_CAPTURED = {"npu_recurrent_gated_delta_rule": "RGDR.modes"}
 # ops that are device kernels (recorded as tasks); others are Python custom ops, whose bodies run
 _DEVICE_NAMESPACES = frozenset({"aten", "prims", "npu", "atb", "c10d", "_c10d_functional"})
 _PLAIN = (int, float, bool, str, bytes, type(None), complex)
@@ -500,6 +505,8 @@ class _Recorder(dispatch_modes.TorchDispatchMode):
                 f"{func} reads a device value on the host during NPU graph capture; the device refuses "
                 "this (the value does not exist until replay)"
             )
+        if name in _NOT_CAPTURED:
+            require(False, name, _NOT_CAPTURED[name], "called during an NPU graph capture")
         if name in _HOST_SIDE:
             return func(*args, **kwargs)  # a helper on the host: nothing launched
         if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):

@@ -38,6 +38,13 @@ ADD_RMS_NORM_DOC = (
 KV_RMSNORM_ROPE_CACHE_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_kv_rmsnorm_rope_cache.md (commit 09fca6f6)"
 )
+GDN_CHUNK_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_chunk_gated_delta_rule.md (commit 517f2e7d)"
+)
+GDN_RECURRENT_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_recurrent_gated_delta_rule.md "
+    "(commit 517f2e7d)"
+)
 INTERLEAVE_ROPE_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_interleave_rope.md (commit 09fca6f6)"
 )
@@ -751,6 +758,73 @@ RULES: dict[str, Rule] = {
             "Atlas A2系列产品、Atlas A3系列产品：输入x、cos、sin的D维度均必须等于64，且cos、sin的N维度必须等于1。",
             in_wheel=False,
         ),
+        # -- npu_chunk_gated_delta_rule (Gated DeltaNet prefill) --------------------------------------
+        # The wheel's docstring and op-plugin's page disagree: the wheel says L_i <= 8 (its
+        # recurrent sibling's limit, copied: a chunked prefill op), D_k = D_v = 128 and a state
+        # "(BlockNum, Nv, Dv, Dk)"; op-plugin's page (and its test, a 2048-token sequence)
+        # says no L_i limit, D <= 128 and a state of one row per sequence (B, Nv, Dv, Dk). The
+        # double takes the stricter of the two where they can both hold (D = 128) and the page
+        # where the wheel's text cannot be meant (L_i, B rows). First NPU run: check both.
+        Rule(
+            "GDR.inputs",
+            DOCS,
+            "- query (Tensor)：必选输入，对应公式中的q，数据类型支持bfloat16，数据格式支持ND，shape为（T, Nk, Dk）。",
+        ),
+        Rule(
+            "CGDR.dims",
+            DOCS,
+            "$N_k \\le 64$，$N_v \\le 64$，$D_k = 128$，$D_v = 128$，$N_v$是$N_k$整数倍",
+        ),
+        Rule(
+            "GDR.lengths",
+            DOCS,
+            "- actual_seq_lengths (Tensor)：必选输入，各batch的输入序列长度。数据类型支持int32，数据格式支持ND，"
+            "shape为（B,）。",
+        ),
+        Rule(
+            "CGDR.state",
+            GDN_CHUNK_DOC,
+            "initial_state (`Tensor`)：可选参数，对应公式中的状态矩阵$S_0$，数据类型支持`bfloat16`、`float32`，"
+            "数据格式支持ND，shape为（$B$, $N_v$, $D_v$, $D_k$）... initial_state、final_state float32数据类型"
+            "仅在Ascend 950PR/Ascend 950DT支持。... 当前TND场景，beta、initial_state、actual_seq_lengths必传。",
+            in_wheel=False,
+        ),
+        Rule(
+            "GDR.g",
+            DOCS,
+            "- g (Tensor)：必选输入，衰减系数，对应公式中的α=e^g。默认为None，表示全0。数据类型支持float32，"
+            "数据格式支持ND，shape为（T, Nv）。",
+        ),
+        # The page also asks for -1 <= g: Qwen's gates (-exp(A_log) softplus(a + dt_bias)) go
+        # below -1 and upstream passes them as they are, so the double does not enforce that
+        # bound (the page says only that results may overflow). First NPU run: check strong gates.
+        Rule(
+            "CGDR.ranges",
+            GDN_CHUNK_DOC,
+            "由于算法特性，用户需保障以下数值约束，否则计算结果可能出现溢出：... query需要归一化处理 ... "
+            "key需要归一化处理 ... $-1 \\le g[i][j] \\le 0$ ... $0 < beta[i][j] < 1$",
+            in_wheel=False,
+        ),
+        # -- npu_recurrent_gated_delta_rule (Gated DeltaNet decode; GDR.* rules hold for both) -----
+        Rule(
+            "RGDR.state",
+            DOCS,
+            "- state (Tensor)：必选输入&输出，对应公式中的状态矩阵S，数据类型支持bfloat16，数据格式支持ND，"
+            "shape为（BlockNum, Nv, Dv, Dk）。",
+        ),
+        Rule(
+            "RGDR.indices",
+            DOCS,
+            "- ssm_state_indices (Tensor)：必选输入，输入序列到状态矩阵的映射索引。state[ssm_state_indices[i]]"
+            "表示第i个token的状态矩阵。数据类型支持int32，数据格式支持ND，shape为（T,）。",
+        ),
+        Rule(
+            "RGDR.dims", DOCS, "$L_i \\le 8$，$N_k \\le 256$，$N_v \\le 256$，$D_k \\le 256$，$D_v \\le 256$"
+        ),
+        Rule("RGDR.gk", DOCS, "- gk (Tensor)：可选输入，衰减系数，当前版本暂不支持，传None即可。"),
+        # The wheel says "该接口支持静态图模式。" (static graphs); op-plugin's page says only single
+        # ops and static graphs: no ACL graph capture documented, so the double refuses it.
+        Rule("RGDR.modes", GDN_RECURRENT_DOC, "该接口仅支持单算子和静态图模式。", in_wheel=False),
     ]
 }
 
