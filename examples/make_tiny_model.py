@@ -245,14 +245,15 @@ def make_model(args, tok: Tokenizer):
         # Gated DeltaNet hybrids: linear-attention layers (causal conv, gated delta rule over a
         # recurrent state) with a full-attention layer every fourth, as the real ones
         head_dim = args.hidden_size // args.heads
+        linear_dim = args.linear_head_dim or head_dim
         hybrid = dict(
             num_key_value_heads=args.kv_heads or args.heads // 2,
             head_dim=head_dim,
             layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(args.layers)],
             linear_num_key_heads=2,
             linear_num_value_heads=4,
-            linear_key_head_dim=head_dim,
-            linear_value_head_dim=head_dim,
+            linear_key_head_dim=linear_dim,
+            linear_value_head_dim=linear_dim,
             linear_conv_kernel_dim=4,
         )
         moe = dict(
@@ -475,6 +476,13 @@ def main(argv: list[str] | None = None) -> Path:
         help="MLA query compression (deepseek_v3; default none: q_proj instead of q_a_proj/q_b_proj)",
     )
     p.add_argument("--qk-rope-head-dim", type=int, default=64, help="MLA rotary key size (deepseek_v3)")
+    p.add_argument(
+        "--linear-head-dim",
+        type=int,
+        default=0,
+        help="Gated DeltaNet key and value head size (qwen3_next, qwen3_5, qwen3_5_moe; default: "
+        "hidden size / heads; torch_npu's chunked op takes 128)",
+    )
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)
     p.add_argument(

@@ -47,7 +47,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec
-from tests.support.models import LONGCAT512, MLA512, QWEN3_MOE, quantize_model
+from tests.support.models import LONGCAT512, MLA512, QWEN3_MOE, QWEN35_NPU, quantize_model
 from tests.support.npu_compare import (
     NEAR_TIE_CANDIDATES,
     NearTieDivergence,
@@ -282,6 +282,74 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
     if arch in MOE_ARCHS:  # A3: the selector kept MC2 out (hidden size 64 < 1024)
         assert not any(call_counts(tmp_path / "npu_tp2").get(op) for op in MC2_OPS)
     for name in npu_runs:
+        _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
+
+
+# The Gated DeltaNet hybrid's runs: decode graphs (the recurrent update captured in torch:
+# torch_npu documents its recurrent op for single-op and static-graph modes only), eager
+# (every decode through npu_recurrent_gated_delta_rule), and TP=2 with graphs.
+GDN_RUNS = {
+    "npu_graphs": {},
+    "npu_eager": {"enforce_eager": True},
+    "npu_tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+}
+# torch_npu's Gated DeltaNet ops take q, k, v and beta in bf16 (the reference kernels keep
+# them in float32 from the convolution on) and the state crosses hundreds of tokens in bf16:
+# a pick within four bf16 ulps of a logit in [4, 8) is a near-tie there (three seen).
+GDN_NEAR_TIE = 0.25
+GDN_OPS = {
+    "npu::npu_chunk_gated_delta_rule": tuple(GDN_RUNS),
+    "npu::npu_recurrent_gated_delta_rule": ("npu_eager",),
+}
+
+
+def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_path):
+    """A Qwen3.5 (three Gated DeltaNet layers, one gated full-attention layer) in bf16:
+    prompts over several prefill chunks (the chunked op from each sequence's state), decode
+    steps eager and in graphs, TP=2; prefix caching off (refused for these layers)."""
+    engine = {**ENGINE, "enable_prefix_caching": False}
+    batches = [LONG_PROMPTS, PROMPTS[:3]]
+    specs = [
+        {
+            "model": str(tiny_models[QWEN35_NPU]),
+            "engine": engine,
+            "batches": batches,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": NEAR_TIE_CANDIDATES,
+            "env": IN_PROCESS,
+        }
+    ]
+    for name, extra in GDN_RUNS.items():
+        (tmp_path / name).mkdir()
+        env = {
+            "VLLM_ASCEND_KERNELS": "npu",
+            "TORCH_NPU_DOUBLE_SOC": "A2",
+            "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
+            "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
+        }
+        specs.append({**specs[0], "engine": {**engine, **extra}, "env": env})
+    result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
+    clean_shutdown(output)
+    ref, *npu = result["runs"]
+    assert max(r["prompt_len"] for r in ref["batches"][0]) > 3 * ENGINE["max_num_batched_tokens"]
+    assert len({tuple(r["token_ids"]) for r in ref["batches"][0]}) == len(ref["batches"][0])
+    assert output.count("decode graphs (FULL_DECODE_ONLY)") >= 2, "the graph runs captured nothing"
+    prompts = LONG_PROMPTS + PROMPTS[:3]
+    want = [r for batch in ref["batches"] for r in batch]
+    divergences = []
+    for name, run in zip(GDN_RUNS, npu):
+        got = [r for batch in run["batches"] for r in batch]
+        divergences += compare_tokens(
+            f"{QWEN35_NPU} {name} vs reference", want, got, prompts, near_tie=GDN_NEAR_TIE
+        )
+    for line in divergences:
+        warnings.warn(line, NearTieDivergence, stacklevel=2)
+    assert not call_counts(tmp_path / "reference"), "the reference kernels must not call torch_npu"
+    for name in GDN_RUNS:
+        counts = call_counts(tmp_path / name)
+        for op, runs in GDN_OPS.items():
+            if name in runs:
+                assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 

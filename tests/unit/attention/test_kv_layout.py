@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm.ascend.attention.kv_layout import KVLayoutError, LayerLayout, gqa_planes, mla_planes
+from vllm.ascend.attention.kv_layout import (
+    KVLayoutError,
+    LayerLayout,
+    gqa_planes,
+    mla_planes,
+    paged_rows,
+    paged_slots,
+)
 
 
 def _bytes_of(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
@@ -75,17 +82,26 @@ def test_run_bounds_are_checked():
 
 def test_planes_within_blocks_stay_inside_each_blocks_page():
     """A hybrid model shares pages between attention and state layers: writing block b's K
-    and V (the planes within blocks) changes block b's page and no other byte; the
-    region-wide planes would write into other blocks' pages."""
-    blocks, heads, block_size, hk, hv = 5, 2, 3, 4, 6
-    cache = torch.zeros(blocks, heads, block_size, hk + hv)
-    k, v = gqa_planes(cache, hk, hv, within_blocks=True)
-    assert k.shape == (blocks, heads, block_size, hk) and v.shape == (blocks, heads, block_size, hv)
-    k[3].fill_(1.0)
-    v[3].fill_(2.0)
+    and V (row PAGE_ROWS * b of the planes within blocks, both contiguous as the torch_npu
+    kernels take them) changes block b's page and no other byte; the region-wide planes
+    would write into other blocks' pages. Slots and block tables map to those rows."""
+    blocks, heads, block_size, hk = 5, 2, 3, 4
+    cache = torch.zeros(blocks, heads, block_size, 2 * hk)
+    k, v = gqa_planes(cache, hk, hk, within_blocks=True)
+    assert k.is_contiguous() and v.is_contiguous()
+    assert k.shape == v.shape == (2 * blocks - 1, heads, block_size, hk)
+    row = int(paged_rows(torch.tensor([3])))
+    k[row].fill_(1.0)
+    v[row].fill_(2.0)
     pages = cache.view(blocks, -1)
     assert pages[3].count_nonzero() == pages[3].numel()  # K and V fill block 3's page exactly
     assert pages[[0, 1, 2, 4]].count_nonzero() == 0
+    slots = torch.tensor([3 * block_size + 2, -1])  # block 3, offset 2; a padding slot stays negative
+    mapped = paged_slots(slots, block_size)
+    assert mapped.tolist()[0] == row * block_size + 2 and mapped.tolist()[1] < 0
+    with pytest.raises(KVLayoutError):
+        gqa_planes(torch.zeros(blocks, heads, block_size, hk + 2), hk, 2, within_blocks=True)
+    hv = hk
     region = torch.zeros_like(cache)
     region_k, _ = gqa_planes(region, hk, hv)
     region_k[3].fill_(1.0)  # the region-wide K plane of block 3 lies in other blocks' pages

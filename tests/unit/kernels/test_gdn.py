@@ -115,3 +115,77 @@ def test_conv_equals_transformers_and_carries_its_state():
     y2, s2 = gdn.conv(x[4:], weight, s1)
     torch.testing.assert_close(torch.cat([y1, y2]), y, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(s2, state)
+
+
+def _batch(lengths, heads_k=2, heads_v=4, d=128, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k = torch.randn(t, heads_k, d, generator=gen), torch.randn(t, heads_k, d, generator=gen)
+    v = torch.randn(t, heads_v, d, generator=gen)
+    a, b = torch.randn(t, heads_v, generator=gen), torch.randn(t, heads_v, generator=gen)
+    g, beta = gdn.gating(a, b, torch.randn(heads_v, generator=gen) * 0.5, torch.randn(heads_v, generator=gen))
+    states = torch.randn(len(lengths), heads_v, d, d, generator=gen) * 0.1
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q, k, v, g, beta, states, starts
+
+
+def test_conv_batch_equals_the_per_sequence_convolution_and_writes_each_state_row():
+    lengths, started = [1, 5, 2, 0], [True, False, True, True]
+    dim, width = 6, 4
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(lengths) + 2, dim, generator=gen)  # two padding rows past the batch
+    weight = torch.randn(dim, width, generator=gen)
+    cache = torch.randn(9, width - 1, dim, generator=gen)
+    slots = torch.tensor([4, 0, 7, 2])
+    before = cache.clone()
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    y = gdn.conv_batch(x, weight, cache, starts, slots, torch.tensor(started))
+    for i, (lo, hi) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        want_y, want_state = gdn.conv(x[lo:hi], weight, before[slots[i]] if started[i] else None)
+        torch.testing.assert_close(y[lo:hi], want_y)
+        torch.testing.assert_close(cache[slots[i]], want_state)
+    others = [r for r in range(9) if r not in slots.tolist()]
+    assert torch.equal(cache[others], before[others])
+
+
+def test_recurrent_step_batch_equals_the_recurrent_rule_per_sequence():
+    q, k, v, g, beta, states, _ = _batch([1, 1, 1], d=16)
+    cache = torch.zeros(5, *states.shape[1:])
+    slots = torch.tensor([3, 1, 4])
+    cache[slots] = states
+    nq, nk = gdn.normalise_qk(q, k)
+    o = gdn.recurrent_step_batch(nq, nk, v, g, beta, cache, slots)
+    for i in range(3):
+        want_o, want_state = gdn.recurrent_delta_rule(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], states[i]
+        )
+        torch.testing.assert_close(o[i], want_o[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache[slots[i]], want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_npu_forms_equal_the_reference_rules_through_the_contract_double():
+    torch_npu = pytest.importorskip("torch_npu")
+    if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+        pytest.skip("the real torch_npu is active on this host")
+    lengths, started = [40, 3, 70], [True, False, True]
+    q, k, v, g, beta, states, starts = _batch(lengths)
+    cache = torch.zeros(6, *states.shape[1:], dtype=torch.bfloat16)
+    slots = torch.tensor([5, 2, 0])
+    cache[slots] = states.to(torch.bfloat16)
+    nq, nk = gdn.normalise_qk(q, k)
+    o = gdn.npu_prefill(nq, nk, v, g, beta, cache, slots, starts, torch.tensor(started))
+    for i, (lo, hi) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        initial = states[i].to(torch.bfloat16).float() if started[i] else None
+        want_o, want_state = gdn.chunked_delta_rule(
+            q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], initial
+        )
+        torch.testing.assert_close(o[lo:hi].float(), want_o, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(cache[slots[i]].float(), want_state, atol=3e-2, rtol=3e-2)
+    # one decode token per sequence from the states just written, both forms
+    q1, k1, v1, g1, beta1, _, _ = _batch([1, 1, 1], seed=4)
+    nq1, nk1 = gdn.normalise_qk(q1, k1)
+    twin = cache.clone()
+    o_npu = gdn.npu_decode(nq1, nk1, v1, g1, beta1, cache, slots)
+    o_torch = gdn.recurrent_step_batch(nq1, nk1, v1, g1, beta1, twin, slots)
+    torch.testing.assert_close(o_npu.float(), o_torch, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(cache.float(), twin.float(), atol=3e-2, rtol=3e-2)

@@ -58,6 +58,8 @@ GDN = dict(
     linear_value_head_dim=16,
 )
 
+GDN128 = dict(GDN, linear_key_head_dim=128, linear_value_head_dim=128)
+
 
 def _longcat(zero_expert_type: str):
     config = LongcatFlashConfig(
@@ -86,7 +88,8 @@ FEATURES = (
     "encoder-only",
     "encoder-decoder",
     "state-space",
-    "Gated DeltaNet layers with the NPU kernels",
+    "Gated DeltaNet layers of",
+    "Gated DeltaNet layers in",
     "prefix caching with Gated DeltaNet layers",
     "expert-parallel load balancing",
     "MoE routing simulation",
@@ -228,13 +231,30 @@ CASES = [
         "qwen3-next",  # prefix caching is on by default; its state copies are Triton kernels
         lambda: Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **GDN, num_experts=4),
         {},
-        ["Gated DeltaNet layers with the NPU kernels", "prefix caching with Gated DeltaNet layers"],
+        [
+            "Gated DeltaNet layers of 2 key and 4 value heads per rank, head sizes 16 and 16, with the NPU kernels",
+            "prefix caching with Gated DeltaNet layers",
+        ],
     ),
     (
         "qwen3.5-without-prefix-caching",  # the reference kernels serve it
         lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **GDN),
         {"enable_prefix_caching": False},
-        ["Gated DeltaNet layers with the NPU kernels (no torch_npu form yet"],
+        [
+            "Gated DeltaNet layers of 2 key and 4 value heads per rank, head sizes 16 and 16, with the NPU kernels"
+        ],
+    ),
+    (
+        "qwen3.5-in-the-npu-ops-shapes",  # 128-wide heads: torch_npu's chunked op takes them
+        lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **GDN128),
+        {"enable_prefix_caching": False},
+        None,
+    ),
+    (
+        "qwen3.5-float32-state",
+        lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **GDN128),
+        {"enable_prefix_caching": False, "mamba_ssm_cache_dtype": "float32"},
+        ["Gated DeltaNet layers in torch.bfloat16 with a float32 state cache with the NPU kernels"],
     ),
 ]
 

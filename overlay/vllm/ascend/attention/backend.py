@@ -40,7 +40,7 @@ from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention import prefill_chunks
 from vllm.ascend.attention.cp_step import CPStep, build_step
-from vllm.ascend.attention.kv_layout import gqa_planes
+from vllm.ascend.attention.kv_layout import gqa_planes, paged_rows, paged_slots
 from vllm.ascend.graph import host_params
 from vllm.ascend.kernels import attention as kernels
 from vllm.ascend.kernels import npu_kernels
@@ -241,6 +241,11 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
         if kv_cache.numel() == 0:  # no cache bound yet (profiling without one)
             return
         k_plane, v_plane = self._planes(kv_cache)
+        if self.pages_shared:
+            slot_mapping = once_per_step(
+                ("paged-slots", slot_mapping.data_ptr(), slot_mapping.shape[0]),
+                lambda: paged_slots(slot_mapping, k_plane.shape[2]),
+            )
         if self.cp_rank is not None and self.cp_rank.pcp > 1:
             step = get_forward_context().attn_metadata[layer.layer_name].cp_step
             if step.split:  # every PCP rank's rows, in the order of the runner's PCP slot mapping
@@ -274,11 +279,16 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             return self._context_parallel(query, k_plane, v_plane, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
         seq_lens = attn_metadata.seq_lens
+        block_table = attn_metadata.block_table
+        if self.pages_shared:
+            block_table = once_per_step(
+                ("paged-rows", block_table.data_ptr(), *block_table.shape), lambda: paged_rows(block_table)
+            )
         if attn_metadata.graph_batch:  # captured with the longest lengths its replays may bring
             starts = attn_metadata.query_start_loc
             seq_lens = host_params.capture_lengths(
                 [b - a for a, b in zip(starts, starts[1:])],
-                attn_metadata.block_table.shape[1],
+                block_table.shape[1],
                 k_plane.shape[2],
                 k_plane.shape[0],
             )
@@ -286,7 +296,7 @@ class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):
             query[:n],
             k_plane,
             v_plane,
-            attn_metadata.block_table,
+            block_table,
             attn_metadata.query_start_loc,
             seq_lens,
             self.scale,

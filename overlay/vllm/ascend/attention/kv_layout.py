@@ -61,6 +61,23 @@ def connector_addresses_planes(kv_transfer_config) -> bool:
     return bool(getattr(connector, "addresses_ascend_kv_planes", False))
 
 
+# rows of the within-blocks planes per block: its K half-page, then its V half-page
+PAGE_ROWS = 2
+
+
+def paged_rows(block_table: torch.Tensor) -> torch.Tensor:
+    """Block ids -> rows of the within-blocks planes."""
+    return block_table * PAGE_ROWS
+
+
+def paged_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Token slots (block x block_size + offset) -> slots of the within-blocks planes."""
+    return (
+        slot_mapping
+        + torch.div(slot_mapping, block_size, rounding_mode="floor") * (PAGE_ROWS - 1) * block_size
+    )
+
+
 def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
     if not kv_cache.is_contiguous():
         raise KVLayoutError(
@@ -77,19 +94,27 @@ def gqa_planes(
     """``kv_cache [blocks, kv_heads, block_size, head_size + head_size_v]`` -> (K, V) planes.
 
     ``within_blocks``: each block's K and V stay inside that block's page (K, then V, per
-    block; strided planes). A hybrid model's attention layers share their pages with the
-    state layers' (upstream's hybrid manager hands one block id to one group at a time),
-    so a plane that spans the whole region would write into other blocks' states. The
-    reference kernels index such planes; the torch_npu kernels need contiguous ones."""
+    block). A hybrid model's attention layers share their pages with the state layers'
+    (upstream's hybrid manager hands one block id to one group at a time), so a plane that
+    spans the whole region would write into other blocks' states. The torch_npu kernels
+    take contiguous planes only, so these are two contiguous views of the region in
+    half-page rows, the V view one half-page later: block ``b``'s K and V are row
+    ``PAGE_ROWS * b`` of each (``paged_rows``, ``paged_slots``). Needs K and V of one size."""
     blocks, heads, block_size, content = kv_cache.shape
     if content != head_size + head_size_v:
         raise KVLayoutError(f"cache content {content} != head_size {head_size} + head_size_v {head_size_v}")
     flat = _flat(kv_cache)
     if within_blocks:
-        pages = flat.view(blocks, -1)
-        k_elems = heads * block_size * head_size
-        k = pages[:, :k_elems].unflatten(1, (heads, block_size, head_size))
-        return k, pages[:, k_elems:].unflatten(1, (heads, block_size, head_size_v))
+        if head_size != head_size_v:
+            raise KVLayoutError(
+                f"a hybrid model's attention pages need K and V of one head size (got {head_size} and {head_size_v})"
+            )
+        half = heads * block_size * head_size
+        rows = (
+            PAGE_ROWS * blocks - 1
+        )  # the K view ends before the last V, the V view starts after the first K
+        k = flat[: rows * half].view(rows, heads, block_size, head_size)
+        return k, flat[half:].view(rows, heads, block_size, head_size)
     k_elems = blocks * heads * block_size * head_size
     k = flat[:k_elems].view(blocks, heads, block_size, head_size)
     v = flat[k_elems:].view(blocks, heads, block_size, head_size_v)

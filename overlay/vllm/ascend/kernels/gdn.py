@@ -20,8 +20,21 @@ consecutive value heads sharing a key head):
 Two forms of the recurrence, equal up to float32 rounding: ``recurrent_delta_rule`` one
 token at a time (decode), ``chunked_delta_rule`` in chunks of 64 tokens (prefill): inside
 a chunk the updates are solved together (a triangular solve: the WY form of the product of
-the chunk's updates), across chunks the state carries them. No torch_npu form yet: with the
-NPU kernels the platform refuses these layers at start-up (``platform/model_features.py``).
+the chunk's updates), across chunks the state carries them.
+
+Batch forms over the layer's state cache (no read back to the host, the state rows named by
+a device tensor of slots):
+
+- ``conv_batch``: the convolution for every sequence of a ragged batch at once, each
+  sequence's conv state read (zeros where it has none) and written back in place.
+- ``recurrent_step_batch``: one token per sequence, in plain torch; what a decode graph
+  captures (torch_npu documents its recurrent op for single-op and static-graph modes only).
+- ``npu_decode`` and ``npu_prefill``: ``torch_npu.npu_recurrent_gated_delta_rule`` (the
+  state rows updated in place) and ``torch_npu.npu_chunk_gated_delta_rule`` (one initial
+  state per sequence, final states written back). Both want q and k L2-normalised by the
+  caller (``normalise_qk``), bfloat16 inputs and state, ``Nv % Nk == 0``; the chunked op
+  ``Nk, Nv <= 64`` and ``Dk = Dv = 128`` (``NPU_CHUNK_*``), the recurrent one at most 256 heads
+  and 256-wide heads. The platform checks the model against these at start-up.
 """
 
 from __future__ import annotations
@@ -29,8 +42,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm.ascend.kernels import request_of_token, torch_npu
+
 CHUNK = 64  # tokens solved together by the chunked form (fla's and transformers' chunk)
 L2_EPS = 1e-6  # transformers' l2norm and fla's use_qk_l2norm_in_kernel
+# torch_npu's limits (its docs, quoted in the contract double's rules GDR.*, CGDR.*, RGDR.*)
+NPU_CHUNK_MAX_HEADS = 64
+NPU_CHUNK_HEAD_DIM = 128
+NPU_RECURRENT_MAX_HEADS = 256
+NPU_RECURRENT_MAX_HEAD_DIM = 256
 
 
 def conv(
@@ -130,3 +150,127 @@ def chunked_delta_rule(
         )
     o = out.flatten(1, 2).transpose(0, 1)[:length]
     return o, s.transpose(1, 2)
+
+
+def conv_batch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+) -> torch.Tensor:
+    """``conv`` for a ragged batch: x [T, D] whose sequence i is ``x[qsl[i]:qsl[i+1]]`` with
+    its state in ``conv_state[state_indices[i]]`` ([slots, W-1, D]), updated in place. Rows of
+    x past the last sequence (a graph's padding) get values nobody reads."""
+    width, seqs = weight.shape[1], state_indices.numel()
+    history = width - 1
+    states = conv_state[state_indices.long()]  # [B, W-1, D]
+    if has_initial_state is not None:
+        states = states * has_initial_state.to(states.dtype)[:, None, None]
+    # one source of rows: every sequence's state rows, then the batch's inputs
+    source = torch.cat([states.flatten(0, 1), x.to(states.dtype)]).to(torch.float32)
+    req, pos, _ = request_of_token(query_start_loc[1 : seqs + 1], x.shape[0])
+
+    def row(seq: torch.Tensor, at: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Where the input ``at`` positions into sequence ``seq`` lives (negative: its state)."""
+        return torch.where(at >= 0, seqs * history + token, seq * history + history + at)
+
+    token = torch.arange(x.shape[0], device=x.device)
+    w = weight.to(torch.float32)
+    y = sum(source[row(req, pos + j - history, token + j - history)] * w[:, j] for j in range(width))
+    lengths = (query_start_loc[1 : seqs + 1] - query_start_loc[:seqs]).long()
+    seq = torch.arange(seqs, device=x.device)[:, None]
+    tail = lengths[:, None] - history + torch.arange(history, device=x.device)  # [B, W-1]
+    start = query_start_loc[:seqs].long()[:, None]
+    conv_state.index_copy_(0, state_indices.long(), source[row(seq, tail, start + tail)].to(conv_state.dtype))
+    return F.silu(y).to(x.dtype)
+
+
+def normalise_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k L2-normalised per head (the NPU ops take them so; the scale is the op's)."""
+
+    def unit(t: torch.Tensor) -> torch.Tensor:
+        f = t.to(torch.float32)
+        return (f * torch.rsqrt((f * f).sum(-1, keepdim=True) + L2_EPS)).to(t.dtype)
+
+    return unit(q), unit(k)
+
+
+def recurrent_step_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each of ``state_indices.numel()`` sequences (row i is sequence i's token,
+    q and k normalised): the state rows read, updated and written back in place. Returns
+    o [B, HV, Dv] float32."""
+    rows = state_indices.long()
+    group = v.shape[1] // q.shape[1]
+    qf = q.to(torch.float32).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5
+    kf = k.to(torch.float32).repeat_interleave(group, dim=1)
+    s = ssm_state[rows].to(torch.float32) * g.exp()[..., None, None]  # [B, HV, Dv, Dk]
+    remembered = torch.einsum("bhvk,bhk->bhv", s, kf)
+    s = s + torch.einsum("bhv,bhk->bhvk", (v.to(torch.float32) - remembered) * beta[..., None], kf)
+    ssm_state.index_copy_(0, rows, s.to(ssm_state.dtype))
+    return torch.einsum("bhvk,bhk->bhv", s, qf)
+
+
+def npu_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """``recurrent_step_batch`` through torch_npu's recurrent op (bfloat16, eager only)."""
+    count = state_indices.numel()
+    return torch_npu().npu_recurrent_gated_delta_rule(
+        q.to(torch.bfloat16),
+        k.to(torch.bfloat16),
+        v.to(torch.bfloat16),
+        ssm_state,
+        beta=beta.to(torch.bfloat16),
+        scale=q.shape[-1] ** -0.5,
+        actual_seq_lengths=torch.ones(count, dtype=torch.int32, device=q.device),
+        ssm_state_indices=state_indices.to(torch.int32),
+        g=g.to(torch.float32),
+    )
+
+
+def npu_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+) -> torch.Tensor:
+    """Every sequence of a ragged prefill batch (q and k normalised; ``query_start_loc``
+    from 0) through torch_npu's chunked op, each from its state row (zeros where it has
+    none); the final states written back to their rows."""
+    rows = state_indices.long()
+    initial = ssm_state[rows]
+    if has_initial_state is not None:
+        initial = initial * has_initial_state.to(initial.dtype)[:, None, None, None]
+    out, final = torch_npu().npu_chunk_gated_delta_rule(
+        q.to(torch.bfloat16),
+        k.to(torch.bfloat16),
+        v.to(torch.bfloat16),
+        beta=beta.to(torch.bfloat16),
+        initial_state=initial.contiguous(),
+        actual_seq_lengths=(query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32),
+        scale=q.shape[-1] ** -0.5,
+        g=g.to(torch.float32),
+    )
+    ssm_state.index_copy_(0, rows, final.to(ssm_state.dtype))
+    return out

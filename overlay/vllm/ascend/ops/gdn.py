@@ -12,9 +12,12 @@ slot per request (upstream's GDN metadata names it). A prefill chunk starts from
 request's state when it has computed tokens and writes it back; the chunked form runs
 prefills, the recurrent one decodes.
 
-Host emulation with the reference kernels only: the platform refuses these layers with
-the NPU kernels, with speculative decoding, and prefix caching for them stays off
-(``platform/model_features.py``).
+With the NPU kernels the whole batch runs without reading a length back to the host: the
+convolution for every sequence at once (``gdn.conv_batch``), the decodes through torch_npu's
+recurrent op (inside a decode graph through ``gdn.recurrent_step_batch`` instead: the op is
+documented for single-op and static-graph modes only), the prefills through its chunked op.
+Speculative decoding, prefix caching, KV connectors and context parallelism with these layers
+are refused at start-up (``platform/model_features.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedD
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-from vllm.ascend.kernels import gdn
+from vllm.ascend import device as ascend_device
+from vllm.ascend.kernels import gdn, npu_kernels
 
 
 class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
@@ -62,9 +66,27 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         )
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, dict) and metadata.get(self.prefix) is not None:
-            self._run_core(mixed_qkv, b, a, core, metadata[self.prefix])
+            if metadata[self.prefix].spec_sequence_masks is not None:
+                raise NotImplementedError(
+                    "speculative decoding with Gated DeltaNet layers is not supported on Ascend"
+                )
+            run = self._run_core_npu if npu_kernels() else self._run_core
+            run(mixed_qkv, b, a, core, metadata[self.prefix])
         # (no metadata: a profile or dummy run; the state cache is not touched)
         return self._output_projection(core, z)
+
+    def _state_and_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv state as [slots, W-1, D] (either upstream layout), the recurrent state
+        [slots, HV, Dv, Dk], and the conv weight [D, W]."""
+        conv_state, ssm_state = self.kv_cache[0], self.kv_cache[1]
+        if is_conv_state_dim_first():
+            conv_state = conv_state.transpose(-1, -2)
+        return conv_state, ssm_state, self.conv1d.weight.view(self.conv1d.weight.size(0), -1)
+
+    def _heads(self) -> tuple[int, int, list[int]]:
+        """Key and value heads on this rank, and the q | k | v split of the conv output."""
+        key, value = self.key_dim // self.tp_size, self.value_dim // self.tp_size
+        return self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size, [key, key, value]
 
     def _run_core(
         self,
@@ -74,17 +96,8 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         out: torch.Tensor,
         metadata: GDNAttentionMetadata,
     ) -> None:
-        if metadata.spec_sequence_masks is not None:
-            raise NotImplementedError(
-                "speculative decoding with Gated DeltaNet layers is not supported on Ascend"
-            )
-        conv_state, ssm_state = self.kv_cache[0], self.kv_cache[1]
-        if is_conv_state_dim_first():
-            conv_state = conv_state.transpose(-1, -2)  # [slots, W-1, D] either way
-        weight = self.conv1d.weight.view(self.conv1d.weight.size(0), -1)
-        heads_k = self.num_k_heads // self.tp_size
-        heads_v = self.num_v_heads // self.tp_size
-        split = [self.key_dim // self.tp_size, self.key_dim // self.tp_size, self.value_dim // self.tp_size]
+        conv_state, ssm_state, weight = self._state_and_weight()
+        heads_k, heads_v, split = self._heads()
         sequences = metadata.num_decodes + metadata.num_prefills
         assert metadata.non_spec_query_start_loc is not None
         assert metadata.non_spec_state_indices_tensor is not None
@@ -113,6 +126,52 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
             )
             ssm_state[slot] = state.to(ssm_state.dtype)
             out[lo:hi] = o.to(out.dtype)
+
+    def _run_core_npu(
+        self,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        metadata: GDNAttentionMetadata,
+    ) -> None:
+        conv_state, ssm_state, weight = self._state_and_weight()
+        assert metadata.non_spec_query_start_loc is not None
+        assert metadata.non_spec_state_indices_tensor is not None
+        decodes, sequences = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
+        starts = metadata.non_spec_query_start_loc[: sequences + 1]
+        slots = metadata.non_spec_state_indices_tensor[:sequences]
+        y = gdn.conv_batch(mixed_qkv, weight, conv_state, starts, slots, metadata.has_initial_state)
+        heads_k, heads_v, split = self._heads()
+        q, k, v = y.split(split, dim=-1)
+        q, k = gdn.normalise_qk(q.unflatten(-1, (heads_k, -1)), k.unflatten(-1, (heads_k, -1)))
+        v = v.unflatten(-1, (heads_v, -1))
+        g, beta = gdn.gating(a, b, self.A_log, self.dt_bias)
+        decode_tokens = metadata.num_decode_tokens  # one per decode: no drafts here
+        if decodes:
+            part = slice(0, decode_tokens)
+            if ascend_device.current().is_capturing():
+                o = gdn.recurrent_step_batch(
+                    q[part], k[part], v[part], g[part], beta[part], ssm_state, slots[:decodes]
+                )
+            else:
+                o = gdn.npu_decode(q[part], k[part], v[part], g[part], beta[part], ssm_state, slots[:decodes])
+            out[part] = o.to(out.dtype)
+        if metadata.num_prefills:
+            part = slice(decode_tokens, decode_tokens + metadata.num_prefill_tokens)
+            initial = metadata.has_initial_state
+            o = gdn.npu_prefill(
+                q[part],
+                k[part],
+                v[part],
+                g[part],
+                beta[part],
+                ssm_state,
+                slots[decodes:],
+                starts[decodes:] - starts[decodes],
+                None if initial is None else initial[decodes:sequences],
+            )
+            out[part] = o.to(out.dtype)
 
 
 def register() -> None:

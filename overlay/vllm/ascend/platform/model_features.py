@@ -88,10 +88,7 @@ def _gated_deltanet_limits(vllm_config: VllmConfig) -> list[str]:
     """What the Gated DeltaNet layers' reference form (ops/gdn.py) does not run yet."""
     found = []
     if npu_kernels():
-        found.append(
-            "Gated DeltaNet layers with the NPU kernels (no torch_npu form yet; the reference "
-            "kernels run them: VLLM_ASCEND_KERNELS=reference)"
-        )
+        found += _gated_deltanet_npu_limits(vllm_config)
     if vllm_config.cache_config.enable_prefix_caching:
         found.append(
             "prefix caching with Gated DeltaNet layers (upstream's state copies at block "
@@ -104,6 +101,42 @@ def _gated_deltanet_limits(vllm_config: VllmConfig) -> list[str]:
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         found.append("context parallelism with Gated DeltaNet layers")
+    return found
+
+
+def _gated_deltanet_npu_limits(vllm_config: VllmConfig) -> list[str]:
+    """The model's linear-attention shapes against torch_npu's Gated DeltaNet ops' limits."""
+    import torch
+
+    from vllm.ascend.kernels import gdn
+
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    heads_k = getattr(hf, "linear_num_key_heads", 0) // tp
+    heads_v = getattr(hf, "linear_num_value_heads", 0) // tp
+    dk, dv = getattr(hf, "linear_key_head_dim", 0), getattr(hf, "linear_value_head_dim", 0)
+    found = []
+    fits = (
+        0 < heads_k <= gdn.NPU_CHUNK_MAX_HEADS
+        and 0 < heads_v <= gdn.NPU_CHUNK_MAX_HEADS
+        and heads_v % heads_k == 0
+        and dk == dv == gdn.NPU_CHUNK_HEAD_DIM
+    )
+    if not fits:
+        found.append(
+            f"Gated DeltaNet layers of {heads_k} key and {heads_v} value heads per rank, head sizes "
+            f"{dk} and {dv}, with the NPU kernels (npu_chunk_gated_delta_rule takes at most "
+            f"{gdn.NPU_CHUNK_MAX_HEADS} heads of each, value heads a multiple of key heads, head size "
+            f"{gdn.NPU_CHUNK_HEAD_DIM}; the reference kernels run them: VLLM_ASCEND_KERNELS=reference)"
+        )
+    state_dtype = vllm_config.cache_config.mamba_ssm_cache_dtype
+    if model.dtype != torch.bfloat16 or state_dtype not in ("auto", "bfloat16"):
+        found.append(
+            f"Gated DeltaNet layers in {model.dtype} with a {state_dtype} state cache with the NPU kernels "
+            "(torch_npu's Gated DeltaNet ops take bfloat16 inputs and states: --dtype bfloat16 "
+            "--mamba-ssm-cache-dtype auto)"
+        )
     return found
 
 
