@@ -71,7 +71,16 @@ TP2_RUNS = {
         {**EP, "additional_config": {"moe_comm_method": "alltoall"}},
     ),
     # the Gated DeltaNet layers' heads and states split over the ranks, with its MoE
+    # (AllGather); Qwen3.5-MoE's experts split by EP under the two other strategies
     "qwen3_next_tp2": ("qwen3_next", NO_PREFIX_CACHING),
+    "qwen3_5_moe_tp2_ep_alltoall": (
+        "qwen3_5_moe",
+        {**NO_PREFIX_CACHING, **EP, "additional_config": {"moe_comm_method": "alltoall"}},
+    ),
+    "qwen3_5_moe_tp2_ep_mc2": (
+        "qwen3_5_moe",
+        {**NO_PREFIX_CACHING, **EP, "additional_config": {"moe_comm_method": "mc2"}},
+    ),
 }
 # extended (out of CI's run): the dense families' TP=2 splits are Gemma 3's (windows and
 # full layers) and gpt-oss's (sinks, windows); their TP=1 runs stay in CI

@@ -47,7 +47,15 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import IN_PROCESS, RUNNER_LINE, clean_shutdown, run_spec
-from tests.support.models import LONGCAT512, MLA512, QWEN3_MOE, QWEN35_NPU, quantize_model
+from tests.support.models import (
+    LONGCAT512,
+    MLA512,
+    QWEN3_MOE,
+    QWEN3_NEXT_NPU,
+    QWEN35_MOE_NPU,
+    QWEN35_NPU,
+    quantize_model,
+)
 from tests.support.npu_compare import (
     NEAR_TIE_CANDIDATES,
     NearTieDivergence,
@@ -285,13 +293,18 @@ def test_npu_kernels_equal_reference_kernels(arch, tiny_models, tmp_path):
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 
-# The Gated DeltaNet hybrid's runs: decode graphs (the recurrent update captured in torch:
-# torch_npu documents its recurrent op for single-op and static-graph modes only), eager
-# (every decode through npu_recurrent_gated_delta_rule), and TP=2 with graphs.
+# The Gated DeltaNet hybrids' runs: the dense Qwen3.5 with decode graphs (the recurrent
+# update captured in torch: torch_npu documents its recurrent op for single-op and
+# static-graph modes only), eager (every decode through npu_recurrent_gated_delta_rule) and
+# TP=2 with graphs; Qwen3-Next (q, k, v, z interleaved per key head; its MoE) and Qwen3.5-MoE
+# with graphs. name: (model, engine changes)
+TP2_MP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 GDN_RUNS = {
-    "npu_graphs": {},
-    "npu_eager": {"enforce_eager": True},
-    "npu_tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "qwen3_5_graphs": (QWEN35_NPU, {}),
+    "qwen3_5_eager": (QWEN35_NPU, {"enforce_eager": True}),
+    "qwen3_5_tp2": (QWEN35_NPU, TP2_MP),
+    "qwen3_next_graphs": (QWEN3_NEXT_NPU, {}),
+    "qwen3_5_moe_graphs": (QWEN35_MOE_NPU, {}),
 }
 # torch_npu's Gated DeltaNet ops take q, k, v and beta in bf16 (the reference kernels keep
 # them in float32 from the convolution on) and the state crosses hundreds of tokens in bf16:
@@ -299,27 +312,32 @@ GDN_RUNS = {
 GDN_NEAR_TIE = 0.25
 GDN_OPS = {
     "npu::npu_chunk_gated_delta_rule": tuple(GDN_RUNS),
-    "npu::npu_recurrent_gated_delta_rule": ("npu_eager",),
+    "npu::npu_recurrent_gated_delta_rule": ("qwen3_5_eager",),
+    "npu::npu_moe_gating_top_k_softmax_v2": ("qwen3_next_graphs", "qwen3_5_moe_graphs"),
 }
 
 
 def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_path):
-    """A Qwen3.5 (three Gated DeltaNet layers, one gated full-attention layer) in bf16:
-    prompts over several prefill chunks (the chunked op from each sequence's state), decode
-    steps eager and in graphs, TP=2; prefix caching off (refused for these layers)."""
+    """Qwen3.5 (dense and MoE) and Qwen3-Next (three Gated DeltaNet layers, one gated
+    full-attention layer) in bf16: prompts over several prefill chunks (the chunked op from
+    each sequence's state), decode steps eager and in graphs, TP=2; prefix caching off
+    (refused for these layers). One reference run per model."""
     engine = {**ENGINE, "enable_prefix_caching": False}
     batches = [LONG_PROMPTS, PROMPTS[:3]]
-    specs = [
-        {
-            "model": str(tiny_models[QWEN35_NPU]),
-            "engine": engine,
+    models = list(dict.fromkeys(model for model, _ in GDN_RUNS.values()))
+
+    def spec(model, extra, env):
+        return {
+            "model": str(tiny_models[model]),
+            "engine": {**engine, **extra},
             "batches": batches,
             "max_tokens": MAX_TOKENS,
             "logprobs": NEAR_TIE_CANDIDATES,
-            "env": IN_PROCESS,
+            "env": env,
         }
-    ]
-    for name, extra in GDN_RUNS.items():
+
+    specs = [spec(model, {}, IN_PROCESS) for model in models]
+    for name, (model, extra) in GDN_RUNS.items():
         (tmp_path / name).mkdir()
         env = {
             "VLLM_ASCEND_KERNELS": "npu",
@@ -327,21 +345,21 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
             "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
             "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
         }
-        specs.append({**specs[0], "engine": {**engine, **extra}, "env": env})
-    result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
+        specs.append(spec(model, extra, env))
+    result, output = run_spec({"runs": specs}, timeout=1800, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
-    ref, *npu = result["runs"]
-    assert max(r["prompt_len"] for r in ref["batches"][0]) > 3 * ENGINE["max_num_batched_tokens"]
-    assert len({tuple(r["token_ids"]) for r in ref["batches"][0]}) == len(ref["batches"][0])
-    assert output.count("decode graphs (FULL_DECODE_ONLY)") >= 2, "the graph runs captured nothing"
+    reference = dict(zip(models, result["runs"]))
+    for ref in reference.values():  # several prefill chunks; the oracle discriminates
+        assert max(r["prompt_len"] for r in ref["batches"][0]) > 3 * ENGINE["max_num_batched_tokens"]
+        assert len({tuple(r["token_ids"]) for r in ref["batches"][0]}) == len(ref["batches"][0])
+    graph_runs = sum(not extra.get("enforce_eager") for _, extra in GDN_RUNS.values())
+    assert output.count("decode graphs (FULL_DECODE_ONLY)") >= graph_runs, "a graph run captured nothing"
     prompts = LONG_PROMPTS + PROMPTS[:3]
-    want = [r for batch in ref["batches"] for r in batch]
     divergences = []
-    for name, run in zip(GDN_RUNS, npu):
+    for (name, (model, _)), run in zip(GDN_RUNS.items(), result["runs"][len(models) :]):
+        want = [r for batch in reference[model]["batches"] for r in batch]
         got = [r for batch in run["batches"] for r in batch]
-        divergences += compare_tokens(
-            f"{QWEN35_NPU} {name} vs reference", want, got, prompts, near_tie=GDN_NEAR_TIE
-        )
+        divergences += compare_tokens(f"{name} vs reference", want, got, prompts, near_tie=GDN_NEAR_TIE)
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
     assert not call_counts(tmp_path / "reference"), "the reference kernels must not call torch_npu"

@@ -16,9 +16,13 @@ QWEN3_MOE = "qwen3_moe"
 MLA512 = "deepseek_v3_mla512"
 # The LongCat-Flash variant with those MLA sizes (its identity experts on the NPU path).
 LONGCAT512 = "longcat_flash_mla512"
-# A Qwen3.5 whose Gated DeltaNet heads (2 key, 4 value, 128 wide) and attention heads (128)
-# torch_npu's ops take: the NPU path's hybrid (tests/engine/test_npu_path.py).
+# Qwen3.5 (dense and MoE) and Qwen3-Next whose Gated DeltaNet heads (2 key, 4 value, 128
+# wide) and attention heads (128) torch_npu's ops take: the NPU path's hybrids
+# (tests/engine/test_npu_path.py).
 QWEN35_NPU = "qwen3_5_npu"
+QWEN35_MOE_NPU = "qwen3_5_moe_npu"
+QWEN3_NEXT_NPU = "qwen3_next_npu"
+NPU_HYBRIDS = {QWEN35_NPU: "qwen3_5", QWEN35_MOE_NPU: "qwen3_5_moe", QWEN3_NEXT_NPU: "qwen3_next"}
 # A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
 QWEN2_KV1 = "qwen2_kv1"
 # A Qwen2-VL (M-RoPE positions; text prompts only): tests/engine/test_model_runner_v2.py.
@@ -54,18 +58,21 @@ VARIANTS = {
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
     LONGCAT512: ["--arch", "longcat_flash", "--kv-lora-rank", "512"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],
-    QWEN35_NPU: [
-        "--arch",
-        "qwen3_5",
-        "--layers",
-        "4",
-        "--hidden-size",
-        "256",
-        "--heads",
-        "2",
-        "--linear-head-dim",
-        "128",
-    ],
+    **{
+        name: [
+            "--arch",
+            arch,
+            "--layers",
+            "4",
+            "--hidden-size",
+            "256",
+            "--heads",
+            "2",
+            "--linear-head-dim",
+            "128",
+        ]
+        for name, arch in NPU_HYBRIDS.items()
+    },
     QWEN3_MOE: ["--arch", "qwen3_moe"],
     QWEN2_VL: ["--arch", "qwen2_vl"],
     LLAMA_DRAFT: ["--arch", "llama", "--seed", "1", "--layers", "1"],
