@@ -148,6 +148,8 @@ def make_model(args, tok: Tokenizer):
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
         Gemma2Config,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
@@ -321,6 +323,34 @@ def make_model(args, tok: Tokenizer):
             routed_scaling_factor=2.0,
         )
         return LongcatFlashForCausalLM(config)
+    mla_moe = dict(
+        num_key_value_heads=args.heads,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=args.intermediate_size // 2,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    if args.arch == "deepseek_v32":
+        # DeepSeek sparse attention: each query attends to the index_topk keys its lightning
+        # indexer (8 heads, its own key cache, NeoX rope on the first rope dims) scores highest
+        config = DeepseekV32Config(
+            **cfg,
+            **mla_moe,
+            q_lora_rank=args.q_lora_rank or 32,
+            index_topk=args.index_topk,
+            index_n_heads=8,
+            index_head_dim=args.qk_rope_head_dim + 32,
+        )
+        return DeepseekV32ForCausalLM(config)
     config = DeepseekV3Config(
         **cfg,
         num_key_value_heads=args.heads,
@@ -407,6 +437,7 @@ def main(argv: list[str] | None = None) -> Path:
             "llama",
             "qwen2",
             "deepseek_v3",
+            "deepseek_v32",
             "qwen3_moe",
             "qwen2_vl",
             "qwen3",
@@ -483,6 +514,12 @@ def main(argv: list[str] | None = None) -> Path:
         help="Gated DeltaNet key and value head size (qwen3_next, qwen3_5, qwen3_5_moe; default: "
         "hidden size / heads; torch_npu's chunked op takes 128)",
     )
+    p.add_argument(
+        "--index-topk",
+        type=int,
+        default=16,
+        help="keys each query attends to (deepseek_v32's lightning indexer)",
+    )
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)
     p.add_argument(
@@ -500,7 +537,7 @@ def main(argv: list[str] | None = None) -> Path:
     torch.manual_seed(args.seed)
     model = make_model(args, tok).to(DTYPES[args.dtype]).eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
-    if args.arch in ("deepseek_v3", "longcat_flash"):
+    if args.arch in ("deepseek_v3", "deepseek_v32", "longcat_flash"):
         randomize_routing_bias(model, generator)
     if args.arch == "gemma2":
         shrink_tied_embeddings(model)
@@ -520,6 +557,8 @@ def main(argv: list[str] | None = None) -> Path:
         mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)
         weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
         save_file(weights, weights_path, metadata={"format": "pt"})
+    if args.arch == "deepseek_v32":
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
     if args.arch == "longcat_flash":
         # keys LongCat's own config.json carries and transformers' class does not keep; vLLM
         # reads them (transformers applies both scales and identity zero experts always)

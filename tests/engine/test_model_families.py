@@ -81,6 +81,13 @@ TP2_RUNS = {
         "qwen3_5_moe",
         {**NO_PREFIX_CACHING, **EP, "additional_config": {"moe_comm_method": "mc2"}},
     ),
+    # the MLA heads split, the indexer replicated on both ranks; its MoE under each strategy
+    "deepseek_v32_tp2": ("deepseek_v32", {}),
+    "deepseek_v32_tp2_ep_alltoall": (
+        "deepseek_v32",
+        {**EP, "additional_config": {"moe_comm_method": "alltoall"}},
+    ),
+    "deepseek_v32_tp2_ep_mc2": ("deepseek_v32", {**EP, "additional_config": {"moe_comm_method": "mc2"}}),
 }
 # extended (out of CI's run): the dense families' TP=2 splits are Gemma 3's (windows and
 # full layers) and gpt-oss's (sinks, windows); their TP=1 runs stay in CI
@@ -169,6 +176,23 @@ def test_longcat_routes_tokens_to_its_zero_computation_experts(tiny_models):
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_deepseek_v32_indexer_selection_changes_the_tokens(tiny_models, tmp_path):
+    """The oracle discriminates: the same weights with every key selected (index_topk past
+    the longest sequence: dense MLA) give other greedy tokens than the sparse model."""
+    import json
+    import shutil
+
+    dense = tmp_path / "dense"
+    shutil.copytree(tiny_models["deepseek_v32"], dense)
+    config = json.loads((dense / "config.json").read_text())
+    assert config["index_topk"] < MAX_TOKENS  # every sequence outgrows the selection
+    config["index_topk"] = 4096
+    (dense / "config.json").write_text(json.dumps(config))
+    prompts = PROMPTS + PREFIX_PROMPTS
+    sparse = hf_greedy(tiny_models["deepseek_v32"], prompts, MAX_TOKENS)
+    assert sum(a != b for a, b in zip(sparse, hf_greedy(dense, prompts, MAX_TOKENS))) >= len(prompts) // 2
 
 
 def test_the_forced_moe_strategies_ran(served):

@@ -35,7 +35,8 @@ LLAMA_EAGLE = "llama_eagle"
 # (Mistral), alternating with full attention (Gemma 3; Gemma 2 with soft-capped attention
 # logits), dense q/k-norm attention (Qwen3), sinks and biased experts (gpt-oss), MLA with
 # zero-computation (identity) experts (LongCat-Flash), Gated DeltaNet linear attention with
-# a full-attention layer every fourth (Qwen3-Next with its MoE, Qwen3.5 dense and MoE).
+# a full-attention layer every fourth (Qwen3-Next with its MoE, Qwen3.5 dense and MoE),
+# DeepSeek sparse attention (V3.2: a lightning indexer picks 16 keys per query).
 FAMILIES = (
     "mistral",
     "gemma2",
@@ -46,6 +47,7 @@ FAMILIES = (
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    "deepseek_v32",
 )
 # name: make_tiny_model.py's options
 VARIANTS = {

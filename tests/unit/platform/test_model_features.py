@@ -195,7 +195,13 @@ CASES = [
         "deepseek-v3.2",
         lambda: DeepseekV32Config(architectures=["DeepseekV32ForCausalLM"], **MLA, index_topk=16),
         {},
-        ["sparse attention with a lightning indexer (index_topk=16)"],
+        ["sparse attention with a lightning indexer (index_topk=16) with the NPU kernels"],
+    ),
+    (
+        "deepseek-v3.2-architecture-renamed",  # another model with the indexer: not served yet
+        lambda: DeepseekV32Config(architectures=["GlmMoeDsaForCausalLM"], **MLA, index_topk=16),
+        {},
+        ["sparse attention with a lightning indexer (index_topk=16) other than DeepSeek-V3.2's"],
     ),
     (
         "deepseek-v4",  # V4 names its own layers, not V3.2's

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 ATTENTION_BACKEND = "ASCEND_ATTN"
 MLA_BACKEND = "ASCEND_MLA"
+SPARSE_MLA_BACKEND = "ASCEND_MLA_SPARSE"  # DeepSeek sparse attention (V3.2)
 BACKEND_PATHS = {
     ATTENTION_BACKEND: "vllm.ascend.attention.backend.AscendAttentionBackend",
     MLA_BACKEND: "vllm.ascend.attention.mla.AscendMLABackend",
+    SPARSE_MLA_BACKEND: "vllm.ascend.attention.sparse_mla.AscendSparseMLABackend",
 }
 
 

@@ -26,6 +26,8 @@ SINK_MODEL_TYPES = {"gpt_oss"}
 # Hybrids whose linear-attention layers are upstream's QwenGatedDeltaNetAttention, which
 # ops/gdn.py replaces (reference kernels); other state-space and linear layers stay refused.
 GATED_DELTANET_ARCHITECTURES = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}
+# DeepSeek sparse attention whose indexer and sparse MLA the platform runs (reference kernels)
+SPARSE_INDEXER_ARCHITECTURES = {"DeepseekV32ForCausalLM"}
 
 
 def has_attention_sinks(model_config: ModelConfig) -> bool:
@@ -62,7 +64,7 @@ def unsupported_features(vllm_config: VllmConfig) -> list[str]:
                 f"attention sinks with a head size of {head_size} with the NPU attention kernels "
                 f"(npu_fused_infer_attention_score_v2's learnable_sink takes at most {NPU_SINK_MAX_HEAD_SIZE})"
             )
-    found += _deepseek_sparse_features(hf)
+    found += _deepseek_sparse_features(vllm_config)
     kind = model.attn_type
     if kind in ("encoder_only", "encoder_decoder"):
         found.append(f"{kind.replace('_', '-')} attention (the Ascend backends run decoder self-attention)")
@@ -140,14 +142,37 @@ def _gated_deltanet_npu_limits(vllm_config: VllmConfig) -> list[str]:
     return found
 
 
-def _deepseek_sparse_features(hf) -> list[str]:
+def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     """DeepSeek V3.2's and V4's layers the Ascend backends lack, each named as the config
-    announces it (GLM-5's indexer reads as V3.2's)."""
+    announces it (GLM-5's indexer reads as V3.2's). V3.2's indexer and sparse MLA run with
+    the reference kernels (attention/sparse_mla.py), without drafts, KV connectors or
+    context parallelism."""
     from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
 
+    model = vllm_config.model_config
+    hf = model.hf_text_config
     found = []
     if hasattr(hf, "index_topk"):
-        found.append(f"sparse attention with a lightning indexer (index_topk={hf.index_topk})")
+        served = set(model.architectures or ()) <= SPARSE_INDEXER_ARCHITECTURES
+        parallel = vllm_config.parallel_config
+        limits = [
+            (not served, "other than DeepSeek-V3.2's"),
+            (
+                npu_kernels(),
+                "with the NPU kernels (the reference kernels run it: VLLM_ASCEND_KERNELS=reference)",
+            ),
+            (vllm_config.speculative_config is not None, "with speculative decoding"),
+            (vllm_config.kv_transfer_config is not None, "with a KV connector"),
+            (
+                parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1,
+                "with context parallelism",
+            ),
+        ]
+        found += [
+            f"sparse attention with a lightning indexer (index_topk={hf.index_topk}) {what}"
+            for refused, what in limits
+            if refused
+        ]
     ratios = sorted({r for r in get_compress_ratios(hf) if r > 1})  # 0: a sliding-window layer
     if ratios:
         found.append(f"compressed attention (compress ratios {', '.join(map(str, ratios))})")

@@ -23,6 +23,7 @@ from vllm.ascend.attention.registry import (
     ATTENTION_BACKEND,
     BACKEND_PATHS,
     MLA_BACKEND,
+    SPARSE_MLA_BACKEND,
     register_attention_backends,
 )
 from vllm.ascend.errors import AscendConfigError, AscendStartupError
@@ -318,14 +319,26 @@ class NPUPlatform(Platform):
         attn_selector_config: AttentionSelectorConfig,
         num_heads: int | None = None,
     ) -> str:
+        if attn_selector_config.use_sparse and not attn_selector_config.use_mla:
+            raise NotImplementedError(
+                "sparse attention other than DeepSeek's sparse MLA is not supported on Ascend"
+            )
         if attn_selector_config.use_sparse:
-            raise NotImplementedError("sparse attention is not supported on Ascend yet")
-        name = MLA_BACKEND if attn_selector_config.use_mla else ATTENTION_BACKEND
+            name = SPARSE_MLA_BACKEND
+        else:
+            name = MLA_BACKEND if attn_selector_config.use_mla else ATTENTION_BACKEND
         if selected_backend is not None and getattr(selected_backend, "name", None) != name:
             logger.info_once(
                 "Ascend platform: ignoring attention backend %s, using %s", selected_backend, name
             )
         return BACKEND_PATHS[name]
+
+    @classmethod
+    def sparse_indexer_cls(cls, default: type) -> type:
+        # DeepSeek V3.2's indexer with an unquantized key cache (the hook patch on deepseek_v2.py)
+        from vllm.ascend.ops.dsa_indexer import AscendIndexer
+
+        return AscendIndexer
 
     @classmethod
     def get_mla_prefill_backend_cls(cls, mla_selector_config: Any) -> type:
