@@ -351,25 +351,7 @@ def make_model(args, tok: Tokenizer):
             index_head_dim=args.qk_rope_head_dim + 32,
         )
         return DeepseekV32ForCausalLM(config)
-    config = DeepseekV3Config(
-        **cfg,
-        num_key_value_heads=args.heads,
-        q_lora_rank=args.q_lora_rank,
-        kv_lora_rank=args.kv_lora_rank,
-        qk_rope_head_dim=args.qk_rope_head_dim,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=args.experts,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=args.intermediate_size // 2,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_nextn_predict_layers=1,
-    )
+    config = DeepseekV3Config(**cfg, **mla_moe, q_lora_rank=args.q_lora_rank, num_nextn_predict_layers=1)
     return DeepseekV3ForCausalLM(config)
 
 

@@ -91,7 +91,9 @@ TP2_RUNS = {
 }
 # extended (out of CI's run): the dense families' TP=2 splits are Gemma 3's (windows and
 # full layers) and gpt-oss's (sinks, windows); their TP=1 runs stay in CI
-EXTENDED_TP2 = ("mistral_tp2", "gemma2_tp2", "qwen3_tp2")
+# as are DeepSeek-V3.2's AllGather run and Qwen3.5-MoE's MC2 run (Qwen3-Next covers AllGather
+# under the hybrid layers, gpt-oss and DeepSeek-V3.2 cover MC2)
+EXTENDED_TP2 = ("mistral_tp2", "gemma2_tp2", "qwen3_tp2", "deepseek_v32_tp2", "qwen3_5_moe_tp2_ep_mc2")
 USED = re.compile(r"Ascend MoE: first step with the (\w+) strategy")
 
 

@@ -6,8 +6,8 @@ over each query's selected positions.
 Upstream's V3.2 indexer keeps an fp8 key cache read by its own backend (Triton and CUDA
 metadata kernels) and quantizes its query with a Triton fallback off CUDA; the platform
 supplies its own indexer instead (``ops/dsa_indexer.py``, through the hook patch's
-``Platform.sparse_indexer_cls``) with an unquantized cache of the model's dtype, which
-equals transformers' bf16/float32 indexer. The indexer writes each step's top-k positions
+``Platform.sparse_indexer_cls``) with an unquantized cache of the model's dtype, as
+transformers' indexer has it (equal tokens checked in float32). The indexer writes each step's top-k positions
 (request-local, -1 after the visible ones) into the model's shared buffer; the sparse MLA
 impl reads them for every token, prefill and decode alike (upstream's MQA-only path).
 

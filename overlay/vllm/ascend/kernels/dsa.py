@@ -1,10 +1,10 @@
 """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): the lightning indexer's top-k selection
 and MLA restricted to the selected keys, over paged caches, in plain torch.
 
-Not wired into a backend yet: the platform still refuses ``index_topk`` models at start-up
-(``platform/model_features.py``). These are the reference forms the sparse backend will
-call; the torch_npu forms (``npu_lightning_indexer``, ``npu_sparse_flash_attention``) come
-with it.
+The indexer module (``ops/dsa_indexer.py``) calls the first two, the sparse MLA backend
+(``attention/sparse_mla.py``) the third. Reference forms only: no torch_npu form yet
+(``npu_lightning_indexer``, ``npu_sparse_flash_attention``), so the platform refuses these
+models with the NPU kernels (``platform/model_features.py``).
 
 Contract (transformers' ``DeepseekV32Indexer`` without its fp8 and Hadamard steps, which
 preserve dot products; upstream's ``sparse_attn_indexer`` semantics for positions):
