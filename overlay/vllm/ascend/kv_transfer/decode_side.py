@@ -40,6 +40,7 @@ from vllm.ascend.kv_transfer.lease_check import LeaseCheck
 from vllm.ascend.kv_transfer.metadata import RecvSpec
 from vllm.ascend.kv_transfer.pacer import IdlePacer
 from vllm.ascend.kv_transfer.planner import ReplicaPlanner
+from vllm.ascend.kv_transfer.progress_poller import ProgressPoller
 from vllm.ascend.kv_transfer.settings import P2PSettings
 from vllm.ascend.kv_transfer.stats import StatsInterval
 from vllm.ascend.kv_transfer.transport import Transport
@@ -67,8 +68,8 @@ class _Waiter:
     """Paces a layer-wise poll: short sleeps while news comes, longer ones up to 20 ms
     without; gives up after ``patience`` seconds with no news."""
 
-    def __init__(self, patience: float, what: str):
-        self.patience, self.what = patience, what
+    def __init__(self, patience: float, what: str, setting: str = "layerwise_wait_seconds"):
+        self.patience, self.what, self.setting = patience, what, setting
         self._sleep = 0.0005
         self._last_news = time.monotonic()
 
@@ -78,7 +79,7 @@ class _Waiter:
             self._sleep, self._last_news = 0.0005, now
             return
         if now - self._last_news > self.patience:
-            raise TimeoutError(f"waited {self.patience:.0f} s for {self.what} (layerwise_wait_seconds)")
+            raise TimeoutError(f"waited {self.patience:.0f} s for {self.what} ({self.setting})")
         time.sleep(self._sleep)
         self._sleep = min(self._sleep * 2, 0.02)
 
@@ -142,6 +143,7 @@ class DecodeSide:
         # a layer-wise pull waits for the prefill forward: more of them at once
         self._layerwise_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-p2p-layerwise")
         self._bases: dict[tuple[str, int], wire.RankInfo] = {}  # a prefill instance's first rank
+        self._pollers: dict[tuple[str, int], ProgressPoller] = {}  # per prefill instance, as above
         self._peer_lock = threading.Lock()
         self._peers: dict[tuple, _Peer] = {}
         self._lock = threading.Lock()  # the three sets below, written by the pull threads
@@ -322,24 +324,39 @@ class DecodeSide:
         if transfer_id is None:
             raise RuntimeError(f"request {spec.request_id}: a layer-wise pull without a transfer id")
         base = self._base_info(remote.remote_host, remote.remote_port)
+        poller = self._poller(remote.remote_host, remote.remote_port)
         attempt.layout = layout = base.layout.to_layout()
         ranks = layout.ranks_per_replica
         ports = [remote.remote_port + d * ranks for d in range(layout.dp)]
-        # a transfer the prefill instance has not heard of within a lease is given up on
+        # a transfer the prefill instance has not heard of is given up on after a lease in
+        # which it published no other request (it is not working through a queue), or after
+        # layerwise_wait_seconds in all
+        lease_first = self.settings.lease_seconds < self.settings.layerwise_wait
         waiter = _Waiter(
             min(self.settings.layerwise_wait, self.settings.lease_seconds),
-            f"request {spec.request_id} to be published",
+            f"request {spec.request_id} to be published while the prefill instance published nothing",
+            "lease_seconds" if lease_first else "layerwise_wait_seconds",
         )
+        give_up = time.monotonic() + self.settings.layerwise_wait
+        addresses = [f"{remote.remote_host}:{port}" for port in ports]
+        queue = poller.published(addresses)
         while True:
             try:
-                replies = self._progress(remote.remote_host, ports, transfer_id, tolerate=True)
+                replies = self._progress(poller, remote.remote_host, ports, transfer_id, tolerate=True)
             except ControlTimeout:
                 attempt.unreachable = True
                 raise
             found = [(d, t) for d, t in enumerate(replies) if t is not None and t.state != wire.UNKNOWN]
             if found:
                 break
-            waiter.wait(news=False)
+            if time.monotonic() > give_up:
+                raise TimeoutError(
+                    f"waited {self.settings.layerwise_wait:.0f} s for request {spec.request_id} to be "
+                    "published (layerwise_wait_seconds)"
+                )
+            now = poller.published(addresses)
+            waiter.wait(news=now != queue)
+            queue = now
         replica, entry = found[0]
         if entry.state == wire.FAILED:
             raise RuntimeError("the prefill instance did not compute the request (aborted or refused)")
@@ -371,7 +388,10 @@ class DecodeSide:
                 return pulled
             news = False
             for p, progress in zip(
-                todo, self._progress(remote.remote_host, [remote.remote_port + p for p in todo], transfer_id)
+                todo,
+                self._progress(
+                    poller, remote.remote_host, [remote.remote_port + p for p in todo], transfer_id
+                ),
             ):
                 if progress is None or progress.state == wire.FAILED:
                     raise RuntimeError("the prefill instance failed the request while it was read")
@@ -383,25 +403,30 @@ class DecodeSide:
             waiter.wait(news)
 
     def _progress(
-        self, host: str, ports: list[int], transfer_id: str, tolerate: bool = False
+        self, poller: ProgressPoller, host: str, ports: list[int], transfer_id: str, tolerate: bool = False
     ) -> list[wire.TransferProgress | None]:
         """Each prefill rank's progress of one transfer (``tolerate``: None for a rank that
         did not answer, unless none did)."""
-        message = wire.Progress(wire.WIRE_VERSION, [transfer_id])
-        replies = self._client.request_all([(f"{host}:{port}", message) for port in ports])
+        replies = poller.ask([f"{host}:{port}" for port in ports], transfer_id)
         out: list[wire.TransferProgress | None] = []
-        for port, reply in zip(ports, replies):
-            if isinstance(reply, wire.ProgressReply) and len(reply.transfers) == 1:
-                out.append(reply.transfers[0])
-            elif tolerate and isinstance(reply, Exception) and len(ports) > 1:
+        for reply in replies:
+            if isinstance(reply, wire.TransferProgress):
+                out.append(reply)
+            elif tolerate and len(ports) > 1:
                 out.append(None)
-            elif isinstance(reply, Exception):
-                raise reply
             else:
-                raise RuntimeError(f"the prefill rank at {host}:{port} answered Progress with {reply}")
+                raise reply
         if all(entry is None for entry in out):
             raise next(r for r in replies if isinstance(r, Exception))
         return out
+
+    def _poller(self, host: str, port: int) -> ProgressPoller:
+        """The poller of the prefill instance whose first control port is ``port``."""
+        with self._peer_lock:
+            poller = self._pollers.get((host, port))
+            if poller is None:
+                poller = self._pollers[(host, port)] = ProgressPoller(self._client, name=f"-{host}:{port}")
+        return poller
 
     def _base_info(self, host: str, port: int) -> wire.RankInfo:
         """The first rank of a prefill instance (its layout tells where the replicas are)."""
@@ -504,3 +529,6 @@ class DecodeSide:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._layerwise_pool.shutdown(wait=False, cancel_futures=True)
+        with self._peer_lock:
+            for poller in self._pollers.values():
+                poller.close()

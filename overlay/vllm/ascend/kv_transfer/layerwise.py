@@ -61,6 +61,7 @@ class Publications:
         self._entries: dict[str, _Entry] = {}
         self._saving: list[_Entry] = []  # published in the step now running
         self._reported: set[int] = set()  # layers this step has recorded
+        self.published = 0  # requests published since start: decode ranks see the queue move
 
     def begin_step(self, publishes: list[Publish], failed: list[str]) -> None:
         now = self._clock()
@@ -70,6 +71,7 @@ class Publications:
                 entry.failed, entry.until = True, now + self.expiry
             self._saving = []
             self._reported = set()
+            self.published += len(publishes)
             for publish in publishes:
                 entry = self._entries[publish.transfer_id] = _Entry(publish)
                 self._saving.append(entry)

@@ -88,7 +88,8 @@ class PrefillSide:
             return wire.Reply(wire.WIRE_VERSION, True, lease_seconds=self.holds.renew(message.request_ids))
         if isinstance(message, wire.Progress) and self.publications is not None:
             self.holds.renew(message.transfer_ids)  # a decode rank is still reading them
-            return wire.ProgressReply(wire.WIRE_VERSION, self.publications.progress(message.transfer_ids))
+            progress = self.publications.progress(message.transfer_ids)
+            return wire.ProgressReply(wire.WIRE_VERSION, progress, self.publications.published % (1 << 31))
         return wire.Reply(wire.WIRE_VERSION, False, f"a prefill rank does not take {type(message).__name__}")
 
     def refused(self, kind: str) -> None:

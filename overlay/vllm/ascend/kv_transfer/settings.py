@@ -9,9 +9,10 @@ serves its control plane on ``kv_port + d x ranks_per_replica + r``.
 * ``lease_seconds``: how long a prefill instance keeps a finished request's blocks
   without hearing from the decode side (default 30; renewed while decode waits);
 * ``control_timeout``: seconds to wait for a control-plane answer (default 5);
-* ``layerwise_wait_seconds``: how long a decode rank waits, without news, for a layer-wise
-  request to be published by the prefill instance and for each further layer (default
-  120); then it computes the prompt itself;
+* ``layerwise_wait_seconds``: how long a decode rank waits for a layer-wise request to be
+  published by the prefill instance (and at most a lease while that instance publishes
+  nothing) and, without news, for each further layer (default 120); then
+  ``kv_load_failure_policy`` applies;
 * ``secret_file``: a file holding the deployment's shared secret (``VLLM_ASCEND_KV_SECRET``
   wins over it; ``trust.py``); ``insecure``: true to run without one, on a trusted
   network (nothing signed or sealed);

@@ -165,6 +165,7 @@ class TransferProgress(Struct, forbid_unknown_fields=True):
 class ProgressReply(Struct, tag="progress_reply", forbid_unknown_fields=True):
     v: int
     transfers: Annotated[list[TransferProgress], Meta(max_length=MAX_PROGRESS)]
+    published: Count = 0  # requests this rank has published since it started (its queue moves)
 
 
 Message = DoneReading | Hello | RankInfo | Renew | Reply | Progress | ProgressReply
