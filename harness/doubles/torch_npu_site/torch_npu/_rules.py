@@ -45,6 +45,12 @@ GDN_RECURRENT_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_recurrent_gated_delta_rule.md "
     "(commit 517f2e7d)"
 )
+LIGHTNING_INDEXER_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_lightning_indexer.md (commit 517f2e7d)"
+)
+SPARSE_FA_DOC = (
+    "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_sparse_flash_attention.md (commit 517f2e7d)"
+)
 INTERLEAVE_ROPE_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_interleave_rope.md (commit 09fca6f6)"
 )
@@ -825,6 +831,122 @@ RULES: dict[str, Rule] = {
         # The wheel says "该接口支持静态图模式。" (static graphs); op-plugin's page says only single
         # ops and static graphs: no ACL graph capture documented, so the double refuses it.
         Rule("RGDR.modes", GDN_RECURRENT_DOC, "该接口仅支持单算子和静态图模式。", in_wheel=False),
+        # -- npu_lightning_indexer (DeepSeek sparse attention's top-k) -------------------------------
+        Rule(
+            "LI.query",
+            DOCS,
+            "query（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16。",
+        ),
+        Rule(
+            "LI.key",
+            DOCS,
+            "key（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16，layout_key为"
+            "PA_BSND时shape为[block_count, block_size, N2, D]，其中block_count为PageAttention时block总数，"
+            "block_size为一个block的token数。",
+        ),
+        # the page also allows float32 weights; the wheel's docstring does not: the stricter holds
+        Rule(
+            "LI.weights",
+            DOCS,
+            "weights（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16，支持输入"
+            "shape[B,S1,N1]、[T,N1]。",
+        ),
+        Rule(
+            "LI.dims",
+            LIGHTNING_INDEXER_DOC,
+            "参数key中的N仅支持为1。 参数query中的D和参数key中的D值相等为128。 ... Atlas A2 推理系列产品、"
+            "Atlas A3 推理系列产品： query中的N必须小于等于64。 ... block_size取值为16的整数倍，最大支持到1024。",
+            in_wheel=False,
+        ),
+        Rule(
+            "LI.lengths",
+            DOCS,
+            "当query的input_layout为TND时，该入参必须传入，且以该入参元素的数量作为B值，该入参中每个元素的值表示"
+            "当前batch与之前所有batch的token数总和，即前缀和，因此后一个元素的值必须>=前一个元素的值。不能出现负值。",
+        ),
+        Rule(
+            "LI.key_lengths",
+            DOCS,
+            "actual_seq_lengths_key（Tensor）：可选参数，表示不同Batch中key的有效token数，数据类型支持int32。",
+        ),
+        Rule(
+            "LI.block_table",
+            DOCS,
+            "PageAttention场景下，block_table必须为二维，第一维长度需要等于B，第二维长度不能小于maxBlockNumPerSeq"
+            "(maxBlockNumPerSeq为每个batch中最大actual_seq_lengths_key对应的block数量)",
+        ),
+        Rule(
+            "LI.sparse_count",
+            DOCS,
+            "sparse_count（int）：可选参数，代表topK阶段需要保留的block数量，支持1-2048以及3072、4096、5120、6144、"
+            "7168、8192，数据类型支持int32。",
+        ),
+        Rule(
+            "LI.sparse_mode",
+            DOCS,
+            "sparse_mode（int）：可选参数，表示sparse的模式，支持0/3，数据类型支持int32。",
+        ),
+        # -- npu_sparse_flash_attention (MLA over the selected positions) ----------------------------
+        Rule(
+            "SFA.query",
+            DOCS,
+            "query（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16。",
+        ),
+        Rule(
+            "SFA.lengths",
+            DOCS,
+            "当query的input_layout为TND时，该入参必须传入，且以该入参元素的数量作为B值，该入参中每个元素的值表示"
+            "当前batch与之前所有batch的token数总和，即前缀和，因此后一个元素的值必须>=前一个元素的值。不能出现负值。",
+        ),
+        Rule(
+            "SFA.kv",
+            DOCS,
+            "key（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16，layout_kv为PA_BSND"
+            "时shape为[block_num, block_size, KV_N, D]，其中block_num为PageAttention时block总数，block_size为一个"
+            "block的token数。",
+        ),
+        Rule(
+            "SFA.indices",
+            DOCS,
+            "sparse_indices（Tensor）：必选参数，代表离散取kvCache的索引，不支持非连续，数据格式支持ND,数据类型支持"
+            "int32。当query的layout为BSND时，shape需要传入[B, Q_S, KV_N, sparse_size]，当query的layout为TND时，"
+            "shape需要传入[Q_T, KV_N, sparse_size]，其中sparse_size为一次离散选取的token数，需要保证每行有效值均在"
+            "前半部分，无效值均在后半部分。",
+        ),
+        Rule(
+            "SFA.block_table",
+            DOCS,
+            "block_table（Tensor）：可选参数，表示PageAttention中kvCache存储使用的block映射表。数据格式支持ND，"
+            "数据类型支持int32，shape为2维，其中第一维长度为B，第二维长度不小于所有batch中最大的s2对应的block数量，"
+            "即s2_max / block_size向上取整。",
+        ),
+        Rule(
+            "SFA.kv_lengths",
+            DOCS,
+            "actual_seq_lengths_kv（Tensor）：可选参数，表示不同Batch中key和value的有效token数，数据类型支持int32。",
+        ),
+        Rule(
+            "SFA.dims",
+            SPARSE_FA_DOC,
+            "参数query中的D和key、value的D值相等为512，参数query_rope中的D和key_rope的D值相等为64。 参数query、"
+            "key、value的数据类型必须保持一致。 ... Atlas A3 推理系列产品/Atlas A2 推理系列产品： Q_N支持"
+            "1/2/4/8/16/32/64/128。 ... 其中KV_N只支持1。",
+            in_wheel=False,
+        ),
+        Rule(
+            "SFA.blocks",
+            SPARSE_FA_DOC,
+            "sparse_block_size ... 取值范围为[1,128]，且为2的幂次方。 ... 在PageAttention场景下要求"
+            "sparse_block_size整除block_size。 ... block_size取值为16的倍数，最大支持1024。",
+            in_wheel=False,
+        ),
+        Rule(
+            "SFA.modes",
+            SPARSE_FA_DOC,
+            "attention_mode ... 仅支持传入2，表示MLA-absorb模式 ... Atlas A3 推理系列产品/Atlas A2 推理系列产品："
+            "... 不支持sinks。",
+            in_wheel=False,
+        ),
     ]
 }
 

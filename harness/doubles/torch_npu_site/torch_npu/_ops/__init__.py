@@ -24,6 +24,7 @@ from .attention import (
     npu_fused_infer_attention_score_v2_out,
 )
 from .cache import _npu_reshape_and_cache, npu_scatter_nd_update_
+from .dsa import LI, SFA, npu_lightning_indexer, npu_sparse_flash_attention
 from .gdn import CGDR, RGDR, npu_chunk_gated_delta_rule, npu_recurrent_gated_delta_rule
 from .mc2 import MC2_COMBINE, MC2_DISPATCH, npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2
 from .mla_prolog import IROPE, KRRC, npu_interleave_rope, npu_kv_rmsnorm_rope_cache
@@ -77,6 +78,8 @@ KERNELS = {
         "npu_quantize": npu_quantize,
         CGDR: npu_chunk_gated_delta_rule,
         RGDR: npu_recurrent_gated_delta_rule,
+        LI: npu_lightning_indexer,
+        SFA: npu_sparse_flash_attention,
     },
     "atb": {
         "_npu_reshape_and_cache": _npu_reshape_and_cache,
