@@ -348,7 +348,7 @@ def make_model(args, tok: Tokenizer):
             q_lora_rank=args.q_lora_rank or 32,
             index_topk=args.index_topk,
             index_n_heads=8,
-            index_head_dim=args.qk_rope_head_dim + 32,
+            index_head_dim=args.index_head_dim or args.qk_rope_head_dim + 32,
         )
         return DeepseekV32ForCausalLM(config)
     config = DeepseekV3Config(**cfg, **mla_moe, q_lora_rank=args.q_lora_rank, num_nextn_predict_layers=1)
@@ -501,6 +501,13 @@ def main(argv: list[str] | None = None) -> Path:
         type=int,
         default=16,
         help="keys each query attends to (deepseek_v32's lightning indexer)",
+    )
+    p.add_argument(
+        "--index-head-dim",
+        type=int,
+        default=0,
+        help="the lightning indexer's head size (deepseek_v32; default: rope size + 32; torch_npu's "
+        "npu_lightning_indexer takes 128)",
     )
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--init-range", type=float, default=0.25)

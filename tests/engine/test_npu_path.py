@@ -54,6 +54,7 @@ from tests.support.models import (
     QWEN3_NEXT_NPU,
     QWEN35_MOE_NPU,
     QWEN35_NPU,
+    V32_NPU,
     quantize_model,
 )
 from tests.support.npu_compare import (
@@ -369,6 +370,65 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
             if name in runs:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
+
+
+# DeepSeek-V3.2 on torch_npu's lightning indexer and sparse flash attention: TP=1 (decode
+# graphs asked for: the indexer's builder takes none, so the run is eager) and TP=2 + EP,
+# each against the reference kernels in the same layout (in bf16 the TP=2 all-reduces and
+# expert split round otherwise than TP=1: the reference kernels diverge between the two too).
+DSA_RUNS = {
+    "deepseek_v32": {},
+    "deepseek_v32_tp2_ep": {**TP2_MP, "enable_expert_parallel": True},
+}
+DSA_OPS = ("npu::npu_lightning_indexer", "npu::npu_sparse_flash_attention", "npu::npu_scatter_nd_update_")
+
+
+def test_deepseek_sparse_attention_npu_kernels_equal_reference_kernels(tiny_models, tmp_path):
+    """A tiny DeepSeek-V3.2 in bf16 whose indexer keeps 16 keys per query: prompts over
+    several prefill chunks and prefix-cache hits, then decodes, every sequence past the
+    selection; the NPU kernels' tokens equal the reference kernels' (bf16 near-ties
+    reported)."""
+    # every prompt longer than the selection; the last two hit the first's cached prefix
+    batches = [LONG_PROMPTS[2:], LONG_PREFIX_PROMPTS[:1], LONG_PREFIX_PROMPTS[1:]]
+
+    def spec(extra, env):
+        return {
+            "model": str(tiny_models[V32_NPU]),
+            "engine": {**ENGINE, **extra},
+            "batches": batches,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": NEAR_TIE_CANDIDATES,
+            "env": env,
+        }
+
+    specs = []
+    for name, extra in DSA_RUNS.items():
+        env = {
+            "VLLM_ASCEND_KERNELS": "npu",
+            "TORCH_NPU_DOUBLE_SOC": "A2",
+            "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
+            "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
+        }
+        (tmp_path / name).mkdir()
+        specs += [spec(extra, {} if extra else IN_PROCESS), spec(extra, env)]
+    result, output = run_spec({"runs": specs}, timeout=1800, env=_runner_env(tmp_path / "reference"))
+    clean_shutdown(output)
+    runs = [[r for batch in run["batches"] for r in batch] for run in result["runs"]]
+    topk = json.loads((tiny_models[V32_NPU] / "config.json").read_text())["index_topk"]
+    assert min(r["prompt_len"] for r in runs[0]) > topk  # the selection is sparse for every row
+    assert max(r["prompt_len"] for r in runs[0]) > 3 * ENGINE["max_num_batched_tokens"]
+    assert all(r["num_cached_tokens"] > 0 for r in result["runs"][0]["batches"][2])
+    prompts = [p for batch in batches for p in batch]
+    divergences = []
+    for i, name in enumerate(DSA_RUNS):
+        divergences += compare_tokens(f"{name} vs reference", runs[2 * i], runs[2 * i + 1], prompts)
+    for line in divergences:
+        warnings.warn(line, NearTieDivergence, stacklevel=2)
+    assert not call_counts(tmp_path / "reference"), "the reference kernels must not call torch_npu"
+    for name in DSA_RUNS:
+        counts = call_counts(tmp_path / name)
+        for op in DSA_OPS:
+            assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
 
 
 # W8A8 (msModelSlim) checkpoints on the NPU path: the ops that must have run.

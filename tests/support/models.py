@@ -23,6 +23,9 @@ QWEN35_NPU = "qwen3_5_npu"
 QWEN35_MOE_NPU = "qwen3_5_moe_npu"
 QWEN3_NEXT_NPU = "qwen3_next_npu"
 NPU_HYBRIDS = {QWEN35_NPU: "qwen3_5", QWEN35_MOE_NPU: "qwen3_5_moe", QWEN3_NEXT_NPU: "qwen3_next"}
+# The DeepSeek-V3.2 variant torch_npu's sparse attention ops take: MLA latent 512 + rope 64,
+# indexer heads of 128 (tests/engine/test_npu_path.py).
+V32_NPU = "deepseek_v32_npu"
 # A Qwen2 with one KV head: at TP=2 each rank holds a replica of it, which DCP shards.
 QWEN2_KV1 = "qwen2_kv1"
 # A Qwen2-VL (M-RoPE positions; text prompts only): tests/engine/test_model_runner_v2.py.
@@ -59,6 +62,7 @@ VARIANTS = {
     **{arch: ["--arch", arch] for arch in ARCHS},
     MLA512: ["--arch", "deepseek_v3", "--kv-lora-rank", "512"],
     LONGCAT512: ["--arch", "longcat_flash", "--kv-lora-rank", "512"],
+    V32_NPU: ["--arch", "deepseek_v32", "--kv-lora-rank", "512", "--index-head-dim", "128"],
     QWEN2_KV1: ["--arch", "qwen2", "--kv-heads", "1"],
     **{
         name: [

@@ -105,3 +105,48 @@ def test_sparse_mla_equals_attention_masked_to_the_selection():
             mask[positions[t][positions[t] >= 0].long()] = 0.0
             scores = (q_nope[t] @ c.t() + q_pe[t] @ pe.t()) * 0.3 + mask
             torch.testing.assert_close(got[t], torch.softmax(scores, -1) @ c)
+
+
+def test_npu_forms_equal_the_reference_forms_through_the_contract_double():
+    """The key write, the top-k and sparse MLA through torch_npu's ops (the contract double)
+    against the reference forms, bf16, three requests with history (chunked prefill, a
+    prefix hit, a decode) and 3 query heads (padded to 4 for the sparse attention)."""
+    torch_npu = pytest.importorskip("torch_npu")
+    if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+        pytest.skip("the real torch_npu is active on this host")
+    torch.manual_seed(5)
+    bf16, block_size, blocks, topk = torch.bfloat16, 16, 12, 8
+    seq_lens = [40, 21, 9]  # 7, 1 and 9 query rows
+    starts = [0, 7, 8, 17]
+    table = torch.tensor([[3, 7, 1], [5, 2, 0], [9, 0, 0]], dtype=torch.int32)
+    rows = starts[-1]
+    # every token's indexer key written as its request's steps did, this step's rows last
+    keys = [torch.randn(n, 128).to(bf16) for n in seq_lens]
+    slots = torch.tensor(
+        [
+            int(table[r][p // block_size]) * block_size + p % block_size
+            for r, n in enumerate(seq_lens)
+            for p in range(n)
+        ]
+    )
+    flat = torch.cat(keys)
+    caches = [torch.zeros(blocks, block_size, 128, dtype=bf16) for _ in range(2)]
+    dsa.reference_indexer_write(flat, caches[0], slots)
+    dsa.npu_indexer_write(flat, caches[1], slots)
+    assert torch.equal(caches[0], caches[1])
+    q = torch.randn(rows, 8, 128).to(bf16)
+    weights = torch.randn(rows, 8).to(bf16).float()  # representable in bf16: the same scores
+    want = dsa.reference_indexer_topk(q, weights, caches[0], table, starts, seq_lens, topk)
+    got = dsa.npu_indexer_topk(q, weights, caches[1], table, starts, seq_lens, topk)
+    for r, (lo, hi) in enumerate(zip(starts, starts[1:])):
+        for t in range(lo, hi):
+            position = seq_lens[r] - (hi - lo) + (t - lo)
+            visible = [p for p in got[t].tolist() if 0 <= p <= position]
+            assert visible == [p for p in want[t].tolist() if p >= 0]  # same keys, same ranking
+    latent = torch.randn(blocks, block_size, 1, 512).to(bf16)
+    rope_plane = torch.randn(blocks, block_size, 1, 64).to(bf16)
+    q_nope = (torch.randn(rows, 3, 512) * 0.05).to(bf16)
+    q_pe = (torch.randn(rows, 3, 64) * 0.05).to(bf16)
+    reference = dsa.reference_sparse_mla(q_nope, q_pe, latent, rope_plane, table, starts, want, 0.1)
+    npu = dsa.npu_sparse_mla(q_nope, q_pe, latent, rope_plane, table, starts, got, 0.1, seq_lens=seq_lens)
+    torch.testing.assert_close(npu.float(), reference.float(), rtol=3e-2, atol=3e-2)

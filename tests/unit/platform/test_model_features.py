@@ -195,7 +195,24 @@ CASES = [
         "deepseek-v3.2",
         lambda: DeepseekV32Config(architectures=["DeepseekV32ForCausalLM"], **MLA, index_topk=16),
         {},
-        ["sparse attention with a lightning indexer (index_topk=16) with the NPU kernels"],
+        None,  # V3.2's own sizes: an indexer of 64 heads of 128, within npu_lightning_indexer's
+    ),
+    (
+        "deepseek-v3.2-indexer-outside-the-npu-op",
+        lambda: DeepseekV32Config(
+            architectures=["DeepseekV32ForCausalLM"],
+            **MLA,
+            index_topk=2500,
+            index_head_dim=96,
+            index_n_heads=72,
+        ),
+        {},
+        [
+            "sparse attention with a lightning indexer (index_topk=2500) with the NPU kernels and "
+            "index_head_dim 96 (npu_lightning_indexer takes 128)",
+            "with the NPU kernels and index_n_heads 72 (npu_lightning_indexer takes at most 64)",
+            "with the NPU kernels and index_topk 2500 (npu_lightning_indexer keeps 1-2048",
+        ],
     ),
     (
         "deepseek-v3.2-architecture-renamed",  # another model with the indexer: not served yet

@@ -7,13 +7,15 @@ Upstream's V3.2 indexer keeps an fp8 key cache read by its own backend (Triton a
 metadata kernels) and quantizes its query with a Triton fallback off CUDA; the platform
 supplies its own indexer instead (``ops/dsa_indexer.py``, through the hook patch's
 ``Platform.sparse_indexer_cls``) with an unquantized cache of the model's dtype, as
-transformers' indexer has it (equal tokens checked in float32). The indexer writes each step's top-k positions
-(request-local, -1 after the visible ones) into the model's shared buffer; the sparse MLA
-impl reads them for every token, prefill and decode alike (upstream's MQA-only path).
+transformers' indexer has it (equal tokens checked in float32). The indexer writes each
+step's top-k positions (request-local; ``kernels/dsa.py`` says what follows the visible
+ones in each form) into the model's shared buffer; the sparse MLA impl reads them for
+every token, prefill and decode alike (upstream's MQA-only path).
 
-Reference kernels only: the NPU kernels refuse ``index_topk`` models at start-up
-(``platform/model_features.py``), so do speculative decoding, KV connectors and context
-parallelism with them.
+Both kernel sets (with the NPU kernels: torch_npu's lightning indexer and sparse flash
+attention over the same planes); the indexer's metadata builder takes no graphs, so
+decode graphs stay off for these models. Speculative decoding, KV connectors and context
+parallelism are refused at start-up (``platform/model_features.py``).
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class AscendSparseMLAImpl(AscendMLAImpl):
         )
         latent, rope = mla_planes(kv_c_and_k_pe_cache, self.kv_lora_rank)
         tokens = q_nope.shape[0]
-        out = dsa.reference_sparse_mla(
+        out = dsa.sparse_mla(
             q_nope,
             mla_kernels.rope_order(q_pe),
             latent,
@@ -192,5 +194,6 @@ class AscendSparseMLAImpl(AscendMLAImpl):
             attn_metadata.query_start_cpu,
             self.topk_indices_buffer[:tokens],
             self.scale,
+            seq_lens=attn_metadata.seq_lens_cpu,
         )
         return out, None

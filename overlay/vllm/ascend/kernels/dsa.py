@@ -2,9 +2,10 @@
 and MLA restricted to the selected keys, over paged caches, in plain torch.
 
 The indexer module (``ops/dsa_indexer.py``) calls the first two, the sparse MLA backend
-(``attention/sparse_mla.py``) the third. Reference forms only: no torch_npu form yet
-(``npu_lightning_indexer``, ``npu_sparse_flash_attention``), so the platform refuses these
-models with the NPU kernels (``platform/model_features.py``).
+(``attention/sparse_mla.py``) the third. The NPU forms: ``npu_scatter_nd_update_`` for the
+key write, ``npu_lightning_indexer`` and ``npu_sparse_flash_attention`` (MLA-absorb, both
+over the paged caches, TND rows); their documented limits are start-up checks
+(``platform/model_features.py``).
 
 Contract (transformers' ``DeepseekV32Indexer`` without its fp8 and Hadamard steps, which
 preserve dot products; upstream's ``sparse_attn_indexer`` semantics for positions):
@@ -16,7 +17,10 @@ preserve dot products; upstream's ``sparse_attn_indexer`` semantics for position
   of key position s <= p is ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` (``weights``
   already carry ``D ** -0.5 * H ** -0.5``); returns ``[T, topk]`` int32 request-local key
   positions of the ``min(topk, p + 1)`` highest scores, ``-1`` after them. ``query_start``
-  and ``seq_lens`` are host lists.
+  and ``seq_lens`` are host lists. The NPU form may put positions the row does not see
+  (``> p``) after its visible ones (op-plugin's test golden ranks them at -inf); the NPU
+  sparse attention masks them (``sparse_mode`` 3), so the two forms pair up and a caller
+  must not count entries other than -1 as visible.
 - ``sparse_mla(q_nope [T, H, L], q_pe [T, H, R], latent, rope, block_table, query_start,
   positions [T, K], scale)``: absorbed MLA (``kernels/mla.py``'s planes and scores) over
   each row's selected positions only (``-1`` skipped); ``[T, H, L]``.
@@ -26,7 +30,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm.ascend.kernels.attention import gather_tokens
+from vllm.ascend.kernels import pick, torch_npu
+from vllm.ascend.kernels.attention import gather_tokens, npu_slots
+
+# npu_lightning_indexer's documented limits (op-plugin's page; the contract double's LI.*)
+NPU_INDEXER_HEAD_DIM = 128
+NPU_INDEXER_MAX_HEADS = 64
+NPU_INDEXER_TOPK = frozenset(range(1, 2049)) | {3072, 4096, 5120, 6144, 7168, 8192}
+NPU_SPARSE_MAX_HEADS = 128  # npu_sparse_flash_attention: 1, 2, 4, ... 128 query heads
 
 
 def reference_indexer_write(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -75,6 +86,7 @@ def reference_sparse_mla(
     query_start: list[int],
     positions: torch.Tensor,
     scale: float,
+    seq_lens: list[int] | None = None,  # the NPU form's; the positions name the keys here
 ) -> torch.Tensor:
     out = q_nope.new_zeros(q_nope.shape)
     block_size = latent.shape[1]
@@ -90,3 +102,103 @@ def reference_sparse_mla(
             scores = (q_nope[t].float() @ c.t() + q_pe[t].float() @ pe.t()) * scale  # [H, K]
             out[t] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
     return out
+
+
+# -- NPU (torch_npu; passes the contract double in CI, not verified on an NPU) ----------
+def npu_indexer_write(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Each token's key at its slot (padding to the null block's slot 0, never read)."""
+    if k.shape[0] == 0:
+        return
+    index = npu_slots(slot_mapping, k.shape[0]).unsqueeze(1)
+    torch_npu().npu_scatter_nd_update_(cache.view(-1, cache.shape[-1]), index, k.to(cache.dtype))
+
+
+def _lengths(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def npu_indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: list[int],
+    seq_lens: list[int],
+    topk: int,
+) -> torch.Tensor:
+    """``npu_lightning_indexer`` (TND rows, PA_BSND keys, causal from the right: row i of a
+    request's q_len rows sees the first ``seq_len - q_len + i + 1`` keys); the head weights
+    in the query's dtype, as the wheel's docs ask."""
+    rows = query_start[-1]
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    if rows == 0:
+        return out
+    picked, _ = torch_npu().npu_lightning_indexer(
+        q[:rows].contiguous(),
+        cache.unsqueeze(2),
+        weights[:rows].to(q.dtype).contiguous(),
+        actual_seq_lengths_query=_lengths(query_start[1:], q.device),
+        actual_seq_lengths_key=_lengths(seq_lens[: len(query_start) - 1], q.device),
+        block_table=block_table.to(torch.int32),
+        layout_query="TND",
+        layout_key="PA_BSND",
+        sparse_count=topk,
+        sparse_mode=3,
+    )
+    out[:rows] = picked[:, 0]
+    return out
+
+
+def npu_sparse_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: list[int],
+    positions: torch.Tensor,
+    scale: float,
+    seq_lens: list[int] | None = None,
+) -> torch.Tensor:
+    """``npu_sparse_flash_attention`` in its MLA-absorb form (the latent is key and value);
+    heads padded with zero rows to the next power of two the op takes; rows past the last
+    request (padding) are zeros."""
+    if seq_lens is None:
+        raise ValueError("the NPU sparse attention needs each request's KV length")
+    heads = q_nope.shape[1]
+    out = q_nope.new_zeros(q_nope.shape)
+    rows = query_start[-1]
+    if rows == 0:
+        return out
+    padded = 1 << (heads - 1).bit_length()
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        x = x[:rows]
+        if padded != heads:
+            x = torch.cat([x, x.new_zeros(rows, padded - heads, x.shape[-1])], dim=1)
+        return x.contiguous()
+
+    result = torch_npu().npu_sparse_flash_attention(
+        pad(q_nope),
+        latent,
+        latent,
+        positions[:rows].to(torch.int32).unsqueeze(1).contiguous(),
+        scale,
+        block_table=block_table.to(torch.int32),
+        actual_seq_lengths_query=_lengths(query_start[1:], q_nope.device),
+        actual_seq_lengths_kv=_lengths(seq_lens[: len(query_start) - 1], q_nope.device),
+        query_rope=pad(q_pe.to(q_nope.dtype)),
+        key_rope=rope,
+        sparse_block_size=1,
+        layout_query="TND",
+        layout_kv="PA_BSND",
+        sparse_mode=3,
+        attention_mode=2,
+    )[0]
+    out[:rows] = result[:, :heads]
+    return out
+
+
+indexer_write = pick(reference_indexer_write, npu_indexer_write)
+indexer_topk = pick(reference_indexer_topk, npu_indexer_topk)
+sparse_mla = pick(reference_sparse_mla, npu_sparse_mla)

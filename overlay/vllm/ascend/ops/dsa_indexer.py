@@ -79,9 +79,9 @@ class AscendIndexer(nn.Module):
         if metadata is None:  # a profile or dummy run: no cache, no selection
             return
         tokens = metadata.num_actual_tokens
-        dsa.reference_indexer_write(k[:tokens], self.k_cache.kv_cache, metadata.slot_mapping)
+        dsa.indexer_write(k[:tokens], self.k_cache.kv_cache, metadata.slot_mapping)
         assert self.topk_indices_buffer is not None
-        self.topk_indices_buffer[:tokens] = dsa.reference_indexer_topk(
+        self.topk_indices_buffer[:tokens] = dsa.indexer_topk(
             q[:tokens],
             weights[:tokens],
             self.k_cache.kv_cache,

@@ -145,8 +145,8 @@ def _gated_deltanet_npu_limits(vllm_config: VllmConfig) -> list[str]:
 def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     """DeepSeek V3.2's and V4's layers the Ascend backends lack, each named as the config
     announces it (GLM-5's indexer reads as V3.2's). V3.2's indexer and sparse MLA run with
-    the reference kernels (attention/sparse_mla.py), without drafts, KV connectors or
-    context parallelism."""
+    both kernel sets (attention/sparse_mla.py; the NPU ops' limits checked here), without
+    drafts, KV connectors or context parallelism."""
     from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
 
     model = vllm_config.model_config
@@ -157,10 +157,7 @@ def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
         parallel = vllm_config.parallel_config
         limits = [
             (not served, "other than DeepSeek-V3.2's"),
-            (
-                npu_kernels(),
-                "with the NPU kernels (the reference kernels run it: VLLM_ASCEND_KERNELS=reference)",
-            ),
+            *(_npu_indexer_limits(hf, parallel) if npu_kernels() else []),
             (vllm_config.speculative_config is not None, "with speculative decoding"),
             (vllm_config.kv_transfer_config is not None, "with a KV connector"),
             (
@@ -184,6 +181,36 @@ def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     if hash_layers:
         found.append(f"hash-routed MoE layers ({hash_layers})")
     return found
+
+
+def _npu_indexer_limits(hf, parallel) -> list[tuple[bool, str]]:
+    """npu_lightning_indexer's and npu_sparse_flash_attention's documented limits (A2/A3)
+    the model must meet with the NPU kernels: (refused, what) pairs."""
+    from vllm.ascend.kernels import dsa
+
+    heads = hf.num_attention_heads // parallel.tensor_parallel_size
+    return [
+        (
+            hf.index_head_dim != dsa.NPU_INDEXER_HEAD_DIM,
+            f"with the NPU kernels and index_head_dim {hf.index_head_dim} (npu_lightning_indexer takes "
+            f"{dsa.NPU_INDEXER_HEAD_DIM})",
+        ),
+        (
+            hf.index_n_heads > dsa.NPU_INDEXER_MAX_HEADS,
+            f"with the NPU kernels and index_n_heads {hf.index_n_heads} (npu_lightning_indexer takes at "
+            f"most {dsa.NPU_INDEXER_MAX_HEADS})",
+        ),
+        (
+            hf.index_topk not in dsa.NPU_INDEXER_TOPK,
+            f"with the NPU kernels and index_topk {hf.index_topk} (npu_lightning_indexer keeps 1-2048, "
+            "3072, 4096, 5120, 6144, 7168 or 8192)",
+        ),
+        (
+            heads > dsa.NPU_SPARSE_MAX_HEADS,
+            f"with the NPU kernels and {heads} attention heads per rank (npu_sparse_flash_attention takes "
+            f"at most {dsa.NPU_SPARSE_MAX_HEADS}: raise --tensor-parallel-size)",
+        ),
+    ]
 
 
 def _moe_route_changes(model) -> list[str]:
