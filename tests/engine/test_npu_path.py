@@ -429,6 +429,7 @@ def test_deepseek_sparse_attention_npu_kernels_equal_reference_kernels(tiny_mode
         counts = call_counts(tmp_path / name)
         for op in DSA_OPS:
             assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
+        _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 
 # W8A8 (msModelSlim) checkpoints on the NPU path: the ops that must have run.

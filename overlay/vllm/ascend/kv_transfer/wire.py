@@ -38,8 +38,9 @@ from vllm.ascend.context_parallel.placement import CPLayout
 if TYPE_CHECKING:
     from vllm.ascend.kv_transfer.plan import TransferPlan
 
-# 2: every layer names its KV-cache group; 3: layer-wise progress; 4: granted leases; 5: readers
-WIRE_VERSION = 5
+# 2: every layer names its KV-cache group; 3: layer-wise progress; 4: granted leases; 5: readers;
+# 6: a rank's count of published requests in ProgressReply
+WIRE_VERSION = 6
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_READS = 1 << 16  # reads in one message
 MAX_READERS = 1024  # decode requests one prefill request is held for (a parallel-sampling n)
