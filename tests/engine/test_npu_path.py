@@ -372,9 +372,9 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 
-# DeepSeek-V3.2 on torch_npu's lightning indexer and sparse flash attention: TP=1 (decode
-# graphs asked for: the indexer's builder takes none, so the run is eager) and TP=2 + EP,
-# each against the reference kernels in the same layout (in bf16 the TP=2 all-reduces and
+# DeepSeek-V3.2 on torch_npu's lightning indexer and sparse flash attention with decode
+# graphs (prefills eager): TP=1 and TP=2 + EP, each against the reference kernels in the
+# same layout (in bf16 the TP=2 all-reduces and
 # expert split round otherwise than TP=1: the reference kernels diverge between the two too).
 DSA_RUNS = {
     "deepseek_v32": {},
@@ -385,7 +385,8 @@ DSA_OPS = ("npu::npu_lightning_indexer", "npu::npu_sparse_flash_attention", "npu
 
 def test_deepseek_sparse_attention_npu_kernels_equal_reference_kernels(tiny_models, tmp_path):
     """A tiny DeepSeek-V3.2 in bf16 whose indexer keeps 16 keys per query: prompts over
-    several prefill chunks and prefix-cache hits, then decodes, every sequence past the
+    several prefill chunks and prefix-cache hits, then decodes in graphs (both ops captured,
+    their lengths in buffers the indexer's builder fills each step), every sequence past the
     selection; the NPU kernels' tokens equal the reference kernels' (bf16 near-ties
     reported)."""
     # every prompt longer than the selection; the last two hit the first's cached prefix
@@ -429,6 +430,7 @@ def test_deepseek_sparse_attention_npu_kernels_equal_reference_kernels(tiny_mode
         counts = call_counts(tmp_path / name)
         for op in DSA_OPS:
             assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
+        assert counts.get("graph::replay", 0) > 0, f"{name}: no decode graph replayed ({counts})"
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 

@@ -138,6 +138,9 @@ def test_npu_forms_equal_the_reference_forms_through_the_contract_double():
     weights = torch.randn(rows, 8).to(bf16).float()  # representable in bf16: the same scores
     want = dsa.reference_indexer_topk(q, weights, caches[0], table, starts, seq_lens, topk)
     got = dsa.npu_indexer_topk(q, weights, caches[1], table, starts, seq_lens, topk)
+    # the step's device buffers (what a decode graph reads) give the same as the host lists
+    step = (torch.tensor(starts[1:], dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32))
+    assert torch.equal(dsa.npu_indexer_topk(q, weights, caches[1], table, starts, [], topk, step), got)
     for r, (lo, hi) in enumerate(zip(starts, starts[1:])):
         for t in range(lo, hi):
             position = seq_lens[r] - (hi - lo) + (t - lo)
@@ -150,3 +153,7 @@ def test_npu_forms_equal_the_reference_forms_through_the_contract_double():
     reference = dsa.reference_sparse_mla(q_nope, q_pe, latent, rope_plane, table, starts, want, 0.1)
     npu = dsa.npu_sparse_mla(q_nope, q_pe, latent, rope_plane, table, starts, got, 0.1, seq_lens=seq_lens)
     torch.testing.assert_close(npu.float(), reference.float(), rtol=3e-2, atol=3e-2)
+    from_step = dsa.npu_sparse_mla(
+        q_nope, q_pe, latent, rope_plane, table, starts, got, 0.1, device_lengths=step
+    )
+    assert torch.equal(from_step, npu)

@@ -13,8 +13,9 @@ ones in each form) into the model's shared buffer; the sparse MLA impl reads the
 every token, prefill and decode alike (upstream's MQA-only path).
 
 Both kernel sets (with the NPU kernels: torch_npu's lightning indexer and sparse flash
-attention over the same planes); the indexer's metadata builder takes no graphs, so
-decode graphs stay off for these models. Speculative decoding, KV connectors and context
+attention over the same planes, their lengths in int32 device buffers the indexer's
+metadata builder fills each step, so decode graphs capture both ops; the reference forms
+read host lists and take no graphs). Speculative decoding, KV connectors and context
 parallelism are refused at start-up (``platform/model_features.py``).
 """
 
@@ -26,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -39,7 +41,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.ascend.attention.backend import host_seq_lens
 from vllm.ascend.attention.kv_layout import mla_planes
 from vllm.ascend.attention.mla import AscendMLABackend, AscendMLAImpl, AscendMLAMetadata
-from vllm.ascend.kernels import dsa
+from vllm.ascend.graph import host_params
+from vllm.ascend.kernels import dsa, npu_kernels
 from vllm.ascend.kernels import mla as mla_kernels
 from vllm.ascend.kernels.attention import supported_block_sizes
 
@@ -85,27 +88,57 @@ class AscendIndexerMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
     block_table: torch.Tensor  # every request's row
-    query_start_cpu: list[int]
+    query_start_cpu: list[int]  # a graph batch's padding requests given rows (pad_to_graph)
     seq_lens_cpu: list[int]
+    # with the NPU kernels: the same per request in int32 device buffers that stay put
+    # (cumulative query rows, KV lengths), read by the indexer and the layer's sparse MLA
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AscendIndexerMetadataBuilder(AttentionMetadataBuilder[AscendIndexerMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.max_model_len = vllm_config.model_config.max_model_len
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        if npu_kernels():  # a graph's ops read their lengths here at every replay
+            scheduler = vllm_config.scheduler_config
+            size = max(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+            self._buffers = (
+                torch.zeros(size, dtype=torch.int32, device=device),
+                torch.zeros(size, dtype=torch.int32, device=device),
+            )
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # the NPU ops take device lengths (the buffers above); the reference forms host lists
+        return AttentionCGSupport.UNIFORM_BATCH if npu_kernels() else AttentionCGSupport.NEVER
+
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> AscendIndexerMetadata:
+        return self.build(0, common_attn_metadata)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> AscendIndexerMetadata:
         m = common_attn_metadata
+        query_start, seq_lens = host_params.pad_to_graph(
+            m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
+            host_seq_lens(m, self.max_model_len),
+            m.num_actual_tokens,
+        )
+        device_lengths = None
+        if self._buffers is not None:
+            requests = len(seq_lens)
+            ends, lens = (buffer[:requests] for buffer in self._buffers)
+            ends.copy_(torch.tensor(query_start[1:], dtype=torch.int32))
+            lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+            device_lengths = (ends, lens)
         return AscendIndexerMetadata(
             num_actual_tokens=m.num_actual_tokens,
             slot_mapping=m.slot_mapping,
             block_table=m.block_table_tensor[: m.num_reqs],
-            query_start_cpu=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
-            seq_lens_cpu=host_seq_lens(m, self.max_model_len),
+            query_start_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+            device_lengths=device_lengths,
         )
 
 
@@ -195,5 +228,15 @@ class AscendSparseMLAImpl(AscendMLAImpl):
             self.topk_indices_buffer[:tokens],
             self.scale,
             seq_lens=attn_metadata.seq_lens_cpu,
+            device_lengths=self._indexer_lengths(),
         )
         return out, None
+
+    def _indexer_lengths(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's device lengths from this layer's indexer metadata (the same requests
+        in the same KV-cache group): one set of buffers for both ops."""
+        if self._indexer is None or not is_forward_context_available():
+            return None
+        metadata = get_forward_context().attn_metadata
+        found = metadata.get(self._indexer.k_cache.prefix) if isinstance(metadata, dict) else None
+        return found.device_lengths if isinstance(found, AscendIndexerMetadata) else None

@@ -61,6 +61,7 @@ def reference_indexer_topk(
     query_start: list[int],
     seq_lens: list[int],
     topk: int,
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,  # the NPU form's
 ) -> torch.Tensor:
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     for r, lo, rows, context in _rows_of_requests(query_start, seq_lens):
@@ -87,6 +88,7 @@ def reference_sparse_mla(
     positions: torch.Tensor,
     scale: float,
     seq_lens: list[int] | None = None,  # the NPU form's; the positions name the keys here
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     out = q_nope.new_zeros(q_nope.shape)
     block_size = latent.shape[1]
@@ -113,8 +115,17 @@ def npu_indexer_write(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     torch_npu().npu_scatter_nd_update_(cache.view(-1, cache.shape[-1]), index, k.to(cache.dtype))
 
 
-def _lengths(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+def _device_lengths(query_start: list[int], seq_lens: list[int], given, device):
+    """The ops' int32 cumulative query rows and KV lengths per request: the step's buffers
+    when the caller has them (built once per step; a decode graph reads them at every
+    replay), else made from the host lists here."""
+    if given is not None:
+        return given
+    requests = len(query_start) - 1
+    return (
+        torch.tensor(query_start[1:], dtype=torch.int32, device=device),
+        torch.tensor(seq_lens[:requests], dtype=torch.int32, device=device),
+    )
 
 
 def npu_indexer_topk(
@@ -125,6 +136,7 @@ def npu_indexer_topk(
     query_start: list[int],
     seq_lens: list[int],
     topk: int,
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``npu_lightning_indexer`` (TND rows, PA_BSND keys, causal from the right: row i of a
     request's q_len rows sees the first ``seq_len - q_len + i + 1`` keys); the head weights
@@ -133,12 +145,13 @@ def npu_indexer_topk(
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     if rows == 0:
         return out
+    query_ends, kv_lens = _device_lengths(query_start, seq_lens, device_lengths, q.device)
     picked, _ = torch_npu().npu_lightning_indexer(
         q[:rows].contiguous(),
         cache.unsqueeze(2),
         weights[:rows].to(q.dtype).contiguous(),
-        actual_seq_lengths_query=_lengths(query_start[1:], q.device),
-        actual_seq_lengths_key=_lengths(seq_lens[: len(query_start) - 1], q.device),
+        actual_seq_lengths_query=query_ends,
+        actual_seq_lengths_key=kv_lens,
         block_table=block_table.to(torch.int32),
         layout_query="TND",
         layout_key="PA_BSND",
@@ -159,11 +172,12 @@ def npu_sparse_mla(
     positions: torch.Tensor,
     scale: float,
     seq_lens: list[int] | None = None,
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``npu_sparse_flash_attention`` in its MLA-absorb form (the latent is key and value);
     heads padded with zero rows to the next power of two the op takes; rows past the last
     request (padding) are zeros."""
-    if seq_lens is None:
+    if seq_lens is None and device_lengths is None:
         raise ValueError("the NPU sparse attention needs each request's KV length")
     heads = q_nope.shape[1]
     out = q_nope.new_zeros(q_nope.shape)
@@ -171,6 +185,7 @@ def npu_sparse_mla(
     if rows == 0:
         return out
     padded = 1 << (heads - 1).bit_length()
+    query_ends, kv_lens = _device_lengths(query_start, seq_lens or [], device_lengths, q_nope.device)
 
     def pad(x: torch.Tensor) -> torch.Tensor:
         x = x[:rows]
@@ -185,8 +200,8 @@ def npu_sparse_mla(
         positions[:rows].to(torch.int32).unsqueeze(1).contiguous(),
         scale,
         block_table=block_table.to(torch.int32),
-        actual_seq_lengths_query=_lengths(query_start[1:], q_nope.device),
-        actual_seq_lengths_kv=_lengths(seq_lens[: len(query_start) - 1], q_nope.device),
+        actual_seq_lengths_query=query_ends,
+        actual_seq_lengths_kv=kv_lens,
         query_rope=pad(q_pe.to(q_nope.dtype)),
         key_rope=rope,
         sparse_block_size=1,

@@ -89,6 +89,7 @@ class AscendIndexer(nn.Module):
             metadata.query_start_cpu,
             metadata.seq_lens_cpu,
             self.topk_tokens,
+            device_lengths=metadata.device_lengths,
         )
 
     def _metadata(self) -> AscendIndexerMetadata | None:
