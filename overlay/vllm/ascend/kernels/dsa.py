@@ -32,6 +32,7 @@ import torch
 
 from vllm.ascend.kernels import pick, torch_npu
 from vllm.ascend.kernels.attention import gather_tokens, npu_slots
+from vllm.ascend.kernels.mla import pad_heads
 
 # npu_lightning_indexer's documented limits (op-plugin's page; the contract double's LI.*)
 NPU_INDEXER_HEAD_DIM = 128
@@ -186,15 +187,8 @@ def npu_sparse_mla(
         return out
     padded = 1 << (heads - 1).bit_length()
     query_ends, kv_lens = _device_lengths(query_start, seq_lens or [], device_lengths, q_nope.device)
-
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        x = x[:rows]
-        if padded != heads:
-            x = torch.cat([x, x.new_zeros(rows, padded - heads, x.shape[-1])], dim=1)
-        return x.contiguous()
-
     result = torch_npu().npu_sparse_flash_attention(
-        pad(q_nope),
+        pad_heads(q_nope[:rows], padded).contiguous(),
         latent,
         latent,
         positions[:rows].to(torch.int32).unsqueeze(1).contiguous(),
@@ -202,7 +196,7 @@ def npu_sparse_mla(
         block_table=block_table.to(torch.int32),
         actual_seq_lengths_query=query_ends,
         actual_seq_lengths_kv=kv_lens,
-        query_rope=pad(q_pe.to(q_nope.dtype)),
+        query_rope=pad_heads(q_pe[:rows].to(q_nope.dtype), padded).contiguous(),
         key_rope=rope,
         sparse_block_size=1,
         layout_query="TND",

@@ -360,7 +360,8 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
 
 
-def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+def pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [T, H, D]`` with zero heads appended up to ``heads`` (the NPU ops' head counts)."""
     return x if x.shape[1] == heads else torch.nn.functional.pad(x, (0, 0, 0, heads - x.shape[1]))
 
 
@@ -430,9 +431,9 @@ def npu_dense_attention(
         for q_at, kv_at, q_part, kv_part in _dense_subcalls(q_lens, kv_lens):
             rows, keys = slice(q_at, q_at + sum(q_part)), slice(kv_at, kv_at + sum(kv_part))
             o, row_lse = npu.npu_fused_infer_attention_score(
-                _pad_heads(q[rows, h0:h1], n).contiguous(),
-                _pad_heads(k[keys, h0:h1], n).contiguous(),
-                _pad_heads(v[keys, h0:h1], n).contiguous(),
+                pad_heads(q[rows, h0:h1], n).contiguous(),
+                pad_heads(k[keys, h0:h1], n).contiguous(),
+                pad_heads(v[keys, h0:h1], n).contiguous(),
                 num_heads=n,
                 num_key_value_heads=n,
                 scale=scale,
