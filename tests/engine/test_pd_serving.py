@@ -10,7 +10,9 @@ All instances start once, together, and serve every test:
   Proxies over them give 2P1D (TP1 + PCP2 -> TP1), 1P2D (TP1 -> TP1 + TP2/DCP2) and the
   context-parallel pair PCP2 -> DCP2. The TP2/DCP2 decode recomputes on failed loads
   (``kv_load_failure_policy: recompute``), the TP1 decode fails them (the default).
-* MLA + MoE (tiny DeepSeek-V3): prefill TP2 + EP -> decode DP2 + EP.
+* MLA + MoE with DeepSeek's sparse attention (tiny DeepSeek-V3.2: the latent, rope and
+  indexer-key planes move; its indexer keeps fewer keys than a prompt has, so keys that
+  did not arrive change the tokens): prefill TP2 + EP -> decode DP2 + EP.
 
 Every proxy has a layer-wise twin (``-lw``: ``--layerwise``, each request sent to both
 instances at once and the KV read layer by layer as the prefill writes it) over the same
@@ -205,7 +207,7 @@ def cluster(tiny_models, tmp_path_factory):
     servers = {}
     proxies = {}
     try:
-        for model, specs in ((tiny_models[QWEN2_KV1], GQA), (tiny_models["deepseek_v3"], MLA)):
+        for model, specs in ((tiny_models[QWEN2_KV1], GQA), (tiny_models["deepseek_v32"], MLA)):
             for name, spec in specs.items():
                 servers[name] = _instance(model, name, spec, tmp)
         deadline = time.monotonic() + 900

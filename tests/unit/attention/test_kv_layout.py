@@ -107,3 +107,13 @@ def test_planes_within_blocks_stay_inside_each_blocks_page():
     region_k[3].fill_(1.0)  # the region-wide K plane of block 3 lies in other blocks' pages
     touched = region.view(blocks, -1).count_nonzero(dim=1)
     assert touched[3] < touched.sum()
+
+
+def test_indexer_keys_are_one_plane_one_run_per_block():
+    blocks, block_size, head_dim = 3, 4, 8
+    region = torch.zeros(blocks, block_size, head_dim, dtype=torch.bfloat16)
+    layout = LayerLayout.of_cache(region, head_size=576, kv_lora_rank=512, indexer=True)
+    assert [p.name for p in layout.planes] == ["indexer"] and layout.planes[0].heads == 1
+    assert layout.total_bytes == region.numel() * region.element_size()
+    for block in range(blocks):  # the block the indexer reads is the run a transfer moves
+        assert _bytes_of(region[block], region) == layout.run(0, block)

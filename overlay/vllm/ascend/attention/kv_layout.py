@@ -9,7 +9,9 @@ region is read as consecutive planes:
 * GQA/MHA: ``K [num_blocks, kv_heads, block_size, head_size]``, then
   ``V [num_blocks, kv_heads, block_size, head_size_v]``;
 * MLA: ``latent [num_blocks, block_size, 1, kv_lora_rank]``, then
-  ``rope [num_blocks, block_size, 1, rope_dim]``.
+  ``rope [num_blocks, block_size, 1, rope_dim]``;
+* DeepSeek V3.2's indexer keys (a layer of their own): one plane
+  ``[num_blocks, block_size, index_head_dim]``.
 
 The bytes are exactly vLLM's page accounting (``heads x block_size x (K + V)`` per
 block); only their order differs, and the views cost nothing per step.
@@ -187,10 +189,22 @@ class LayerLayout:
         )
 
     @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor, head_size: int, kv_lora_rank: int | None) -> LayerLayout:
+    def indexer(cls, num_blocks: int, block_size: int, head_dim: int, dtype_size: int) -> LayerLayout:
+        """DeepSeek V3.2's indexer keys: one key per token, like the latent one head on
+        every TP rank."""
+        return cls(num_blocks, (Plane("indexer", 1, block_size * head_dim * dtype_size),))
+
+    @classmethod
+    def of_cache(
+        cls, kv_cache: torch.Tensor, head_size: int, kv_lora_rank: int | None, indexer: bool = False
+    ) -> LayerLayout:
         """The planes the attention backends read from this layer's cache (the view vLLM
-        hands them: layout LBHNC, MLA with one head); ``kv_lora_rank`` None for GQA/MHA."""
+        hands them: layout LBHNC, MLA with one head); ``kv_lora_rank`` None for GQA/MHA;
+        ``indexer``: the layer holds V3.2's indexer keys."""
         size = kv_cache.element_size()
+        if indexer:
+            blocks, block_size, head_dim = kv_cache.shape[0], kv_cache.shape[-2], kv_cache.shape[-1]
+            return cls.indexer(blocks, block_size, head_dim, size)
         if kv_lora_rank is not None:
             blocks, block_size, content = kv_cache.shape[0], kv_cache.shape[-2], kv_cache.shape[-1]
             return cls.mla(blocks, block_size, kv_lora_rank, content - kv_lora_rank, size)

@@ -13,6 +13,9 @@ window starts a token earlier, at N - W. When that key is the last of its block,
 prefill side has freed the block. So with such a group the prefill side computes one token fewer
 (``backoff``): it keeps the window of token N - 1, hands over N - 1 tokens, and the decode
 side computes token N - 1 as upstream's NIXL connector arranges for its own back-off.
+
+DeepSeek V3.2's indexer keys are layers of the latent cache's group (one block table) with
+a cache of their own (``attention/sparse_mla.py``): they move with the latent, as one plane.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class TransferGroups:
     ids: tuple[int, ...]  # the config's group ids that are transferred, in block-table order
     layer_group: dict  # layer name -> index into ``ids``
     windowed: bool  # some transferred group frees blocks before a window
+    indexer_layers: frozenset = frozenset()  # layers holding indexer keys: one plane each
 
     @property
     def backoff(self) -> int:
@@ -37,7 +41,12 @@ class TransferGroups:
 
     @classmethod
     def of(cls, kv_cache_config: KVCacheConfig | None) -> TransferGroups:
-        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            SlidingWindowSpec,
+            SparseCacheRole,
+            UniformTypeKVCacheSpecs,
+        )
 
         if kv_cache_config is None:
             raise ValueError(
@@ -56,4 +65,17 @@ class TransferGroups:
             isinstance(g.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for g in groups
         )
         layer_group = {name: index for index, g in enumerate(groups) for name in g.layer_names}
-        return cls(ids, layer_group, windowed)
+
+        def layer_specs(group) -> dict:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):  # layers of one type, pages of several sizes
+                return spec.kv_cache_specs
+            return dict.fromkeys(group.layer_names, spec)
+
+        indexer = frozenset(
+            name
+            for g in groups
+            for name, spec in layer_specs(g).items()
+            if getattr(spec, "cache_role", None) == SparseCacheRole.INDEXER
+        )
+        return cls(ids, layer_group, windowed, indexer)

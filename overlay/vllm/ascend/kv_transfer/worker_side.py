@@ -70,7 +70,9 @@ class P2PWorker:
                 continue  # a layer of a group that takes no part in transfers
             layers[name] = (
                 tensor.data_ptr(),
-                LayerLayout.of_cache(tensor, self._head_size, self._kv_lora_rank),
+                LayerLayout.of_cache(
+                    tensor, self._head_size, self._kv_lora_rank, indexer=name in self.groups.indexer_layers
+                ),
             )
         options = dict(self.settings.options, role="prefill" if self.settings.producer else "decode")
         port = self.settings.control_port(self.settings.dp_rank, self.rank)

@@ -146,7 +146,7 @@ def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     """DeepSeek V3.2's and V4's layers the Ascend backends lack, each named as the config
     announces it (GLM-5's indexer reads as V3.2's). V3.2's indexer and sparse MLA run with
     both kernel sets (attention/sparse_mla.py; the NPU ops' limits checked here), without
-    drafts, KV connectors or context parallelism."""
+    drafts or context parallelism."""
     from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
 
     model = vllm_config.model_config
@@ -159,7 +159,6 @@ def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
             (not served, "other than DeepSeek-V3.2's"),
             *(_npu_indexer_limits(hf, parallel) if npu_kernels() else []),
             (vllm_config.speculative_config is not None, "with speculative decoding"),
-            (vllm_config.kv_transfer_config is not None, "with a KV connector"),
             (
                 parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1,
                 "with context parallelism",
