@@ -22,7 +22,9 @@ torch_npu MLA kernel takes), MoE layers with grouped sigmoid routing
 (`topk_method: noaux_tc`, written into config.json as real V3 checkpoints have it)
 and one MTP layer (`num_nextn_predict_layers: 1`) whose weights are stored as layer
 `num_hidden_layers`, where vLLM's DeepSeek MTP model reads them; transformers
-ignores them. `qwen3_moe` is a Qwen3-MoE: GQA attention with q/k norms and MoE layers
+ignores them. `deepseek_v32` adds DeepSeek sparse attention (a lightning indexer with its
+own key cache picks `--index-topk` keys per query) and has such an MTP layer too, its
+indexer included. `qwen3_moe` is a Qwen3-MoE: GQA attention with q/k norms and MoE layers
 with softmax top-k routing (renormalised, `norm_topk_prob`), the routing of Mixtral and
 the Qwen MoE models. `qwen2_vl` is a Qwen2-VL: a Qwen2 decoder with M-RoPE (rotary
 positions in temporal/height/width sections, `mrope_section` summing to head_dim / 2) and
@@ -538,16 +540,14 @@ def main(argv: list[str] | None = None) -> Path:
     config_path = args.out / "config.json"
     config = json.loads(config_path.read_text())
     config["torch_dtype"] = config["dtype"] = args.dtype
-    if args.arch == "deepseek_v3":
+    if args.arch in ("deepseek_v3", "deepseek_v32"):
         # transformers scores with sigmoid but does not save these keys; vLLM needs them.
-        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=1)
         weights_path = args.out / "model.safetensors"
         weights = load_file(weights_path)
         mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)
         weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
         save_file(weights, weights_path, metadata={"format": "pt"})
-    if args.arch == "deepseek_v32":
-        config.update(topk_method="noaux_tc", scoring_func="sigmoid")
     if args.arch == "longcat_flash":
         # keys LongCat's own config.json carries and transformers' class does not keep; vLLM
         # reads them (transformers applies both scales and identity zero experts always)

@@ -3,7 +3,8 @@ with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equ
 greedy decoding token for token (Hugging Face transformers, which test_oracle holds
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
 caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
-test_dp_serving.py).
+test_dp_serving.py). DeepSeek-V3.2, whose MTP layer has an indexer and sparse MLA of its
+own, runs k = 2 greedy and all-accepted.
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -74,18 +75,36 @@ RUNS = {
         }
     },
 }
+# DeepSeek-V3.2 (its MTP layer has an indexer and sparse MLA of its own; every draft step
+# computes its own selection, as upstream's V3.2 config does not share it across steps)
+# (upstream raises V3.2's default block size to 64, past the shared prefix of the prompts)
+RUNS.update(
+    {
+        f"v32_{name}": {
+            **RUNS[name],
+            "engine": {**RUNS[name]["engine"], "block_size": 16},
+            "arch": "deepseek_v32",
+        }
+        for name in ("k2", "k2_all_accepted")
+    }
+)
+
+
+def _model_of(tiny_models, run: str):
+    return tiny_models[RUNS[run].get("arch", "deepseek_v3")]
 
 
 @pytest.fixture(scope="module")
 def single_rank(tiny_models):
     model = tiny_models["deepseek_v3"]
     runs = []
-    for name, run in RUNS.items():
+    for name, spec in RUNS.items():
+        run = {key: value for key, value in spec.items() if key != "arch"}
         preempted = name.endswith("k2_preempted")
         batches = [PROMPTS] if preempted else [PROMPTS, *([p] for p in SINGLES), PREFIX_PROMPTS]
         runs.append(
             {
-                "model": str(model),
+                "model": str(tiny_models[spec.get("arch", "deepseek_v3")]),
                 "batches": batches,
                 "max_tokens": MAX_TOKENS,
                 "report_runner": True,
@@ -126,9 +145,10 @@ def test_each_run_used_the_ascend_runner_in_step(single_rank):
         assert not run["async_scheduling"], name
 
 
-@pytest.mark.parametrize("run", ["k1", "k2"])
-def test_greedy_mtp_equals_plain_decoding(single_rank, run):
-    model, runs, _ = single_rank
+@pytest.mark.parametrize("run", ["k1", "k2", "v32_k2"])
+def test_greedy_mtp_equals_plain_decoding(single_rank, tiny_models, run):
+    _, runs, _ = single_rank
+    model = _model_of(tiny_models, run)
     batches = runs[run]["batches"]
     assert _tokens(batches[0]) == hf_greedy(model, PROMPTS, MAX_TOKENS)  # batch 8 (9 requests, 8 at once)
     assert max(r["prompt_len"] for r in batches[0]) > ENGINE["max_num_batched_tokens"]  # chunked prefill
@@ -214,12 +234,15 @@ def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
 
 
-def test_accepted_drafts_keep_the_target_exact(single_rank):
+@pytest.mark.parametrize("name", ["k2_all_accepted", "v32_k2_all_accepted"])
+def test_accepted_drafts_keep_the_target_exact(single_rank, tiny_models, name):
     """Every draft accepted (synthetic mode, k = 2): a request emits its first token, then
     [draft, draft, bonus] per step, so tokens 0, 3, 6, ... are the target's own picks and
-    must equal transformers' greedy token after everything emitted before them."""
-    model, runs, _ = single_rank
-    run = runs["k2_all_accepted"]
+    must equal transformers' greedy token after everything emitted before them (V3.2: the
+    verification step's three query rows per request each select their own keys)."""
+    _, runs, _ = single_rank
+    model = _model_of(tiny_models, name)
+    run = runs[name]
     rate, per_step = _acceptance(run["counters"])
     assert rate == 1.0 and per_step == 2.0, run["counters"]
     prompts = PROMPTS + SINGLES + PREFIX_PROMPTS

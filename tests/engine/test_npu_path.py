@@ -307,6 +307,9 @@ GDN_RUNS = {
     "qwen3_next_graphs": (QWEN3_NEXT_NPU, {}),
     "qwen3_5_moe_graphs": (QWEN35_MOE_NPU, {}),
 }
+# one engine process per group; TP=2 in the extended tier (CI's time budget; TP=2 with the
+# NPU kernels runs in CI with DeepSeek-V3.2 below)
+GDN_GROUPS = {"tp1": [name for name in GDN_RUNS if name != "qwen3_5_tp2"], "tp2": ["qwen3_5_tp2"]}
 # torch_npu's Gated DeltaNet ops take q, k, v and beta in bf16 (the reference kernels keep
 # them in float32 from the convolution on) and the state crosses hundreds of tokens in bf16:
 # a pick within four bf16 ulps of a logit in [4, 8) is a near-tie there (three seen).
@@ -318,14 +321,16 @@ GDN_OPS = {
 }
 
 
-def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_path):
+@pytest.mark.parametrize("group", extended_params(GDN_GROUPS, ["tp2"]))
+def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_path, group):
     """Qwen3.5 (dense and MoE) and Qwen3-Next (three Gated DeltaNet layers, one gated
     full-attention layer) in bf16: prompts over several prefill chunks (the chunked op from
     each sequence's state), decode steps eager and in graphs, TP=2; prefix caching off
     (refused for these layers). One reference run per model."""
     engine = {**ENGINE, "enable_prefix_caching": False}
     batches = [LONG_PROMPTS, PROMPTS[:3]]
-    models = list(dict.fromkeys(model for model, _ in GDN_RUNS.values()))
+    runs = {name: GDN_RUNS[name] for name in GDN_GROUPS[group]}
+    models = list(dict.fromkeys(model for model, _ in runs.values()))
 
     def spec(model, extra, env):
         return {
@@ -338,7 +343,7 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
         }
 
     specs = [spec(model, {}, IN_PROCESS) for model in models]
-    for name, (model, extra) in GDN_RUNS.items():
+    for name, (model, extra) in runs.items():
         (tmp_path / name).mkdir()
         env = {
             "VLLM_ASCEND_KERNELS": "npu",
@@ -353,32 +358,37 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
     for ref in reference.values():  # several prefill chunks; the oracle discriminates
         assert max(r["prompt_len"] for r in ref["batches"][0]) > 3 * ENGINE["max_num_batched_tokens"]
         assert len({tuple(r["token_ids"]) for r in ref["batches"][0]}) == len(ref["batches"][0])
-    graph_runs = sum(not extra.get("enforce_eager") for _, extra in GDN_RUNS.values())
+    graph_runs = sum(not extra.get("enforce_eager") for _, extra in runs.values())
     assert output.count("decode graphs (FULL_DECODE_ONLY)") >= graph_runs, "a graph run captured nothing"
     prompts = LONG_PROMPTS + PROMPTS[:3]
     divergences = []
-    for (name, (model, _)), run in zip(GDN_RUNS.items(), result["runs"][len(models) :]):
+    for (name, (model, _)), run in zip(runs.items(), result["runs"][len(models) :]):
         want = [r for batch in reference[model]["batches"] for r in batch]
         got = [r for batch in run["batches"] for r in batch]
         divergences += compare_tokens(f"{name} vs reference", want, got, prompts, near_tie=GDN_NEAR_TIE)
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
     assert not call_counts(tmp_path / "reference"), "the reference kernels must not call torch_npu"
-    for name in GDN_RUNS:
+    for name in runs:
         counts = call_counts(tmp_path / name)
-        for op, runs in GDN_OPS.items():
-            if name in runs:
+        for op, ran_in in GDN_OPS.items():
+            if name in ran_in:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 
 # DeepSeek-V3.2 on torch_npu's lightning indexer and sparse flash attention with decode
-# graphs (prefills eager): TP=1 and TP=2 + EP, each against the reference kernels in the
-# same layout (in bf16 the TP=2 all-reduces and
-# expert split round otherwise than TP=1: the reference kernels diverge between the two too).
+# graphs (prefills eager): TP=1, and TP=2 + EP with MTP k=2 (the drafter's own indexer and
+# sparse MLA, verification steps of three query rows per request), each against the
+# reference kernels in the same layout (in bf16 the TP=2 all-reduces and expert split round
+# otherwise than TP=1: the reference kernels diverge between the two too).
 DSA_RUNS = {
     "deepseek_v32": {},
-    "deepseek_v32_tp2_ep": {**TP2_MP, "enable_expert_parallel": True},
+    "deepseek_v32_tp2_ep_mtp2": {
+        **TP2_MP,
+        "enable_expert_parallel": True,
+        "speculative_config": {"method": "deepseek_mtp", "num_speculative_tokens": 2},
+    },
 }
 DSA_OPS = ("npu::npu_lightning_indexer", "npu::npu_sparse_flash_attention", "npu::npu_scatter_nd_update_")
 

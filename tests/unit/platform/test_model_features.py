@@ -198,6 +198,12 @@ CASES = [
         None,  # V3.2's own sizes: an indexer of 64 heads of 128, within npu_lightning_indexer's
     ),
     (
+        "deepseek-v3.2-context-parallel",  # MTP and KV connectors run it; CP does not yet
+        lambda: DeepseekV32Config(architectures=["DeepseekV32ForCausalLM"], **MLA, index_topk=16),
+        {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+        ["sparse attention with a lightning indexer (index_topk=16) with context parallelism"],
+    ),
+    (
         "deepseek-v3.2-indexer-outside-the-npu-op",
         lambda: DeepseekV32Config(
             architectures=["DeepseekV32ForCausalLM"],

@@ -158,7 +158,6 @@ def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
         limits = [
             (not served, "other than DeepSeek-V3.2's"),
             *(_npu_indexer_limits(hf, parallel) if npu_kernels() else []),
-            (vllm_config.speculative_config is not None, "with speculative decoding"),
             (
                 parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1,
                 "with context parallelism",
