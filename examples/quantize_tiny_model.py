@@ -4,7 +4,7 @@
     python examples/quantize_tiny_model.py --model /tmp/tiny-dsv3 --out /tmp/tiny-dsv3-w8a8d \
         --scheme w8a8_dynamic [--float-mtp] [--keep-float REGEX ...]
 
-Works on any llama, qwen2 or deepseek_v3 checkpoint in safetensors (made by
+Works on any llama, qwen2, deepseek_v3 or deepseek_v32 checkpoint in safetensors (made by
 ``make_tiny_model.py`` or not); meant for small models, everything is held in memory.
 
 * Weights: symmetric per output channel, ``scale = max|w| / 127``, rounded half to even.
@@ -16,7 +16,9 @@ Works on any llama, qwen2 or deepseek_v3 checkpoint in safetensors (made by
 * ``w8a8_dynamic``: every linear layer W8A8_DYNAMIC (activations quantized per token at
   run time).
 * Always float: embeddings, norms, the LM heads, the MoE router, MLA's ``kv_b_proj`` (as
-  msModelSlim leaves it) and the MTP module's ``eh_proj``; ``--float-mtp`` keeps the
+  msModelSlim leaves it), the MTP module's ``eh_proj`` and DeepSeek-V3.2's indexer key and
+  weights projections (``wk``, ``weights_proj``: upstream's indexer builds them float; its
+  query projection ``wq_b`` is quantized like the other linear layers); ``--float-mtp`` keeps the
   whole MTP module float; ``--keep-float REGEX`` (repeatable) keeps every linear weight
   whose name matches float (for example one MoE layer's experts, which vLLM then serves
   with the unquantized Ascend MoE method).
@@ -39,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 
-ARCHS = ("llama", "qwen2", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "deepseek_v3", "deepseek_v32")
 LINEARS = {
     "q_proj",
     "k_proj",
@@ -52,6 +54,7 @@ LINEARS = {
     "q_b_proj",
     "kv_a_proj_with_mqa",
     "kv_b_proj",
+    "wq_b",  # DeepSeek-V3.2's indexer query projection
 }
 ALWAYS_FLOAT = {"kv_b_proj"}
 CALIBRATION = [
@@ -92,7 +95,7 @@ def plan_schemes(
     tensors: dict, config: dict, scheme: str, float_mtp: bool, keep_float: tuple[re.Pattern, ...] = ()
 ) -> dict[str, str]:
     """Scheme per linear weight; everything else is FLOAT."""
-    mtp_first = config["num_hidden_layers"] if config["model_type"] == "deepseek_v3" else None
+    mtp_first = config["num_hidden_layers"] if config["model_type"].startswith("deepseek") else None
     plan = {}
     for name, tensor in tensors.items():
         module = linear_name(name)

@@ -1,6 +1,6 @@
 """msModelSlim W8A8 checkpoints served in host emulation (``--quantization ascend``).
 
-The tiny Qwen2 and DeepSeek-V3 models are quantized here by
+The tiny Qwen2, DeepSeek-V3 and DeepSeek-V3.2 models are quantized here by
 ``examples/quantize_tiny_model.py`` (static W8A8 and dynamic W8A8), served by one
 runner process (engines one after another), and compared token for token with the
 fake-quantized transformers model of ``quant_reference.py``. DeepSeek's MTP module
@@ -31,11 +31,13 @@ CHECKPOINTS = {  # name -> (float model, scheme, extra quantizer arguments)
     "dsv3_w8a8": ("deepseek_v3_q_lora", "w8a8", []),  # fused_qkv_a_proj: q_a_proj + kv_a_proj_with_mqa
     "dsv3_w8a8_dynamic": ("deepseek_v3", "w8a8_dynamic", []),
     "dsv3_w8a8_dynamic_float_mtp": ("deepseek_v3", "w8a8_dynamic", ["--float-mtp"]),
+    # DeepSeek-V3.2: its indexer's query projection quantized (static: calibrated like the rest)
+    "dsv32_w8a8": ("deepseek_v32", "w8a8", []),
 }
 # Qwen2 with dynamic W8A8 runs in test_npu_path.py (reference against NPU kernels); here
 # each scheme is served on DeepSeek-V3, the static one on Qwen2 as well.
-PLAIN = ["qwen2_w8a8", "dsv3_w8a8", "dsv3_w8a8_dynamic"]
-WITH_MTP = ["dsv3_w8a8", "dsv3_w8a8_dynamic_float_mtp"]
+PLAIN = ["qwen2_w8a8", "dsv3_w8a8", "dsv3_w8a8_dynamic", "dsv32_w8a8"]
+WITH_MTP = ["dsv3_w8a8", "dsv3_w8a8_dynamic_float_mtp", "dsv32_w8a8"]
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +132,10 @@ def test_mtp_on_the_quantized_model_equals_plain_decoding(served):
     paths, tokens, _, _ = served
     assert tokens["dsv3_w8a8+mtp2"] == tokens["dsv3_w8a8"]
     assert tokens["dsv3_w8a8_dynamic_float_mtp+mtp2"] == tokens["dsv3_w8a8_dynamic"]
+    assert tokens["dsv32_w8a8+mtp2"] == tokens["dsv32_w8a8"]
+    v32 = json.loads((paths["dsv32_w8a8"] / "quant_model_description.json").read_text())
+    assert v32["model.layers.0.self_attn.indexer.wq_b.weight"] == "W8A8"
+    assert v32["model.layers.0.self_attn.indexer.wk.weight"] == "FLOAT"  # upstream's indexer: float
     description = json.loads((paths["dsv3_w8a8"] / "quant_model_description.json").read_text())
     mtp_layer = json.loads((paths["dsv3_w8a8"] / "config.json").read_text())["num_hidden_layers"]
     assert description[f"model.layers.{mtp_layer}.self_attn.q_a_proj.weight"] == "W8A8_DYNAMIC"

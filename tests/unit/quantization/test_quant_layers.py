@@ -222,3 +222,14 @@ def test_the_config_refuses_a_quantized_eh_proj():
     assert config.get_name() == "ascend" and config.get_config_filenames() == ["quant_model_description.json"]
     with pytest.raises(DescriptionError, match="model.layers.3.eh_proj.weight is quantized"):
         AscendQuantConfig.from_config({**DESCRIPTION, "model.layers.3.eh_proj.weight": "W8A8_DYNAMIC"})
+
+
+@pytest.mark.parametrize("projection", ["wk", "weights_proj"])
+def test_the_config_refuses_quantized_indexer_key_projections(projection):
+    """DeepSeek-V3.2's indexer: wq_b follows the description, wk and weights_proj are float."""
+    from vllm.ascend.quantization.config import AscendQuantConfig
+
+    indexer = "model.layers.0.self_attn.indexer"
+    AscendQuantConfig.from_config({**DESCRIPTION, f"{indexer}.wq_b.weight": "W8A8_DYNAMIC"})
+    with pytest.raises(DescriptionError, match=rf"{indexer}\.{projection}\.weight is quantized.*mark them"):
+        AscendQuantConfig.from_config({**DESCRIPTION, f"{indexer}.{projection}.weight": "W8A8_DYNAMIC"})

@@ -45,6 +45,17 @@ class AscendQuantConfig(QuantizationConfig):
                 f"{description.source}: {quantized_eh[0]} is quantized, but vLLM builds the MTP "
                 'module\'s eh_proj unquantized; mark it "FLOAT" (and keep its float weight)'
             )
+        # and DeepSeek-V3.2's indexer builds its key and weights projections (fused as
+        # wk_weights_proj) float; its query projection wq_b follows the description
+        quantized_indexer = description.quantized_tensors_matching(
+            ".indexer.wk."
+        ) + description.quantized_tensors_matching(".indexer.weights_proj.")
+        if quantized_indexer:
+            raise DescriptionError(
+                f"{description.source}: {quantized_indexer[0]} is quantized, but vLLM builds the "
+                "sparse-attention indexer's key and weights projections unquantized; mark them "
+                '"FLOAT" (and keep their float weights)'
+            )
 
     def __repr__(self) -> str:
         return f"AscendQuantConfig({self.description.source}, model_quant_type={self.description.model_quant_type})"
