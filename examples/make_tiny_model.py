@@ -156,6 +156,8 @@ def make_model(args, tok: Tokenizer):
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GlmMoeDsaConfig,
+        GlmMoeDsaForCausalLM,
         GptOssConfig,
         GptOssForCausalLM,
         LlamaConfig,
@@ -353,6 +355,19 @@ def make_model(args, tok: Tokenizer):
             index_head_dim=args.index_head_dim or args.qk_rope_head_dim + 32,
         )
         return DeepseekV32ForCausalLM(config)
+    if args.arch == "glm_moe_dsa":
+        # GLM-5: DeepSeek-V3.2's layers, its indexer's rope interleaved (as its MLA rope);
+        # every layer computes its own selection (indexer_types all "full")
+        config = GlmMoeDsaConfig(
+            **cfg,
+            **mla_moe,
+            q_lora_rank=args.q_lora_rank or 32,
+            head_dim=args.qk_rope_head_dim,
+            index_topk=args.index_topk,
+            index_n_heads=8,
+            index_head_dim=args.index_head_dim or args.qk_rope_head_dim + 32,
+        )
+        return GlmMoeDsaForCausalLM(config)
     config = DeepseekV3Config(**cfg, **mla_moe, q_lora_rank=args.q_lora_rank, num_nextn_predict_layers=1)
     return DeepseekV3ForCausalLM(config)
 
@@ -422,6 +437,7 @@ def main(argv: list[str] | None = None) -> Path:
             "qwen2",
             "deepseek_v3",
             "deepseek_v32",
+            "glm_moe_dsa",
             "qwen3_moe",
             "qwen2_vl",
             "qwen3",
@@ -528,7 +544,7 @@ def main(argv: list[str] | None = None) -> Path:
     torch.manual_seed(args.seed)
     model = make_model(args, tok).to(DTYPES[args.dtype]).eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
-    if args.arch in ("deepseek_v3", "deepseek_v32", "longcat_flash"):
+    if args.arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "longcat_flash"):
         randomize_routing_bias(model, generator)
     if args.arch == "gemma2":
         shrink_tied_embeddings(model)
@@ -540,9 +556,11 @@ def main(argv: list[str] | None = None) -> Path:
     config_path = args.out / "config.json"
     config = json.loads(config_path.read_text())
     config["torch_dtype"] = config["dtype"] = args.dtype
-    if args.arch in ("deepseek_v3", "deepseek_v32"):
+    if args.arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         # transformers scores with sigmoid but does not save these keys; vLLM needs them.
         config.update(topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=1)
+        if args.arch == "glm_moe_dsa":  # GLM-5's config.json says so; transformers always does it
+            config["indexer_rope_interleave"] = True
         weights_path = args.out / "model.safetensors"
         weights = load_file(weights_path)
         mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)

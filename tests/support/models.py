@@ -39,7 +39,8 @@ LLAMA_EAGLE = "llama_eagle"
 # logits), dense q/k-norm attention (Qwen3), sinks and biased experts (gpt-oss), MLA with
 # zero-computation (identity) experts (LongCat-Flash), Gated DeltaNet linear attention with
 # a full-attention layer every fourth (Qwen3-Next with its MoE, Qwen3.5 dense and MoE),
-# DeepSeek sparse attention (V3.2: a lightning indexer picks 16 keys per query).
+# DeepSeek sparse attention (V3.2: a lightning indexer picks 16 keys per query; GLM-5: the
+# same layers, its indexer's rope interleaved).
 FAMILIES = (
     "mistral",
     "gemma2",
@@ -51,6 +52,7 @@ FAMILIES = (
     "qwen3_5",
     "qwen3_5_moe",
     "deepseek_v32",
+    "glm_moe_dsa",
 )
 # name: make_tiny_model.py's options
 VARIANTS = {

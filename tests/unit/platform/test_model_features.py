@@ -16,6 +16,7 @@ from transformers import (
     DeepseekV32Config,
     FalconConfig,
     Gemma2Config,
+    GlmMoeDsaConfig,
     GptOssConfig,
     LlamaConfig,
     LongcatFlashConfig,
@@ -221,10 +222,27 @@ CASES = [
         ],
     ),
     (
-        "deepseek-v3.2-architecture-renamed",  # another model with the indexer: not served yet
-        lambda: DeepseekV32Config(architectures=["GlmMoeDsaForCausalLM"], **MLA, index_topk=16),
+        "glm-5-next",  # the indexer and linear-attention layers, both named
+        lambda: DeepseekV32Config(architectures=["Glm5NextForCausalLM"], **MLA, index_topk=16),
         {},
-        ["sparse attention with a lightning indexer (index_topk=16) other than DeepSeek-V3.2's"],
+        [
+            "sparse attention with a lightning indexer (index_topk=16) other than DeepSeek-V3.2's and GLM-5's",
+            "state-space or linear-attention layers other than",
+        ],
+    ),
+    (
+        "glm-5",  # V3.2's layers under upstream's V3.2 model code
+        lambda: GlmMoeDsaConfig(architectures=["GlmMoeDsaForCausalLM"], **MLA, index_topk=16),
+        {},
+        None,
+    ),
+    (
+        "glm-5-shared-selections",  # layers reusing an earlier layer's top-k: not built yet
+        lambda: GlmMoeDsaConfig(
+            architectures=["GlmMoeDsaForCausalLM"], **MLA, index_topk=16, indexer_types=["full", "shared"]
+        ),
+        {},
+        ["sparse attention with a lightning indexer (index_topk=16) whose layers 1 reuse an earlier"],
     ),
     (
         "deepseek-v4",  # V4 names its own layers, not V3.2's

@@ -26,8 +26,9 @@ SINK_MODEL_TYPES = {"gpt_oss"}
 # Hybrids whose linear-attention layers are upstream's QwenGatedDeltaNetAttention, which
 # ops/gdn.py replaces (reference kernels); other state-space and linear layers stay refused.
 GATED_DELTANET_ARCHITECTURES = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}
-# DeepSeek sparse attention whose indexer and sparse MLA the platform runs (reference kernels)
-SPARSE_INDEXER_ARCHITECTURES = {"DeepseekV32ForCausalLM"}
+# DeepSeek sparse attention whose indexer and sparse MLA the platform runs (GLM-5: V3.2's
+# layers, its indexer's rope interleaved; upstream serves it with V3.2's model code)
+SPARSE_INDEXER_ARCHITECTURES = {"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
 
 
 def has_attention_sinks(model_config: ModelConfig) -> bool:
@@ -144,9 +145,10 @@ def _gated_deltanet_npu_limits(vllm_config: VllmConfig) -> list[str]:
 
 def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     """DeepSeek V3.2's and V4's layers the Ascend backends lack, each named as the config
-    announces it (GLM-5's indexer reads as V3.2's). V3.2's indexer and sparse MLA run with
+    announces it. V3.2's and GLM-5's (the same layers) indexer and sparse MLA run with
     both kernel sets (attention/sparse_mla.py; the NPU ops' limits checked here), without
     drafts or context parallelism."""
+    from vllm.model_executor.models.utils import compute_skip_topk_layers
     from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
 
     model = vllm_config.model_config
@@ -155,8 +157,15 @@ def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     if hasattr(hf, "index_topk"):
         served = set(model.architectures or ()) <= SPARSE_INDEXER_ARCHITECTURES
         parallel = vllm_config.parallel_config
+        shared = sorted(compute_skip_topk_layers(hf))
         limits = [
-            (not served, "other than DeepSeek-V3.2's"),
+            (not served, "other than DeepSeek-V3.2's and GLM-5's"),
+            (
+                bool(shared),
+                f"whose layers {', '.join(map(str, shared[:4]))}{' ...' if len(shared) > 4 else ''} reuse "
+                "an earlier layer's selection (index_topk_freq, index_topk_pattern or indexer_types "
+                "'shared')",
+            ),
             *(_npu_indexer_limits(hf, parallel) if npu_kernels() else []),
             (
                 parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1,
