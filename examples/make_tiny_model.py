@@ -427,6 +427,31 @@ def mtp_layer_weights(
     return out
 
 
+def qwen_mtp_weights(
+    saved: dict[str, torch.Tensor], config, generator: torch.Generator, init_range: float
+) -> dict[str, torch.Tensor]:
+    """Qwen3.5's MTP module as its checkpoints store it (``mtp.*``): a full-attention
+    decoder layer shaped like the last saved one, the two pre-fc norms, ``fc`` over the
+    embedding and the hidden state side by side, and a final norm. Its norms scale by
+    1 + weight, so zeros are the identity, as transformers starts them."""
+    full = max(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
+    template = f"model.layers.{full}."
+    out = {}
+    for name, tensor in saved.items():
+        if not name.startswith(template):
+            continue
+        new_name = "mtp.layers.0." + name[len(template) :]
+        if "norm" in name:
+            out[new_name] = tensor.clone()
+        else:
+            out[new_name] = torch.randn(tensor.shape, generator=generator) * init_range
+    h = config.hidden_size
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = torch.zeros(h)
+    out["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=generator) * init_range
+    return out
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -564,6 +589,13 @@ def main(argv: list[str] | None = None) -> Path:
         weights_path = args.out / "model.safetensors"
         weights = load_file(weights_path)
         mtp = mtp_layer_weights(weights, model.config, generator, args.init_range)
+        weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
+        save_file(weights, weights_path, metadata={"format": "pt"})
+    if args.arch == "qwen3_5":
+        config["mtp_num_hidden_layers"] = 1
+        weights_path = args.out / "model.safetensors"
+        weights = load_file(weights_path)
+        mtp = qwen_mtp_weights(weights, model.config, generator, args.init_range)
         weights.update({name: tensor.to(DTYPES[args.dtype]) for name, tensor in mtp.items()})
         save_file(weights, weights_path, metadata={"format": "pt"})
     if args.arch == "longcat_flash":

@@ -4,7 +4,8 @@ greedy decoding token for token (Hugging Face transformers, which test_oracle ho
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
 caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
 test_dp_serving.py). DeepSeek-V3.2, whose MTP layer has an indexer and sparse MLA of its
-own, runs k = 2 greedy and all-accepted.
+own, runs k = 2 greedy and all-accepted; Qwen3.5 (Gated DeltaNet layers verifying drafts)
+k = 2 greedy, all-accepted and first-draft-accepted.
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -88,6 +89,27 @@ RUNS.update(
         for name in ("k2", "k2_all_accepted")
     }
 )
+# Qwen3.5 (Gated DeltaNet layers under verification: each position's state kept, the next
+# step starting from the last accepted one's; its MTP layer is a full-attention layer).
+# Prefix caching is refused with these layers. Accepting the first draft only puts the
+# next step's start in the middle of the kept states.
+NO_PREFIX_CACHING = {"enable_prefix_caching": False}
+RUNS.update(
+    {
+        f"q35_{name}": {"engine": {**RUNS[name]["engine"], **NO_PREFIX_CACHING}, "arch": "qwen3_5"}
+        for name in ("k2", "k2_all_accepted")
+    }
+)
+RUNS["q35_k2_first_accepted"] = {
+    "engine": {
+        **ENGINE,
+        **NO_PREFIX_CACHING,
+        "speculative_config": mtp(
+            2, rejection_sample_method="synthetic", synthetic_acceptance_rates=[1.0, 0.0]
+        ),
+    },
+    "arch": "qwen3_5",
+}
 
 
 def _model_of(tiny_models, run: str):
@@ -145,7 +167,7 @@ def test_each_run_used_the_ascend_runner_in_step(single_rank):
         assert not run["async_scheduling"], name
 
 
-@pytest.mark.parametrize("run", ["k1", "k2", "v32_k2"])
+@pytest.mark.parametrize("run", ["k1", "k2", "v32_k2", "q35_k2"])
 def test_greedy_mtp_equals_plain_decoding(single_rank, tiny_models, run):
     _, runs, _ = single_rank
     model = _model_of(tiny_models, run)
@@ -156,7 +178,8 @@ def test_greedy_mtp_equals_plain_decoding(single_rank, tiny_models, run):
     assert singles == hf_greedy(model, SINGLES, MAX_TOKENS)
     prefix = batches[-1]
     assert _tokens(prefix) == hf_greedy(model, PREFIX_PROMPTS, MAX_TOKENS)
-    assert all(r["num_cached_tokens"] > 0 for r in prefix[1:]), prefix  # prefix-cache hits
+    if RUNS[run]["engine"]["enable_prefix_caching"]:
+        assert all(r["num_cached_tokens"] > 0 for r in prefix[1:]), prefix  # prefix-cache hits
     counters = runs[run]["counters"]
     assert counters["vllm:spec_decode_num_draft_tokens"] > 0  # speculation really ran
     rate, per_step = _acceptance(counters)
@@ -234,26 +257,38 @@ def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("name", ["k2_all_accepted", "v32_k2_all_accepted"])
+# name: tokens a verification step emits (the accepted drafts and the target's own pick)
+SYNTHETIC = {
+    "k2_all_accepted": 3,
+    "v32_k2_all_accepted": 3,
+    "q35_k2_all_accepted": 3,
+    "q35_k2_first_accepted": 2,
+}
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
 def test_accepted_drafts_keep_the_target_exact(single_rank, tiny_models, name):
-    """Every draft accepted (synthetic mode, k = 2): a request emits its first token, then
-    [draft, draft, bonus] per step, so tokens 0, 3, 6, ... are the target's own picks and
-    must equal transformers' greedy token after everything emitted before them (V3.2: the
-    verification step's three query rows per request each select their own keys)."""
+    """Synthetic acceptance (k = 2): every draft, or the first only. A request emits its
+    first token, then per step the accepted drafts and the target's pick, so every
+    ``period``-th token is the target's own and must equal transformers' greedy token
+    after everything emitted before it (V3.2: the verification step's three query rows per
+    request each select their own keys; Qwen3.5: the next step starts from the state after
+    the last accepted token)."""
     _, runs, _ = single_rank
     model = _model_of(tiny_models, name)
     run = runs[name]
+    period = SYNTHETIC[name]
     rate, per_step = _acceptance(run["counters"])
-    assert rate == 1.0 and per_step == 2.0, run["counters"]
-    prompts = PROMPTS + SINGLES + PREFIX_PROMPTS
+    assert per_step == period - 1 and rate == (period - 1) / 2, run["counters"]
     outputs = [r for batch in run["batches"] for r in batch]
+    prompts = PROMPTS + SINGLES + PREFIX_PROMPTS
     assert len(outputs) == len(prompts)
     drafts_unlike_target = 0
     for prompt, out in zip(prompts, outputs):
         tokens = out["token_ids"]
         expected = _hf_next_tokens(model, prompt, tokens)
         for j in range(MAX_TOKENS):
-            if j % 3 == 0:
+            if j % period == 0:
                 assert tokens[j] == expected[j], (prompt, j, tokens, expected)
             else:
                 drafts_unlike_target += tokens[j] != expected[j]

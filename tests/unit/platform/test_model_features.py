@@ -303,6 +303,15 @@ CASES = [
         {"enable_prefix_caching": False, "mamba_ssm_cache_dtype": "float32"},
         ["Gated DeltaNet layers in torch.bfloat16 with a float32 state cache with the NPU kernels"],
     ),
+    (
+        "qwen3.5-mtp",  # the reference kernels verify drafts through these layers
+        lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], mtp_num_hidden_layers=1, **GDN128),
+        {
+            "enable_prefix_caching": False,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+        },
+        ["speculative decoding with Gated DeltaNet layers with the NPU kernels"],
+    ),
 ]
 
 

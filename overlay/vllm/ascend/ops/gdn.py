@@ -16,8 +16,11 @@ With the NPU kernels the whole batch runs without reading a length back to the h
 convolution for every sequence at once (``gdn.conv_batch``), the decodes through torch_npu's
 recurrent op (inside a decode graph through ``gdn.recurrent_step_batch`` instead: the op is
 documented for single-op and static-graph modes only), the prefills through its chunked op.
-Speculative decoding, prefix caching, KV connectors and context parallelism with these layers
-are refused at start-up (``platform/model_features.py``).
+With drafts (MTP; the reference kernels) every decode is a verification row of 1 + k tokens:
+each position's recurrent state is kept in its own state slot and the conv buffer holds k more
+inputs, so the next step starts from the last accepted token's (upstream's layout). Speculative
+decoding with the NPU kernels, prefix caching, KV connectors and context parallelism with these
+layers are refused at start-up (``platform/model_features.py``).
 """
 
 from __future__ import annotations
@@ -66,10 +69,6 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         )
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, dict) and metadata.get(self.prefix) is not None:
-            if metadata[self.prefix].spec_sequence_masks is not None:
-                raise NotImplementedError(
-                    "speculative decoding with Gated DeltaNet layers is not supported on Ascend"
-                )
             run = self._run_core_npu if npu_kernels() else self._run_core
             run(mixed_qkv, b, a, core, metadata[self.prefix])
         # (no metadata: a profile or dummy run; the state cache is not touched)
@@ -96,8 +95,83 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         out: torch.Tensor,
         metadata: GDNAttentionMetadata,
     ) -> None:
+        if metadata.spec_sequence_masks is None:
+            self._run_sequences(mixed_qkv, b, a, out, metadata)
+            return
+        # with drafts every decode is a verification row (upstream's V2 runner); the
+        # other sequences are prefills, their tokens elsewhere in the batch
+        tokens = metadata.num_spec_decode_tokens
+        plain = metadata.num_decodes + metadata.num_prefills
+        rows = metadata.spec_token_indx[:tokens] if plain else slice(0, tokens)
+        spec_out = out[rows].clone()
+        self._run_verification(mixed_qkv[rows], b[rows], a[rows], spec_out, metadata)
+        out[rows] = spec_out
+        if plain:
+            rows = metadata.non_spec_token_indx[: metadata.num_actual_tokens - tokens]
+            plain_out = out[rows].clone()
+            self._run_sequences(mixed_qkv[rows], b[rows], a[rows], plain_out, metadata)
+            out[rows] = plain_out
+
+    def _run_verification(
+        self,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        metadata: GDNAttentionMetadata,
+    ) -> None:
+        """Each request's 1 + k tokens (the last sampled one, then its drafts) from the state
+        after the tokens the previous step accepted. Upstream's layout: a request's conv
+        buffer holds W - 1 + k inputs, its window starts ``accepted - 1`` in, and after the
+        step it holds the window's last W - 2 inputs and this step's; its recurrent state
+        after token t goes to its t-th state slot, the next step starting from slot
+        ``accepted - 1``."""
         conv_state, ssm_state, weight = self._state_and_weight()
         heads_k, heads_v, split = self._heads()
+        width = weight.shape[1]
+        requests = metadata.num_spec_decodes
+        assert metadata.spec_query_start_loc is not None
+        assert metadata.spec_state_indices_tensor is not None and metadata.num_accepted_tokens is not None
+        bounds = metadata.spec_query_start_loc[: requests + 1].tolist()
+        slots = metadata.spec_state_indices_tensor[:requests].tolist()
+        accepted = metadata.num_accepted_tokens[:requests].tolist()
+        for i in range(requests):
+            lo, hi, row, shift = bounds[i], bounds[i + 1], slots[i], accepted[i] - 1
+            if hi == lo:
+                continue
+            buffer = conv_state[row[0]]
+            window = buffer[shift : shift + width - 1]
+            y, _ = gdn.conv(mixed_qkv[lo:hi], weight, window)
+            rolled = torch.cat([window.to(y.dtype), mixed_qkv[lo:hi]])[1:]
+            buffer[: rolled.shape[0]] = rolled
+            q, k, v = y.split(split, dim=-1)
+            q, k, v = (
+                q.unflatten(-1, (heads_k, -1)),
+                k.unflatten(-1, (heads_k, -1)),
+                v.unflatten(-1, (heads_v, -1)),
+            )
+            g, beta = gdn.gating(a[lo:hi], b[lo:hi], self.A_log, self.dt_bias)
+            state = ssm_state[row[shift]]
+            for t in range(hi - lo):  # one state per position: any of them may be the last accepted
+                o, new = gdn.recurrent_delta_rule(
+                    q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state
+                )
+                ssm_state[row[t]] = new.to(ssm_state.dtype)
+                state = ssm_state[row[t]]
+                out[lo + t] = o[0].to(out.dtype)
+
+    def _run_sequences(
+        self,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        metadata: GDNAttentionMetadata,
+    ) -> None:
+        """Prefill chunks and decodes without drafts, each from its sequence's state."""
+        conv_state, ssm_state, weight = self._state_and_weight()
+        heads_k, heads_v, split = self._heads()
+        history = weight.shape[1] - 1  # with drafts the conv buffer is longer: its first W - 1
         sequences = metadata.num_decodes + metadata.num_prefills
         assert metadata.non_spec_query_start_loc is not None
         assert metadata.non_spec_state_indices_tensor is not None
@@ -112,7 +186,9 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
             lo, hi, slot = bounds[i], bounds[i + 1], slots[i]
             if hi == lo:
                 continue
-            y, conv_state[slot] = gdn.conv(mixed_qkv[lo:hi], weight, conv_state[slot] if started[i] else None)
+            y, conv_state[slot, :history] = gdn.conv(
+                mixed_qkv[lo:hi], weight, conv_state[slot, :history] if started[i] else None
+            )
             q, k, v = y.split(split, dim=-1)
             g, beta = gdn.gating(a[lo:hi], b[lo:hi], self.A_log, self.dt_bias)
             rule = gdn.recurrent_delta_rule if i < metadata.num_decodes else gdn.chunked_delta_rule

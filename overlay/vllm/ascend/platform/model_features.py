@@ -97,8 +97,11 @@ def _gated_deltanet_limits(vllm_config: VllmConfig) -> list[str]:
             "prefix caching with Gated DeltaNet layers (upstream's state copies at block "
             "boundaries are Triton kernels; pass --no-enable-prefix-caching)"
         )
-    if vllm_config.speculative_config is not None:
-        found.append("speculative decoding with Gated DeltaNet layers (drop --speculative-config)")
+    if vllm_config.speculative_config is not None and npu_kernels():
+        found.append(
+            "speculative decoding with Gated DeltaNet layers with the NPU kernels (the reference "
+            "kernels run it: VLLM_ASCEND_KERNELS=reference)"
+        )
     if vllm_config.kv_transfer_config is not None:
         found.append("a KV connector with Gated DeltaNet layers (their states are not transferred)")
     parallel = vllm_config.parallel_config
