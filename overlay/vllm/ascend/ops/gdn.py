@@ -211,6 +211,11 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         out: torch.Tensor,
         metadata: GDNAttentionMetadata,
     ) -> None:
+        if metadata.spec_sequence_masks is not None:  # refused at start-up (model_features)
+            raise NotImplementedError(
+                "verifying drafts in Gated DeltaNet layers with the NPU kernels is not supported on "
+                "Ascend yet; the reference kernels run it (VLLM_ASCEND_KERNELS=reference)"
+            )
         conv_state, ssm_state, weight = self._state_and_weight()
         assert metadata.non_spec_query_start_loc is not None
         assert metadata.non_spec_state_indices_tensor is not None

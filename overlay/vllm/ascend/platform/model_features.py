@@ -149,8 +149,8 @@ def _gated_deltanet_npu_limits(vllm_config: VllmConfig) -> list[str]:
 def _deepseek_sparse_features(vllm_config: VllmConfig) -> list[str]:
     """DeepSeek V3.2's and V4's layers the Ascend backends lack, each named as the config
     announces it. V3.2's and GLM-5's (the same layers) indexer and sparse MLA run with
-    both kernel sets (attention/sparse_mla.py; the NPU ops' limits checked here), without
-    drafts or context parallelism."""
+    both kernel sets (attention/sparse_mla.py; the NPU ops' limits checked here), with
+    drafts and KV connectors, without context parallelism."""
     from vllm.model_executor.models.utils import compute_skip_topk_layers
     from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
 
