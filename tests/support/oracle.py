@@ -15,6 +15,31 @@ def _attention(config) -> dict:
     return {"attn_implementation": "eager"} if needs_eager else {}
 
 
+def transformers_classes(model: Path, vision_language: bool | None = None) -> tuple:
+    """transformers' own config and model class for ``model``'s ``model_type``, from its
+    static name tables. Not its Auto classes: any process that builds a vLLM config
+    registers vLLM's config classes with ``AutoConfig`` (``deepseek_v32`` as a DeepSeek-V3
+    config), after which ``AutoModelForCausalLM`` builds a DeepSeek-V3 without the indexer,
+    so the oracle would depend on which test ran first in the process (seen in CI)."""
+    import json
+
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    config = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[model_type]).from_pretrained(model)
+    if vision_language is None:
+        vision_language = getattr(config, "vision_config", None) is not None
+    # vision-language configs (Qwen2-VL) have no causal-LM class; their image-text one
+    # generates from text alone
+    names = (
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        if vision_language
+        else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    return config, getattr(transformers, names[model_type])
+
+
 def hf_greedy(model: Path, prompts: list, max_tokens: int = 16) -> list[list[int]]:
     """Oracle: transformers' greedy generate, one prompt at a time, float32, no EOS stop.
     A prompt is text, or token ids as vLLM takes them (``{"prompt_token_ids": [...]}``)."""
@@ -26,20 +51,18 @@ def hf_model(model: Path) -> tuple:
     """The tokenizer and the float32 transformers model of ``model`` (no EOS stop), loaded
     once per test process."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoTokenizer
 
     key = str(model)
     if key not in _HF_CACHE:
         tok = AutoTokenizer.from_pretrained(model)
-        # vision-language configs (Qwen2-VL) have no causal-LM class; their image-text one
-        # generates from text alone
-        config = AutoConfig.from_pretrained(model)
-        vl = getattr(config, "vision_config", None) is not None
-        auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+        config, model_class = transformers_classes(model)
         if config.model_type == "longcat_flash":
             hf = _longcat(model)
         else:
-            hf = auto.from_pretrained(model, dtype=torch.float32, **_attention(config)).eval()
+            hf = model_class.from_pretrained(
+                model, config=config, dtype=torch.float32, **_attention(config)
+            ).eval()
         hf.generation_config.eos_token_id = None
         _HF_CACHE[key] = (tok, hf)
     return _HF_CACHE[key]
@@ -131,14 +154,14 @@ def router_margins(model: Path, prompt: str, continuation: list[int]) -> tuple[i
     (to check against the engine's) and the gaps, ``[step][layer]``. For models whose
     transformers class reports its router logits (Qwen-MoE, Mixtral)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     key = ("router", str(model))
     if key not in _HF_CACHE:
-        config = AutoConfig.from_pretrained(model)
+        config, model_class = transformers_classes(model, vision_language=False)
         k = config.num_experts_per_tok
         forwards = [
-            AutoModelForCausalLM.from_pretrained(model, dtype=t, **_attention(config)).eval()
+            model_class.from_pretrained(model, config=config, dtype=t, **_attention(config)).eval()
             for t in (torch.float32, torch.bfloat16)
         ]
         _HF_CACHE[key] = (AutoTokenizer.from_pretrained(model), forwards, k)

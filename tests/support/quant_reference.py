@@ -87,11 +87,12 @@ def _experts(tensors: dict, prefix: str, num_experts: int):
 
 def fake_quantized(float_model: Path, quantized: Path):
     """transformers' model of ``float_model`` computing like the checkpoint in ``quantized``."""
-    from transformers import AutoModelForCausalLM
+    from tests.support.oracle import transformers_classes
 
     description = json.loads((quantized / "quant_model_description.json").read_text())
     tensors = load_file(str(quantized / "quant_model_weights.safetensors"))
-    hf = AutoModelForCausalLM.from_pretrained(float_model, dtype=torch.float32).eval()
+    config, model_class = transformers_classes(float_model, vision_language=False)
+    hf = model_class.from_pretrained(float_model, config=config, dtype=torch.float32).eval()
     replaced = 0
     for name, module in hf.named_modules():
         scheme = description.get(f"{name}.weight")
