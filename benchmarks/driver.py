@@ -55,6 +55,20 @@ def launches_kernel(func, name, args, kwargs, out) -> bool:
     return bool(_storages(out) - _storages(list(args) + list(kwargs.values())))
 
 
+def call_site(skip_file: str, with_line: bool = True) -> str:
+    """The first caller outside torch, the double and ``skip_file`` (the benchmark's own
+    counting code): ``module.function[:line]``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/torch/" not in path and "/torch_npu_site/" not in path and path != skip_file:
+            module = path.rsplit("/vllm/", 1)[-1].removesuffix(".py").replace("/", ".")
+            site = f"{module}.{frame.f_code.co_name}"
+            return f"{site}:{frame.f_lineno}" if with_line else site
+        frame = frame.f_back
+    return "?"
+
+
 # -- the driver --------------------------------------------------------------------------------
 def make_tiny_model(args: list[str], base: Path) -> Path:
     """examples/make_tiny_model.py with ``args``, under ``base`` (made once per argument list)."""

@@ -30,12 +30,19 @@ import argparse
 import collections
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from driver import VLLM_OPS, launches_kernel, make_tiny_model, npu_path_env, record_vllm_ops, run_child
+from driver import (
+    VLLM_OPS,
+    call_site,
+    launches_kernel,
+    make_tiny_model,
+    npu_path_env,
+    record_vllm_ops,
+    run_child,
+)
 
 ARCHS = {  # name -> make_tiny_model arguments
     "llama": ["--arch", "llama"],
@@ -114,22 +121,10 @@ class _Counter:
                 counter.inside_ops += time.perf_counter() - start
                 if counter.current is not None and launches_kernel(func, name, args, kwargs, out):
                     key = name if func.namespace == "aten" else f"{func.namespace}::{name}"
-                    counter.current[f"{key} @ {_site()}" if counter.sites else key] += 1
+                    counter.current[f"{key} @ {call_site(__file__)}" if counter.sites else key] += 1
                 return out
 
         return Mode()
-
-
-def _site() -> str:
-    """The first caller outside torch and this file: ``module.function:line``."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if "/torch/" not in path and "/torch_npu_site/" not in path and path != __file__:
-            module = path.rsplit("/vllm/", 1)[-1].removesuffix(".py").replace("/", ".")
-            return f"{module}.{frame.f_code.co_name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
 
 
 def _middle_layer(model):

@@ -32,12 +32,19 @@ import argparse
 import collections
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from driver import VLLM_OPS, launches_kernel, make_tiny_model, npu_path_env, record_vllm_ops, run_child
+from driver import (
+    VLLM_OPS,
+    call_site,
+    launches_kernel,
+    make_tiny_model,
+    npu_path_env,
+    record_vllm_ops,
+    run_child,
+)
 
 MODELS = {
     "qwen2": ["--arch", "qwen2"],
@@ -70,18 +77,6 @@ class _Step:
         self.done = False
 
 
-def _site() -> str:
-    """The first caller outside torch, the double and this file: ``module.function``."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if "/torch/" not in path and "/torch_npu_site/" not in path and path != __file__:
-            module = path.rsplit("/vllm/", 1)[-1].removesuffix(".py").replace("/", ".")
-            return f"{module}.{frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
-
-
 def _counting_mode(state: dict):
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -98,7 +93,7 @@ def _counting_mode(state: dict):
             if step is not None and not state["replaying"]:
                 step.device_s += time.perf_counter() - start
                 if launches_kernel(func, name, args, kwargs, out):
-                    step.sites[_site()] += 1
+                    step.sites[call_site(__file__, with_line=False)] += 1
             return out
 
     return Mode()

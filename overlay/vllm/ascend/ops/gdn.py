@@ -82,10 +82,12 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
             conv_state = conv_state.transpose(-1, -2)
         return conv_state, ssm_state, self.conv1d.weight.view(self.conv1d.weight.size(0), -1)
 
-    def _heads(self) -> tuple[int, int, list[int]]:
-        """Key and value heads on this rank, and the q | k | v split of the conv output."""
+    def _split_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv output ``[T, q | k | v]`` as this rank's key, key and value heads."""
         key, value = self.key_dim // self.tp_size, self.value_dim // self.tp_size
-        return self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size, [key, key, value]
+        q, k, v = y.split([key, key, value], dim=-1)
+        heads_k, heads_v = self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size
+        return q.unflatten(-1, (heads_k, -1)), k.unflatten(-1, (heads_k, -1)), v.unflatten(-1, (heads_v, -1))
 
     def _run_core(
         self,
@@ -127,7 +129,6 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         after token t goes to its t-th state slot, the next step starting from slot
         ``accepted - 1``."""
         conv_state, ssm_state, weight = self._state_and_weight()
-        heads_k, heads_v, split = self._heads()
         width = weight.shape[1]
         requests = metadata.num_spec_decodes
         assert metadata.spec_query_start_loc is not None
@@ -144,12 +145,7 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
             y, _ = gdn.conv(mixed_qkv[lo:hi], weight, window)
             rolled = torch.cat([window.to(y.dtype), mixed_qkv[lo:hi]])[1:]
             buffer[: rolled.shape[0]] = rolled
-            q, k, v = y.split(split, dim=-1)
-            q, k, v = (
-                q.unflatten(-1, (heads_k, -1)),
-                k.unflatten(-1, (heads_k, -1)),
-                v.unflatten(-1, (heads_v, -1)),
-            )
+            q, k, v = self._split_heads(y)
             g, beta = gdn.gating(a[lo:hi], b[lo:hi], self.A_log, self.dt_bias)
             state = ssm_state[row[shift]]
             for t in range(hi - lo):  # one state per position: any of them may be the last accepted
@@ -170,7 +166,6 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
     ) -> None:
         """Prefill chunks and decodes without drafts, each from its sequence's state."""
         conv_state, ssm_state, weight = self._state_and_weight()
-        heads_k, heads_v, split = self._heads()
         history = weight.shape[1] - 1  # with drafts the conv buffer is longer: its first W - 1
         sequences = metadata.num_decodes + metadata.num_prefills
         assert metadata.non_spec_query_start_loc is not None
@@ -189,17 +184,10 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
             y, conv_state[slot, :history] = gdn.conv(
                 mixed_qkv[lo:hi], weight, conv_state[slot, :history] if started[i] else None
             )
-            q, k, v = y.split(split, dim=-1)
+            q, k, v = self._split_heads(y)
             g, beta = gdn.gating(a[lo:hi], b[lo:hi], self.A_log, self.dt_bias)
             rule = gdn.recurrent_delta_rule if i < metadata.num_decodes else gdn.chunked_delta_rule
-            o, state = rule(
-                q.unflatten(-1, (heads_k, -1)),
-                k.unflatten(-1, (heads_k, -1)),
-                v.unflatten(-1, (heads_v, -1)),
-                g,
-                beta,
-                ssm_state[slot] if started[i] else None,
-            )
+            o, state = rule(q, k, v, g, beta, ssm_state[slot] if started[i] else None)
             ssm_state[slot] = state.to(ssm_state.dtype)
             out[lo:hi] = o.to(out.dtype)
 
@@ -223,10 +211,8 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         starts = metadata.non_spec_query_start_loc[: sequences + 1]
         slots = metadata.non_spec_state_indices_tensor[:sequences]
         y = gdn.conv_batch(mixed_qkv, weight, conv_state, starts, slots, metadata.has_initial_state)
-        heads_k, heads_v, split = self._heads()
-        q, k, v = y.split(split, dim=-1)
-        q, k = gdn.normalise_qk(q.unflatten(-1, (heads_k, -1)), k.unflatten(-1, (heads_k, -1)))
-        v = v.unflatten(-1, (heads_v, -1))
+        q, k, v = self._split_heads(y)
+        q, k = gdn.normalise_qk(q, k)
         g, beta = gdn.gating(a, b, self.A_log, self.dt_bias)
         decode_tokens = metadata.num_decode_tokens  # one per decode: no drafts here
         if decodes:
