@@ -245,16 +245,9 @@ def test_greedy_mtp_under_preemption(single_rank):
 
 def _hf_next_tokens(model, prompt: str, generated: list[int]) -> list[int]:
     """Transformers' greedy next token after each prefix ``prompt + generated[:j]``."""
-    import torch
+    from tests.support.oracle import hf_teacher_forced_logprobs
 
-    from tests.support.oracle import hf_model
-
-    tok, hf = hf_model(model)
-    ids = tok(prompt, return_tensors="pt").input_ids
-    full = torch.cat([ids, torch.tensor([generated])], dim=1)
-    with torch.no_grad():
-        logits = hf(full, attention_mask=torch.ones_like(full)).logits[0]
-    return logits[ids.shape[1] - 1 : full.shape[1] - 1].argmax(-1).tolist()
+    return hf_teacher_forced_logprobs(model, prompt, generated).argmax(-1).tolist()
 
 
 # name: tokens a verification step emits (the accepted drafts and the target's own pick)

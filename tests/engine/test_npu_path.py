@@ -35,6 +35,11 @@ never hidden. The layers run the Ascend forms of RMSNorm, rotary embedding and
 SiLU-and-mul (torch_npu's fused ops) and, for the MoE models, routing and the weighted
 sum on device. Every torch_npu call has to pass the contract
 (a violation fails the engine), and the double's call log proves the NPU kernels ran.
+The 2026 families: the Gated DeltaNet hybrids (Qwen3.5 dense and MoE, Qwen3-Next) on
+torch_npu's chunked and recurrent ops against the reference kernels, eager, in graphs and
+at TP=2, and Qwen3.5 with MTP (verification from the last accepted token's state) against
+transformers teacher-forced; DeepSeek-V3.2 on the lightning indexer and sparse flash
+attention against the reference kernels, at TP=1 and at TP=2 + EP with MTP.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from tests.support.npu_compare import (
     call_counts,
     compare_tokens,
 )
+from tests.support.oracle import hf_teacher_forced_logprobs
 from tests.support.prompts import LONG_PREFIX_PROMPTS, LONG_PROMPTS, PROMPTS
 from tests.support.selection import extended_params
 
@@ -374,6 +380,79 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
         for op, ran_in in GDN_OPS.items():
             if name in ran_in:
                 assert counts.get(op, 0) > 0, f"{name}: {op} never ran ({counts})"
+        _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
+
+
+# Qwen3.5 with MTP k=2 on torch_npu's Gated DeltaNet ops, synthetic acceptance so every
+# step verifies from a state in the middle of the kept ones (first draft accepted: the next
+# step starts from the second position's state and conv window) or at their end (both
+# accepted): eager (npu_recurrent_gated_delta_rule with num_accepted_tokens) and in graphs
+# (its torch form). name: (engine changes, acceptance rates, tokens per step)
+GDN_MTP_RUNS = {
+    "qwen3_5_mtp_first_accepted_eager": ({"enforce_eager": True}, [1.0, 0.0], 2),
+    "qwen3_5_mtp_all_accepted_graphs": ({}, [1.0, 1.0], 3),
+}
+# transformers in float32 against bf16 kernels over ~400-token prompts: picks within half a
+# nat of the best are near-ties (up to 0.27 seen); a step that starts from the wrong state
+# or conv window misses by 2.5 to 18 nats (tried by hand)
+GDN_MTP_NEAR_TIE = 0.5
+
+
+def test_gated_deltanet_verification_npu_kernels_keep_the_target_exact(tiny_models, tmp_path):
+    """Every token the target picks in a verification step (every ``period``-th emitted)
+    equals transformers' greedy token after everything emitted before it (teacher-forced;
+    bf16 near-ties reported), while the accepted drafts the target would not have picked
+    show acceptance really moved the start state."""
+    model = tiny_models[QWEN35_NPU]
+    batches = [LONG_PROMPTS, PROMPTS[:3]]
+    specs = []
+    for name, (extra, rates, _) in GDN_MTP_RUNS.items():
+        draft = {
+            "method": "mtp",
+            "num_speculative_tokens": 2,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": rates,
+        }
+        engine = {**ENGINE, "enable_prefix_caching": False, "speculative_config": draft, **extra}
+        env = {
+            "VLLM_ASCEND_KERNELS": "npu",
+            "TORCH_NPU_DOUBLE_SOC": "A2",
+            "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
+            "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
+        }
+        (tmp_path / name).mkdir()
+        specs.append(
+            {"model": str(model), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS, "env": env}
+        )
+    result, output = run_spec({"runs": specs}, timeout=1800)
+    clean_shutdown(output)
+    assert output.count("decode graphs (FULL_DECODE_ONLY)") >= 1, "the graph run captured nothing"
+    prompts = LONG_PROMPTS + PROMPTS[:3]
+    for (name, (_, _, period)), run in zip(GDN_MTP_RUNS.items(), result["runs"]):
+        outputs = [r for batch in run["batches"] for r in batch]
+        assert len(outputs) == len(prompts)
+        drafts_unlike_target = 0
+        for prompt, out in zip(prompts, outputs):
+            tokens = out["token_ids"]
+            logprobs = hf_teacher_forced_logprobs(model, prompt, tokens)
+            for j, token in enumerate(tokens):
+                best = int(logprobs[j].argmax())
+                if j % period:  # an accepted draft
+                    drafts_unlike_target += token != best
+                    continue
+                gap = float(logprobs[j, best] - logprobs[j, token])
+                assert gap <= GDN_MTP_NEAR_TIE, (
+                    f"{name}: {prompt[:40]!r} step {j}: {token} vs {best}, gap {gap:.3f}"
+                )
+                if gap:
+                    warnings.warn(
+                        f"{name}: {prompt[:40]!r} step {j}: gap {gap:.3f}", NearTieDivergence, stacklevel=2
+                    )
+        assert drafts_unlike_target > 0, name
+        counts = call_counts(tmp_path / name)
+        assert counts.get("npu::npu_chunk_gated_delta_rule", 0) > 0, (name, counts)
+        if "eager" in name:
+            assert counts.get("npu::npu_recurrent_gated_delta_rule", 0) > 0, (name, counts)
         _assert_no_host_syncs_in_forward(name, tmp_path / f"{name}-syncs")
 
 

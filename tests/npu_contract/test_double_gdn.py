@@ -97,6 +97,49 @@ def test_recurrent_op_reads_and_writes_the_state_rows_in_place():
     assert torch.equal(cache[[1, 2, 4]], untouched)
 
 
+def test_recurrent_op_with_accepted_tokens_starts_from_the_last_accepted_row():
+    """Verification rows (MTP): every token names the row its state goes to; a sequence
+    starts from the state in its ``num_accepted_tokens - 1``-th token's row (the kernel's
+    RGDR::Process), against transformers from that state."""
+    lengths, accepted = [3, 3], [2, 1]
+    q, k, v, g, beta, state = _inputs(lengths, seed=2)
+    rows = [[4, 1, 6], [0, 7, 2]]
+    cache = torch.zeros(8, *state.shape[1:], dtype=BF16)
+    for i in range(2):
+        cache[rows[i][accepted[i] - 1]] = state[i]
+    untouched = cache[[3, 5]].clone()
+    out = torch_npu.npu_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        cache,
+        beta=beta,
+        scale=128**-0.5,
+        actual_seq_lengths=torch.tensor(lengths, dtype=torch.int32),
+        ssm_state_indices=torch.tensor(rows, dtype=torch.int32).flatten(),
+        num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
+        g=g,
+    )
+    want_out, want_final = _transformers(q, k, v, g, beta, state, lengths, chunked=False)
+    torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cache[[r[-1] for r in rows]].float(), want_final, atol=2e-2, rtol=2e-2)
+    assert torch.equal(cache[[3, 5]], untouched)
+    for bad in ([0, 1], [2, 4]):  # at least one accepted, at most the sequence's length
+        with pytest.raises(ContractViolation, match=r"RGDR\.accepted"):
+            torch_npu.npu_recurrent_gated_delta_rule(
+                q,
+                k,
+                v,
+                cache,
+                beta=beta,
+                scale=128**-0.5,
+                actual_seq_lengths=torch.tensor(lengths, dtype=torch.int32),
+                ssm_state_indices=torch.tensor(rows, dtype=torch.int32).flatten(),
+                num_accepted_tokens=torch.tensor(bad, dtype=torch.int32),
+                g=g,
+            )
+
+
 def _chunk_call(q, k, v, g, beta, state, lengths):
     return torch_npu.npu_chunk_gated_delta_rule(
         q,

@@ -47,6 +47,19 @@ def hf_greedy(model: Path, prompts: list, max_tokens: int = 16) -> list[list[int
     return _generate(tok, hf, prompts, max_tokens)
 
 
+def hf_teacher_forced_logprobs(model: Path, prompt: str, generated: list[int]):
+    """Oracle: transformers' next-token log-probabilities after each prefix
+    ``prompt + generated[:j]``, one forward pass (float32): a tensor [len(generated), vocab]."""
+    import torch
+
+    tok, hf = hf_model(model)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    full = torch.cat([ids, torch.tensor([generated])], dim=1)
+    with torch.no_grad():
+        logits = hf(full, attention_mask=torch.ones_like(full)).logits[0]
+    return torch.log_softmax(logits[ids.shape[1] - 1 : full.shape[1] - 1].float(), dim=-1)
+
+
 def hf_model(model: Path) -> tuple:
     """The tokenizer and the float32 transformers model of ``model`` (no EOS stop), loaded
     once per test process."""

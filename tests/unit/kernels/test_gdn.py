@@ -189,3 +189,86 @@ def test_npu_forms_equal_the_reference_rules_through_the_contract_double():
     o_torch = gdn.recurrent_step_batch(nq1, nk1, v1, g1, beta1, twin, slots)
     torch.testing.assert_close(o_npu.float(), o_torch, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(cache.float(), twin.float(), atol=3e-2, rtol=3e-2)
+
+
+def _verification_reference(x, weight, buffers, accepted, lengths):
+    """Per sequence, in the plain rule: the window ``accepted - 1`` into the buffer, the
+    convolution from it, and the buffer afterwards (the window without its first input,
+    then the sequence's inputs; the rest as it was)."""
+    history = weight.shape[1] - 1
+    ys, after, lo = [], buffers.clone(), 0
+    for i, (took, n) in enumerate(zip(accepted, lengths)):
+        window = buffers[i, took - 1 : took - 1 + history]
+        y, _ = gdn.conv(x[lo : lo + n], weight, window)
+        ys.append(y)
+        rolled = torch.cat([window, x[lo : lo + n]])[1:]
+        after[i, : rolled.shape[0]] = rolled
+        lo += n
+    return torch.cat(ys), after
+
+
+@pytest.mark.parametrize("lengths, accepted", [([3, 3, 3], [1, 3, 2]), ([3, 1, 2], [2, 1, 2])])
+def test_conv_verify_batch_starts_each_window_where_the_last_accepted_token_left_it(lengths, accepted):
+    dim, width, drafts = 6, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(sum(lengths) + 3, dim, generator=gen)  # graph padding past the batch
+    weight = torch.randn(dim, width, generator=gen)
+    cache = torch.randn(8, width - 1 + drafts, dim, generator=gen)
+    slots = torch.tensor([6, 1, 3])
+    before = cache.clone()
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    y = gdn.conv_verify_batch(x, weight, cache, starts, slots, torch.tensor(accepted, dtype=torch.int32))
+    want_y, want_buffers = _verification_reference(x, weight, before[slots], accepted, lengths)
+    torch.testing.assert_close(y[: sum(lengths)], want_y)
+    torch.testing.assert_close(cache[slots], want_buffers)
+    others = [r for r in range(8) if r not in slots.tolist()]
+    assert torch.equal(cache[others], before[others])
+
+
+def _verify_inputs(lengths, drafts=2, d=16, seed=5):
+    q, k, v, g, beta, _, starts = _batch(lengths, d=d, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    positions = drafts + 1
+    slots = torch.randperm(len(lengths) * positions + 3, generator=gen)[: len(lengths) * positions]
+    cache = torch.randn(len(lengths) * positions + 3, v.shape[1], v.shape[2], d, generator=gen) * 0.1
+    return q, k, v, g, beta, cache, slots.view(len(lengths), positions), starts
+
+
+@pytest.mark.parametrize("lengths, accepted", [([3, 3, 3], [1, 3, 2]), ([3, 2, 1], [2, 2, 1])])
+def test_recurrent_verify_batch_keeps_every_position_s_state_from_the_accepted_start(lengths, accepted):
+    q, k, v, g, beta, cache, slots, starts = _verify_inputs(lengths)
+    before = cache.clone()
+    nq, nk = gdn.normalise_qk(q, k)
+    o = gdn.recurrent_verify_batch(
+        nq, nk, v, g, beta, cache, slots, starts, torch.tensor(accepted, dtype=torch.int32)
+    )
+    for i, (lo, hi) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        state = before[slots[i, accepted[i] - 1]]
+        for t in range(hi - lo):
+            j = lo + t
+            want_o, state = gdn.recurrent_delta_rule(
+                q[j : j + 1], k[j : j + 1], v[j : j + 1], g[j : j + 1], beta[j : j + 1], state
+            )
+            torch.testing.assert_close(o[j], want_o[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache[slots[i, t]], state, atol=1e-5, rtol=1e-5)
+        for t in range(hi - lo, slots.shape[1]):  # positions past the sequence: untouched
+            assert torch.equal(cache[slots[i, t]], before[slots[i, t]])
+
+
+def test_npu_verify_equals_the_torch_form_through_the_contract_double():
+    torch_npu = pytest.importorskip("torch_npu")
+    if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+        pytest.skip("the real torch_npu is active on this host")
+    lengths, accepted = [3, 3, 2], torch.tensor([2, 3, 1], dtype=torch.int32)
+    q, k, v, g, beta, cache, slots, starts = _verify_inputs(lengths, d=128)
+    cache = cache.to(torch.bfloat16)
+    twin = cache.clone()
+    nq, nk = gdn.normalise_qk(q, k)
+    o_npu = gdn.npu_verify(nq, nk, v, g, beta, cache, slots, starts, accepted)
+    o_torch = gdn.recurrent_verify_batch(nq, nk, v, g, beta, twin, slots, starts, accepted)
+    torch.testing.assert_close(o_npu.float(), o_torch, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(cache.float(), twin.float(), atol=3e-2, rtol=3e-2)
+    # the start row matters: from each sequence's first row instead, far off
+    error = (o_npu.float() - o_torch).abs().max()
+    o_first = gdn.npu_verify(nq, nk, v, g, beta, twin, slots, starts, torch.ones_like(accepted))
+    assert (o_first.float() - o_torch).abs().max() > 10 * error

@@ -92,6 +92,7 @@ FEATURES = (
     "Gated DeltaNet layers of",
     "Gated DeltaNet layers in",
     "prefix caching with Gated DeltaNet layers",
+    "draft tokens with Gated DeltaNet layers",
     "expert-parallel load balancing",
     "MoE routing simulation",
     "MoE expert substitution",
@@ -304,13 +305,22 @@ CASES = [
         ["Gated DeltaNet layers in torch.bfloat16 with a float32 state cache with the NPU kernels"],
     ),
     (
-        "qwen3.5-mtp",  # the reference kernels verify drafts through these layers
+        "qwen3.5-mtp",  # both kernel sets verify drafts through these layers
         lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], mtp_num_hidden_layers=1, **GDN128),
         {
             "enable_prefix_caching": False,
             "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
         },
-        ["speculative decoding with Gated DeltaNet layers with the NPU kernels"],
+        None,
+    ),
+    (
+        "qwen3.5-mtp-8-drafts",  # torch_npu's recurrent op takes at most 8 tokens per sequence
+        lambda: Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], mtp_num_hidden_layers=1, **GDN128),
+        {
+            "enable_prefix_caching": False,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 8},
+        },
+        ["8 draft tokens with Gated DeltaNet layers with the NPU kernels"],
     ),
 ]
 

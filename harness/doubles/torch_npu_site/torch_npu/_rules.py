@@ -824,6 +824,17 @@ RULES: dict[str, Rule] = {
             "- ssm_state_indices (Tensor)：必选输入，输入序列到状态矩阵的映射索引。state[ssm_state_indices[i]]"
             "表示第i个token的状态矩阵。数据类型支持int32，数据格式支持ND，shape为（T,）。",
         ),
+        # Which row a sequence starts from is not on the page: the kernel reads
+        # ssm_state_indices[seq0 + num_accepted_tokens[b] - 1] (Ascend ops-transformer,
+        # attention/recurrent_gated_delta_rule/op_kernel, RGDR::Process); the double does too.
+        Rule(
+            "RGDR.accepted",
+            GDN_RECURRENT_DOC,
+            "num_accepted_tokens (Tensor)：可选输入，num_accepted_tokens[i]表示投机推理第i个batch接受的token数量，"
+            "要求取值大于等于1且不大于$L_i$。默认为None，表示每个batch接受的token数为1。数据类型支持int32，"
+            "数据格式支持ND，shape为（$B$,）。",
+            in_wheel=False,
+        ),
         Rule(
             "RGDR.dims", DOCS, "$L_i \\le 8$，$N_k \\le 256$，$N_v \\le 256$，$D_k \\le 256$，$D_v \\le 256$"
         ),

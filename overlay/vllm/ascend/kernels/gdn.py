@@ -51,6 +51,7 @@ NPU_CHUNK_MAX_HEADS = 64
 NPU_CHUNK_HEAD_DIM = 128
 NPU_RECURRENT_MAX_HEADS = 256
 NPU_RECURRENT_MAX_HEAD_DIM = 256
+NPU_RECURRENT_MAX_TOKENS = 8  # a sequence's tokens per call (L_i <= 8): the last sampled one and its drafts
 
 
 def conv(
@@ -152,6 +153,27 @@ def chunked_delta_rule(
     return o, s.transpose(1, 2)
 
 
+def _conv_rows(
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolution of a ragged batch whose sequence i starts from ``windows[i]`` (its
+    W - 1 earlier inputs). Returns ``(y [T, D] before SiLU, source, row)``: ``source`` holds
+    every window's rows, then x's, and ``row(seq, at, token)`` says where the input ``at``
+    positions into sequence ``seq`` lives (negative ``at``: its window)."""
+    width, seqs = weight.shape[1], windows.shape[0]
+    history = width - 1
+    source = torch.cat([windows.flatten(0, 1), x.to(windows.dtype)]).to(torch.float32)
+    req, pos, _ = request_of_token(query_start_loc[1 : seqs + 1], x.shape[0])
+
+    def row(seq: torch.Tensor, at: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return torch.where(at >= 0, seqs * history + token, seq * history + history + at)
+
+    token = torch.arange(x.shape[0], device=x.device)
+    w = weight.to(torch.float32)
+    y = sum(source[row(req, pos + j - history, token + j - history)] * w[:, j] for j in range(width))
+    return y, source, row
+
+
 def conv_batch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -163,27 +185,46 @@ def conv_batch(
     """``conv`` for a ragged batch: x [T, D] whose sequence i is ``x[qsl[i]:qsl[i+1]]`` with
     its state in ``conv_state[state_indices[i]]`` ([slots, W-1, D]), updated in place. Rows of
     x past the last sequence (a graph's padding) get values nobody reads."""
-    width, seqs = weight.shape[1], state_indices.numel()
-    history = width - 1
+    seqs, history = state_indices.numel(), weight.shape[1] - 1
     states = conv_state[state_indices.long()]  # [B, W-1, D]
     if has_initial_state is not None:
         states = states * has_initial_state.to(states.dtype)[:, None, None]
-    # one source of rows: every sequence's state rows, then the batch's inputs
-    source = torch.cat([states.flatten(0, 1), x.to(states.dtype)]).to(torch.float32)
-    req, pos, _ = request_of_token(query_start_loc[1 : seqs + 1], x.shape[0])
-
-    def row(seq: torch.Tensor, at: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Where the input ``at`` positions into sequence ``seq`` lives (negative: its state)."""
-        return torch.where(at >= 0, seqs * history + token, seq * history + history + at)
-
-    token = torch.arange(x.shape[0], device=x.device)
-    w = weight.to(torch.float32)
-    y = sum(source[row(req, pos + j - history, token + j - history)] * w[:, j] for j in range(width))
+    y, source, row = _conv_rows(x, weight, states, query_start_loc)
     lengths = (query_start_loc[1 : seqs + 1] - query_start_loc[:seqs]).long()
     seq = torch.arange(seqs, device=x.device)[:, None]
     tail = lengths[:, None] - history + torch.arange(history, device=x.device)  # [B, W-1]
     start = query_start_loc[:seqs].long()[:, None]
     conv_state.index_copy_(0, state_indices.long(), source[row(seq, tail, start + tail)].to(conv_state.dtype))
+    return F.silu(y).to(x.dtype)
+
+
+def conv_verify_batch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """``conv`` for verification rows (a last sampled token and its drafts per sequence):
+    sequence i's buffer ``conv_state[state_indices[i]]`` holds ``W - 1 + k`` inputs, its
+    window starts ``num_accepted_tokens[i] - 1`` in (where the previous step's last accepted
+    token left it); afterwards the buffer holds the window without its first input, then
+    the sequence's inputs (what is left past them keeps its values). Upstream's layout."""
+    seqs, history, buffer = state_indices.numel(), weight.shape[1] - 1, conv_state.shape[1]
+    rows = state_indices.long()
+    buffers = conv_state[rows]  # [B, W-1+k, D]
+    first = (num_accepted_tokens[:seqs].long() - 1)[:, None] + torch.arange(history, device=x.device)
+    windows = buffers.gather(1, first[..., None].expand(-1, -1, buffers.shape[2]))
+    y, source, row = _conv_rows(x, weight, windows, query_start_loc)
+    lengths = (query_start_loc[1 : seqs + 1] - query_start_loc[:seqs]).long()[:, None]
+    seq = torch.arange(seqs, device=x.device)[:, None]
+    at = torch.arange(buffer, device=x.device)[None, :] + 1 - history  # position in the sequence
+    kept = (at < lengths)[..., None]  # past the sequence's inputs the buffer keeps its values
+    at = torch.minimum(at, lengths - 1)
+    start = query_start_loc[:seqs].long()[:, None]
+    written = source[row(seq, at, start + at)]
+    conv_state.index_copy_(0, rows, torch.where(kept, written.to(conv_state.dtype), buffers))
     return F.silu(y).to(x.dtype)
 
 
@@ -195,6 +236,24 @@ def normalise_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.
         return (f * torch.rsqrt((f * f).sum(-1, keepdim=True) + L2_EPS)).to(t.dtype)
 
     return unit(q), unit(k)
+
+
+def _scaled_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised q (then scaled) and k in float32, repeated to the value heads."""
+    group = num_v_heads // q.shape[1]
+    qf = q.to(torch.float32).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5
+    return qf, k.to(torch.float32).repeat_interleave(group, dim=1)
+
+
+def _delta_step(
+    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch of states s [B, HV, Dv, Dk] (q, k from ``_scaled_heads``):
+    the new states and the outputs [B, HV, Dv]."""
+    s = s * g.exp()[..., None, None]
+    remembered = torch.einsum("bhvk,bhk->bhv", s, k)
+    s = s + torch.einsum("bhv,bhk->bhvk", (v.to(torch.float32) - remembered) * beta[..., None], k)
+    return s, torch.einsum("bhvk,bhk->bhv", s, q)
 
 
 def recurrent_step_batch(
@@ -210,14 +269,50 @@ def recurrent_step_batch(
     q and k normalised): the state rows read, updated and written back in place. Returns
     o [B, HV, Dv] float32."""
     rows = state_indices.long()
-    group = v.shape[1] // q.shape[1]
-    qf = q.to(torch.float32).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5
-    kf = k.to(torch.float32).repeat_interleave(group, dim=1)
-    s = ssm_state[rows].to(torch.float32) * g.exp()[..., None, None]  # [B, HV, Dv, Dk]
-    remembered = torch.einsum("bhvk,bhk->bhv", s, kf)
-    s = s + torch.einsum("bhv,bhk->bhvk", (v.to(torch.float32) - remembered) * beta[..., None], kf)
+    qf, kf = _scaled_heads(q, k, v.shape[1])
+    s, o = _delta_step(ssm_state[rows].to(torch.float32), qf, kf, v, g, beta)
     ssm_state.index_copy_(0, rows, s.to(ssm_state.dtype))
-    return torch.einsum("bhvk,bhk->bhv", s, qf)
+    return o
+
+
+def recurrent_verify_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """Verification rows (q and k normalised): sequence i's tokens
+    ``qsl[i]:qsl[i+1]`` (at most ``state_indices.shape[1]``) start from the state in
+    ``state_indices[i, num_accepted_tokens[i] - 1]`` and the state after its t-th token
+    goes to ``state_indices[i, t]`` (what torch_npu's recurrent op does with
+    ``num_accepted_tokens``), in plain torch for a decode graph. Returns o [T, HV, Dv]
+    float32 (rows past the last sequence zero)."""
+    seqs, positions = state_indices.shape
+    slots = state_indices.long()
+    qf, kf = _scaled_heads(q, k, v.shape[1])
+    tokens = q.shape[0]
+    starts = query_start_loc[:seqs].long()
+    lengths = query_start_loc[1 : seqs + 1].long() - starts
+    first = slots.gather(1, num_accepted_tokens[:seqs].long()[:, None] - 1)[:, 0]
+    s = ssm_state[first].to(torch.float32)
+    out = qf.new_zeros(tokens + 1, v.shape[1], v.shape[2])  # the last row takes what no token owns
+    for t in range(positions):
+        live = t < lengths
+        token = torch.where(live, starts + t, tokens)
+        at = token.clamp(max=tokens - 1)
+        new, o = _delta_step(s, qf[at], kf[at], v[at], g[at], beta[at])
+        s = torch.where(live[:, None, None, None], new, s)
+        slot = slots[:, t]
+        ssm_state.index_copy_(
+            0, slot, torch.where(live[:, None, None, None], s.to(ssm_state.dtype), ssm_state[slot])
+        )
+        out.index_copy_(0, token, o)
+    return out[:tokens]
 
 
 def npu_decode(
@@ -240,6 +335,39 @@ def npu_decode(
         scale=q.shape[-1] ** -0.5,
         actual_seq_lengths=torch.ones(count, dtype=torch.int32, device=q.device),
         ssm_state_indices=state_indices.to(torch.int32),
+        g=g.to(torch.float32),
+    )
+
+
+def npu_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """``recurrent_verify_batch`` through torch_npu's recurrent op (eager only): every
+    token names its state row, and ``num_accepted_tokens`` makes a sequence start from its
+    ``num_accepted_tokens - 1``-th token's row (the kernel source reads
+    ``ssm_state_indices[start + accepted - 1]``). Sequences hold 1 to 8 tokens."""
+    seqs = state_indices.shape[0]
+    lengths = query_start_loc[1 : seqs + 1] - query_start_loc[:seqs]
+    req, position, _ = request_of_token(query_start_loc[1 : seqs + 1], q.shape[0])
+    per_token = state_indices[req, position]
+    return torch_npu().npu_recurrent_gated_delta_rule(
+        q.to(torch.bfloat16),
+        k.to(torch.bfloat16),
+        v.to(torch.bfloat16),
+        ssm_state,
+        beta=beta.to(torch.bfloat16),
+        scale=q.shape[-1] ** -0.5,
+        actual_seq_lengths=lengths.to(torch.int32),
+        ssm_state_indices=per_token.to(torch.int32),
+        num_accepted_tokens=num_accepted_tokens[:seqs].to(torch.int32),
         g=g.to(torch.float32),
     )
 

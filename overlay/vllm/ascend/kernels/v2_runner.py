@@ -595,16 +595,15 @@ def scatter_num_accepted(
     """A hybrid model's tokens accepted per request (at least 1), by its state row; rows
     mapped to -1 are skipped."""
     rows = idx_mapping_ptr.to(torch.int64)
-    keep = rows >= 0
-    value = num_sampled_ptr[: rows.shape[0]].clamp(min=1).to(num_accepted_ptr.dtype)
-    num_accepted_ptr.index_put_((rows[keep],), value[keep])
+    value = num_sampled_ptr[: rows.shape[0]].clamp(min=1)
+    _masked_set(num_accepted_ptr, (rows.clamp(min=0),), value, rows >= 0)
 
 
 def fill_num_accepted(
     idx_mapping_ptr: torch.Tensor, num_accepted_ptr: torch.Tensor, num_sampled: int, **launch: object
 ) -> None:
     rows = idx_mapping_ptr.to(torch.int64)
-    num_accepted_ptr.index_fill_(0, rows[rows >= 0], num_sampled)
+    _masked_set(num_accepted_ptr, (rows.clamp(min=0),), torch.full_like(rows, num_sampled), rows >= 0)
 
 
 KERNELS = {

@@ -16,11 +16,12 @@ With the NPU kernels the whole batch runs without reading a length back to the h
 convolution for every sequence at once (``gdn.conv_batch``), the decodes through torch_npu's
 recurrent op (inside a decode graph through ``gdn.recurrent_step_batch`` instead: the op is
 documented for single-op and static-graph modes only), the prefills through its chunked op.
-With drafts (MTP; the reference kernels) every decode is a verification row of 1 + k tokens:
-each position's recurrent state is kept in its own state slot and the conv buffer holds k more
-inputs, so the next step starts from the last accepted token's (upstream's layout). Speculative
-decoding with the NPU kernels, prefix caching, KV connectors and context parallelism with these
-layers are refused at start-up (``platform/model_features.py``).
+With drafts (MTP) every decode is a verification row of 1 + k tokens: each position's
+recurrent state is kept in its own state slot and the conv buffer holds k more inputs, so the
+next step starts from the last accepted token's (upstream's layout); with the NPU kernels the
+rows go through the recurrent op with its ``num_accepted_tokens`` (``gdn.npu_verify``; in a
+decode graph ``gdn.recurrent_verify_batch``). Prefix caching, KV connectors and context
+parallelism with these layers are refused at start-up (``platform/model_features.py``).
 """
 
 from __future__ import annotations
@@ -69,8 +70,7 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         )
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, dict) and metadata.get(self.prefix) is not None:
-            run = self._run_core_npu if npu_kernels() else self._run_core
-            run(mixed_qkv, b, a, core, metadata[self.prefix])
+            self._run_core(mixed_qkv, b, a, core, metadata[self.prefix])
         # (no metadata: a profile or dummy run; the state cache is not touched)
         return self._output_projection(core, z)
 
@@ -97,22 +97,27 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         out: torch.Tensor,
         metadata: GDNAttentionMetadata,
     ) -> None:
+        on_npu = npu_kernels()
+        run_sequences = self._run_sequences_npu if on_npu else self._run_sequences
         if metadata.spec_sequence_masks is None:
-            self._run_sequences(mixed_qkv, b, a, out, metadata)
+            run_sequences(mixed_qkv, b, a, out, metadata)
             return
         # with drafts every decode is a verification row (upstream's V2 runner); the
         # other sequences are prefills, their tokens elsewhere in the batch
+        verify = self._run_verification_npu if on_npu else self._run_verification
         tokens = metadata.num_spec_decode_tokens
         plain = metadata.num_decodes + metadata.num_prefills
-        rows = metadata.spec_token_indx[:tokens] if plain else slice(0, tokens)
+        if not plain:  # the verification rows lead the batch (a graph's padding trails)
+            verify(mixed_qkv, b, a, out, metadata)
+            return
+        rows = metadata.spec_token_indx[:tokens]
         spec_out = out[rows].clone()
-        self._run_verification(mixed_qkv[rows], b[rows], a[rows], spec_out, metadata)
+        verify(mixed_qkv[rows], b[rows], a[rows], spec_out, metadata)
         out[rows] = spec_out
-        if plain:
-            rows = metadata.non_spec_token_indx[: metadata.num_actual_tokens - tokens]
-            plain_out = out[rows].clone()
-            self._run_sequences(mixed_qkv[rows], b[rows], a[rows], plain_out, metadata)
-            out[rows] = plain_out
+        rows = metadata.non_spec_token_indx[: metadata.num_actual_tokens - tokens]
+        plain_out = out[rows].clone()
+        run_sequences(mixed_qkv[rows], b[rows], a[rows], plain_out, metadata)
+        out[rows] = plain_out
 
     def _run_verification(
         self,
@@ -191,7 +196,7 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
             ssm_state[slot] = state.to(ssm_state.dtype)
             out[lo:hi] = o.to(out.dtype)
 
-    def _run_core_npu(
+    def _run_verification_npu(
         self,
         mixed_qkv: torch.Tensor,
         b: torch.Tensor,
@@ -199,12 +204,48 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         out: torch.Tensor,
         metadata: GDNAttentionMetadata,
     ) -> None:
-        if metadata.spec_sequence_masks is not None:  # refused at start-up (model_features)
-            raise NotImplementedError(
-                "verifying drafts in Gated DeltaNet layers with the NPU kernels is not supported on "
-                "Ascend yet; the reference kernels run it (VLLM_ASCEND_KERNELS=reference)"
-            )
+        """``_run_verification`` for the whole batch at once: the convolution in torch over
+        each buffer's window, the recurrence through torch_npu's op with
+        ``num_accepted_tokens`` (in a decode graph: its torch form over the graph's padded
+        batch, whose padding names the null block)."""
         conv_state, ssm_state, weight = self._state_and_weight()
+        slots, starts = metadata.spec_state_indices_tensor, metadata.spec_query_start_loc
+        accepted = metadata.num_accepted_tokens
+        assert slots is not None and starts is not None and accepted is not None
+        capturing = ascend_device.current().is_capturing()
+        if not capturing:  # eager: the op wants every sequence non-empty, no padding rows
+            requests, tokens = metadata.num_spec_decodes, metadata.num_spec_decode_tokens
+            slots, starts, accepted = slots[:requests], starts[: requests + 1], accepted[:requests]
+            mixed_qkv, b, a = mixed_qkv[:tokens], b[:tokens], a[:tokens]
+        y = gdn.conv_verify_batch(mixed_qkv, weight, conv_state, starts, slots[:, 0], accepted)
+        q, k, v = self._split_heads(y)
+        q, k = gdn.normalise_qk(q, k)
+        g, beta = gdn.gating(a, b, self.A_log, self.dt_bias)
+        form = (
+            gdn.npu_verify if self._recurrent_op_takes(ssm_state, q.shape[0]) else gdn.recurrent_verify_batch
+        )
+        o = form(q, k, v, g, beta, ssm_state, slots, starts, accepted)
+        out[: o.shape[0]] = o.to(out.dtype)
+
+    @staticmethod
+    def _recurrent_op_takes(ssm_state: torch.Tensor, tokens: int) -> bool:
+        """Whether torch_npu's recurrent op may run here: not inside a decode graph (its page
+        documents single-op and static-graph modes only) and not over a state cache of fewer
+        rows than tokens (its page wants BlockNum >= T; upstream's graph-memory profile
+        builds a cache of a few blocks). Otherwise its torch form runs."""
+        return not ascend_device.current().is_capturing() and ssm_state.shape[0] >= tokens
+
+    def _run_sequences_npu(
+        self,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        out: torch.Tensor,
+        metadata: GDNAttentionMetadata,
+    ) -> None:
+        """``_run_sequences`` for the whole batch at once (decodes, then prefills)."""
+        conv_state, ssm_state, weight = self._state_and_weight()
+        conv_state = conv_state[:, : weight.shape[1] - 1]  # with drafts the buffer is longer
         assert metadata.non_spec_query_start_loc is not None
         assert metadata.non_spec_state_indices_tensor is not None
         decodes, sequences = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
@@ -217,12 +258,12 @@ class AscendQwenGatedDeltaNet(QwenGatedDeltaNetAttention):
         decode_tokens = metadata.num_decode_tokens  # one per decode: no drafts here
         if decodes:
             part = slice(0, decode_tokens)
-            if ascend_device.current().is_capturing():
-                o = gdn.recurrent_step_batch(
-                    q[part], k[part], v[part], g[part], beta[part], ssm_state, slots[:decodes]
-                )
-            else:
-                o = gdn.npu_decode(q[part], k[part], v[part], g[part], beta[part], ssm_state, slots[:decodes])
+            form = (
+                gdn.npu_decode
+                if self._recurrent_op_takes(ssm_state, decode_tokens)
+                else gdn.recurrent_step_batch
+            )
+            o = form(q[part], k[part], v[part], g[part], beta[part], ssm_state, slots[:decodes])
             out[part] = o.to(out.dtype)
         if metadata.num_prefills:
             part = slice(decode_tokens, decode_tokens + metadata.num_prefill_tokens)

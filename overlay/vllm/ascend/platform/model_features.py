@@ -97,11 +97,6 @@ def _gated_deltanet_limits(vllm_config: VllmConfig) -> list[str]:
             "prefix caching with Gated DeltaNet layers (upstream's state copies at block "
             "boundaries are Triton kernels; pass --no-enable-prefix-caching)"
         )
-    if vllm_config.speculative_config is not None and npu_kernels():
-        found.append(
-            "speculative decoding with Gated DeltaNet layers with the NPU kernels (the reference "
-            "kernels run it: VLLM_ASCEND_KERNELS=reference)"
-        )
     if vllm_config.kv_transfer_config is not None:
         found.append("a KV connector with Gated DeltaNet layers (their states are not transferred)")
     parallel = vllm_config.parallel_config
@@ -142,6 +137,13 @@ def _gated_deltanet_npu_limits(vllm_config: VllmConfig) -> list[str]:
             f"Gated DeltaNet layers in {model.dtype} with a {state_dtype} state cache with the NPU kernels "
             "(torch_npu's Gated DeltaNet ops take bfloat16 inputs and states: --dtype bfloat16 "
             "--mamba-ssm-cache-dtype auto)"
+        )
+    spec = vllm_config.speculative_config
+    if spec is not None and (spec.num_speculative_tokens or 0) + 1 > gdn.NPU_RECURRENT_MAX_TOKENS:
+        found.append(
+            f"{spec.num_speculative_tokens} draft tokens with Gated DeltaNet layers with the NPU kernels "
+            f"(npu_recurrent_gated_delta_rule verifies at most {gdn.NPU_RECURRENT_MAX_TOKENS} tokens per "
+            f"sequence: at most {gdn.NPU_RECURRENT_MAX_TOKENS - 1} draft tokens)"
         )
     return found
 

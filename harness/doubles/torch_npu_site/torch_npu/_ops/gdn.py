@@ -133,8 +133,6 @@ def npu_recurrent_gated_delta_rule(
     op = RGDR
     t, nv, dk, dv, group = _heads(query, key, value, op, (256, lambda d: d <= 256, lambda d: d <= 256))
     require(gk is None, op, "RGDR.gk", "gk passed")
-    if num_accepted_tokens is not None:
-        raise unmodelled(op, "num_accepted_tokens (speculative decoding)")
     if scale is None:
         raise unmodelled(op, "scale unset")
     _per_token(t, nv, "beta", beta, BF16, op, "GDR.inputs")
@@ -160,14 +158,32 @@ def npu_recurrent_gated_delta_rule(
         f"ssm_state_indices {None if ssm_state_indices is None else ssm_state_indices.tolist()} "
         f"for {state.shape[0]} state rows",
     )
+    accepted = [1] * len(lengths)  # the page: None means one accepted token per sequence
+    if num_accepted_tokens is not None:
+        require(
+            num_accepted_tokens.dtype == torch.int32 and tuple(num_accepted_tokens.shape) == (len(lengths),),
+            op,
+            "RGDR.accepted",
+            f"num_accepted_tokens {num_accepted_tokens.dtype} {tuple(num_accepted_tokens.shape)}; "
+            f"wants int32 ({len(lengths)},)",
+        )
+        accepted = num_accepted_tokens.tolist()
+        require(
+            all(1 <= n <= length for n, length in zip(accepted, lengths)),
+            op,
+            "RGDR.accepted",
+            f"num_accepted_tokens {accepted} for sequence lengths {lengths}",
+        )
     q = query.float().repeat_interleave(group, dim=1)
     k = key.float().repeat_interleave(group, dim=1)
     v, gf, bf = value.float(), g.float(), beta.float()
     rows = ssm_state_indices.tolist()
     out = torch.empty(t, nv, dv)
     start = 0
-    for n in lengths:
-        s = state[rows[start]].float()  # each sequence starts from its first token's row
+    for n, took in zip(lengths, accepted):
+        # a sequence starts from its last accepted token's row (the kernel reads
+        # ssm_state_indices[start + num_accepted_tokens - 1]; the first token's without drafts)
+        s = state[rows[start + took - 1]].float()
         for j in range(start, start + n):
             s, out[j] = _step(s, q[j], k[j], v[j], gf[j], bf[j], scale)
             state[rows[j]] = s.to(state.dtype)
