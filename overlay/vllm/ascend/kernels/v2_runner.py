@@ -558,6 +558,20 @@ def gumbel_sample(
         local_max_ptr[rows, :num_blocks] = best.to(local_max_ptr.dtype)
 
 
+def first_max_or_nan(values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``values`` [rows, n]: the first NaN's column if any, else the first
+    column holding the maximum (the Gumbel sampler's pick, made explicit so the device's
+    argmax tie and NaN rules do not matter)."""
+    n = values.shape[1]
+    column = torch.arange(n, device=values.device)
+    nan = torch.isnan(values)
+    first_nan = torch.where(nan, column, n).amin(dim=1)
+    clean = torch.where(nan, float("-inf"), values)
+    top = clean.amax(dim=1, keepdim=True)
+    first_top = torch.where(clean == top, column, n).amin(dim=1)
+    return torch.where(first_nan < n, first_nan, first_top)
+
+
 def gumbel_combine(
     local_argmax_ptr: torch.Tensor,
     local_argmax_stride: int,
@@ -568,20 +582,12 @@ def gumbel_combine(
     PADDED_NUM_BLOCKS: int | None = None,
     **launch: object,
 ) -> None:
-    """Each row's sampled token: the local argmax of its winning block, the first NaN
-    block if any, else the first block holding the maximum (torch.argmax's choice, made
-    explicit so the device's argmax tie and NaN rules do not matter)."""
+    """Each row's sampled token: the local argmax of its winning block
+    (``first_max_or_nan`` over the blocks' maxima)."""
     rows, blocks = sampled_ptr.shape[0], int(num_blocks)
     if rows == 0:
         return
-    values = local_max_ptr[:rows, :blocks]
-    block = torch.arange(blocks, device=values.device)
-    nan = torch.isnan(values)
-    first_nan = torch.where(nan, block, blocks).amin(dim=1)
-    clean = torch.where(nan, float("-inf"), values)
-    top = clean.amax(dim=1, keepdim=True)
-    first_top = torch.where(clean == top, block, blocks).amin(dim=1)
-    winner = torch.where(first_nan < blocks, first_nan, first_top)
+    winner = first_max_or_nan(local_max_ptr[:rows, :blocks])
     sampled = local_argmax_ptr[:rows, :blocks].gather(1, winner[:, None])[:, 0]
     sampled_ptr.copy_(sampled.to(sampled_ptr.dtype))
 

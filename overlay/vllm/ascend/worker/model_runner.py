@@ -6,7 +6,8 @@ A thin subclass: V2 asks the platform for its streams and events (hook patch
 ``v2-runner-make-its-streams-and-events-through-the-platform``), its Triton kernels
 are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered by the
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
-(hook: ``block_tables_cls``), and its prompt-embeddings state, which reads a table of
+(hook: ``block_tables_cls``), its sampler by :class:`~vllm.ascend.worker.v2.sample.NPUSampler`
+(hook: ``sampler_cls``: an all-greedy batch takes an argmax), and its prompt-embeddings state, which reads a table of
 device pointers, by :class:`~vllm.ascend.worker.prompt_embeds.NPUPromptEmbedsState`
 after the model is loaded. Prefill context parallel splits a step's tokens around
 the model call (hook: ``model_forward``). DP ranks agree on a step in V2's own single
@@ -32,6 +33,7 @@ from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.worker import pcp_forward, profiling
 from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
+from vllm.ascend.worker.v2.sample import NPUSampler
 
 logger = init_logger(__name__)
 
@@ -51,6 +53,10 @@ class NPUModelRunner(GPUModelRunner):
 
         rank = rank_layout(pc)  # slots over PCP x DCP, not DCP alone
         return functools.partial(NPUBlockTables, layout=(rank.cp, rank.cp_rank))
+
+    @property
+    def sampler_cls(self):
+        return NPUSampler  # (hook patch ``v2-runner-let-a-hardware-runner-select-its-sampler-class``)
 
     # -- prefill context parallel: the attention backends plan it from the whole step and
     # shard the KV over PCP x DCP; the model call runs this rank's share (hook patch
