@@ -154,6 +154,17 @@ MLA_PROLOG_OPS = ("npu::npu_kv_rmsnorm_rope_cache", "npu::npu_interleave_rope")
 # The reference engines run IN_PROCESS: the runner process binds the reference kernels and
 # logs its torch_npu calls (there must be none) to one directory; each NPU engine's
 # processes get their own settings and log.
+def _npu_run_env(tmp_path: Path, name: str) -> dict:
+    """An NPU-kernel engine's settings on an A2: its own call and sync logs (made here)."""
+    (tmp_path / name).mkdir()
+    return {
+        "VLLM_ASCEND_KERNELS": "npu",
+        "TORCH_NPU_DOUBLE_SOC": "A2",
+        "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
+        "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
+    }
+
+
 def _runner_env(reference_log: Path) -> dict:
     reference_log.mkdir(exist_ok=True)
     return {"VLLM_ASCEND_KERNELS": "reference", "TORCH_NPU_DOUBLE_CALL_LOG": str(reference_log)}
@@ -350,13 +361,7 @@ def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_pat
 
     specs = [spec(model, {}, IN_PROCESS) for model in models]
     for name, (model, extra) in runs.items():
-        (tmp_path / name).mkdir()
-        env = {
-            "VLLM_ASCEND_KERNELS": "npu",
-            "TORCH_NPU_DOUBLE_SOC": "A2",
-            "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
-            "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
-        }
+        env = _npu_run_env(tmp_path, name)
         specs.append(spec(model, extra, env))
     result, output = run_spec({"runs": specs}, timeout=1800, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
@@ -414,13 +419,7 @@ def test_gated_deltanet_verification_npu_kernels_keep_the_target_exact(tiny_mode
             "synthetic_acceptance_rates": rates,
         }
         engine = {**ENGINE, "enable_prefix_caching": False, "speculative_config": draft, **extra}
-        env = {
-            "VLLM_ASCEND_KERNELS": "npu",
-            "TORCH_NPU_DOUBLE_SOC": "A2",
-            "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
-            "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
-        }
-        (tmp_path / name).mkdir()
+        env = _npu_run_env(tmp_path, name)
         specs.append(
             {"model": str(model), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS, "env": env}
         )
@@ -493,13 +492,7 @@ def test_deepseek_sparse_attention_npu_kernels_equal_reference_kernels(tiny_mode
 
     specs = []
     for name, extra in DSA_RUNS.items():
-        env = {
-            "VLLM_ASCEND_KERNELS": "npu",
-            "TORCH_NPU_DOUBLE_SOC": "A2",
-            "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / name),
-            "TORCH_NPU_DOUBLE_SYNC_LOG": str(tmp_path / f"{name}-syncs"),
-        }
-        (tmp_path / name).mkdir()
+        env = _npu_run_env(tmp_path, name)
         specs += [spec(extra, {} if extra else IN_PROCESS), spec(extra, env)]
     result, output = run_spec({"runs": specs}, timeout=1800, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)

@@ -3,12 +3,13 @@ fewer device launches where the batch allows it.
 
 On CUDA the Gumbel-max sampler is two Triton launches whatever the batch. Its torch form
 on Ascend (``kernels/v2_runner.gumbel_sample``) hashes a noise value for every vocabulary
-entry of every row, about a hundred device ops, even where every request is greedy and
-the noise is thrown away. The host knows each request's temperature (the sampling states
-keep a host copy), so an all-greedy batch picks over the processed logits directly, by the
-rule the Gumbel sampler applies to a row without noise (``first_max_or_nan``: the first
-NaN, else the first maximum): the same tokens in a few ops. Greedy requests carry no top-k
-or top-p (``SamplingParams`` resets them), so the processed logits are upstream's too.
+entry of every row (134 of a greedy step's 300 device ops in the step benchmark, NPU-path
+mode) even where every request is greedy and the noise is thrown away. The host knows each
+request's temperature (the sampling states keep a host copy), so an all-greedy batch picks
+over the processed logits directly, by the rule the Gumbel sampler applies to a row without
+noise (``first_max_or_nan``: the first NaN, else the first maximum): the same tokens in a
+few ops. Greedy requests carry no top-k or top-p (``SamplingParams`` resets them), so the
+processed logits are upstream's too.
 """
 
 from __future__ import annotations
