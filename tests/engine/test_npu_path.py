@@ -324,9 +324,14 @@ GDN_RUNS = {
     "qwen3_next_graphs": (QWEN3_NEXT_NPU, {}),
     "qwen3_5_moe_graphs": (QWEN35_MOE_NPU, {}),
 }
-# one engine process per group; TP=2 in the extended tier (CI's time budget; TP=2 with the
-# NPU kernels runs in CI with DeepSeek-V3.2 below)
-GDN_GROUPS = {"tp1": [name for name in GDN_RUNS if name != "qwen3_5_tp2"], "tp2": ["qwen3_5_tp2"]}
+# one engine process per group; TP=2 and Qwen3.5-MoE in the extended tier (CI's time budget;
+# TP=2 with the NPU kernels runs in CI with DeepSeek-V3.2 below, a Gated DeltaNet model's MoE
+# with Qwen3-Next)
+EXTENDED_GDN = ("qwen3_5_tp2", "qwen3_5_moe_graphs")
+GDN_GROUPS = {
+    "tp1": [name for name in GDN_RUNS if name not in EXTENDED_GDN],
+    "extended": list(EXTENDED_GDN),
+}
 # torch_npu's Gated DeltaNet ops take q, k, v and beta in bf16 (the reference kernels keep
 # them in float32 from the convolution on) and the state crosses hundreds of tokens in bf16:
 # a pick within four bf16 ulps of a logit in [4, 8) is a near-tie there (three seen).
@@ -338,7 +343,7 @@ GDN_OPS = {
 }
 
 
-@pytest.mark.parametrize("group", extended_params(GDN_GROUPS, ["tp2"]))
+@pytest.mark.parametrize("group", extended_params(GDN_GROUPS, ["extended"]))
 def test_gated_deltanet_npu_kernels_equal_reference_kernels(tiny_models, tmp_path, group):
     """Qwen3.5 (dense and MoE) and Qwen3-Next (three Gated DeltaNet layers, one gated
     full-attention layer) in bf16: prompts over several prefill chunks (the chunked op from
