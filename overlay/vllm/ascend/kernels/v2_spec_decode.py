@@ -107,6 +107,17 @@ def _argmax_of_blocks(local_max: torch.Tensor, local_argmax: torch.Tensor) -> to
     return local_argmax.gather(-1, best).squeeze(-1).to(torch.int64)
 
 
+def greedy_pick(logits: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A greedy row's token as the rejection sampler's kernels pick it: the first maximum
+    of each ``block_size``-wide block, then the block with the largest maximum (a block
+    holding a NaN never wins). Verified rows use 8192-wide blocks, the resampled (bonus or
+    rejected) row 1024-wide ones; they differ only where a row holds a NaN."""
+    num_blocks = -(-logits.shape[1] // block_size)
+    top, where = _blocks(logits.to(torch.float32), num_blocks, block_size).max(dim=-1)
+    first = torch.arange(num_blocks, device=where.device) * block_size
+    return _argmax_of_blocks(top, where + first)
+
+
 # -- rejection_sampler.py ---------------------------------------------------------------
 def gather_draft_sampled(
     draft_sampled_ptr: torch.Tensor,

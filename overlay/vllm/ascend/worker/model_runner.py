@@ -33,6 +33,7 @@ from vllm.ascend.kernels import npu_kernels
 from vllm.ascend.worker import pcp_forward, profiling
 from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
+from vllm.ascend.worker.v2.rejection_sampler import NPURejectionSampler
 from vllm.ascend.worker.v2.sample import NPUSampler
 
 logger = init_logger(__name__)
@@ -57,6 +58,10 @@ class NPUModelRunner(GPUModelRunner):
     @property
     def sampler_cls(self):
         return NPUSampler  # (hook patch ``v2-runner-let-a-hardware-runner-select-its-sampler-class``)
+
+    @property
+    def rejection_sampler_cls(self):
+        return NPURejectionSampler  # (hook patch ``...-select-its-rejection-sampler``)
 
     # -- prefill context parallel: the attention backends plan it from the whole step and
     # shard the KV over PCP x DCP; the model call runs this rank's share (hook patch
