@@ -1,6 +1,7 @@
 """The double's host-synchronisation count: what counts (a value read while a device op
-is in flight, outside the double's own kernels), what does not (before any device op,
-after the host waited for the device), and the region flag the end-to-end tests assert on."""
+is in flight, outside the double's own kernels, a blocking copy to the host), what does
+not (before any device op, after the host waited for the device, a queued copy, the numpy
+view of a host tensor), and the region flag the end-to-end tests assert on."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ SCRIPT = textwrap.dedent(
 
     def after_forward():
         (x > 0).tolist()  # still in flight, outside the region: counted, flagged out of region
+        x.float().to("cpu", non_blocking=True, copy=True).numpy()  # queued copy, host view: not counted
+        x.float().to("cpu").numpy()  # the blocking copy is counted, its numpy view is not
 
     model_forward()
     after_forward()
@@ -60,6 +63,7 @@ def test_reads_while_a_device_op_is_in_flight_are_counted_in_their_region(sync_l
     assert calls["Tensor.__getitem__"] == {"calls": 1, "in_region": 1}
     assert calls["torch.nonzero"] == {"calls": 1, "in_region": 1}
     assert calls["Tensor.tolist"] == {"calls": 1, "in_region": 0}
+    assert calls["Tensor.to"] == {"calls": 1, "in_region": 0}
 
 
 def test_reads_before_any_device_op_after_a_wait_or_inside_kernels_are_not(sync_log):
@@ -68,6 +72,8 @@ def test_reads_before_any_device_op_after_a_wait_or_inside_kernels_are_not(sync_
     # CPU code reads nothing the caller asked for, and the host-sized repeat is free.
     assert "Tensor.item" not in calls
     assert "torch.repeat_interleave" not in calls
-    assert sum(c["calls"] for c in calls.values()) == 4
+    # .numpy() converts host tensors only (torch refuses a device tensor): never a wait
+    assert "Tensor.numpy" not in calls
+    assert sum(c["calls"] for c in calls.values()) == 5
     sites = [site for site in sync_log if "torch_npu" in site.split(":")[0]]
     assert not sites, f"the double's own code was counted: {sites}"

@@ -1,7 +1,7 @@
 """Host synchronisations the double counts (``TORCH_NPU_DOUBLE_SYNC_LOG=<directory>``).
 
 On an NPU, reading a device value on the host (``.item()``, ``.tolist()``, ``int(t)``,
-``if t:``, ``.cpu()``, ``.numpy()``) or running an op whose output size depends on device
+``if t:``, ``.cpu()``) or running an op whose output size depends on device
 data (``nonzero``, ``unique``, ``masked_select``, indexing with a boolean mask,
 ``repeat_interleave`` with tensor repeats and no ``output_size``) blocks the host until
 every queued device op has finished: the launch queue drains, and inside a captured
@@ -17,8 +17,13 @@ functions named in ``TORCH_NPU_DOUBLE_SYNC_REGIONS`` (comma-separated function n
 default ``model_forward``: the model runner's forward). At exit each process writes
 ``<directory>/<pid>.json``: ``{site: {"calls": n, "in_region": m}}``.
 
-The double cannot tell a host tensor (an upstream ``*_cpu`` mirror) from a device
-tensor, since both are CPU tensors here; a test that allows a site says why. During an NPU
+``.numpy()`` is not counted: torch converts host tensors only (a device tensor raises),
+so where it runs on an NPU host it waits for nothing. The copy to the host before it is
+counted when it blocks; a non-blocking copy's data is valid once its event has completed,
+an ordering that is the caller's on the device as here. Otherwise the double cannot tell a
+host tensor (an upstream ``*_cpu`` mirror) from a device tensor, since both are CPU tensors
+here (torch returns the same tensor for a copy to the "device" ``cpu``, so where a tensor
+came from does not tell either); a test that allows a site says why. During an NPU
 graph capture such a read is refused (``_graphs.py``) unless its site is one of
 ``TORCH_NPU_DOUBLE_HOST_TENSOR_SITES`` (comma-separated ``file.py:function``, or
 ``file.py`` for all of a file's functions, where the value read is a host tensor), which
@@ -201,7 +206,7 @@ def ensure_wrappers() -> None:
     if _wrapped:
         return
     _wrapped = True
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu"):
         _wrap_method(name)
     _wrap_method("to", _to_host)
     _wrap_method("__getitem__", _boolean_index)
