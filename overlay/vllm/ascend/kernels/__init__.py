@@ -32,12 +32,14 @@ def request_of_token(ends: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor,
     """The tokens 0..num_tokens-1 of a ragged batch whose requests end at ``ends``
     (inclusive cumulative counts, one per request, at least one request): each token's
     request (clamped to the last), its position in that request, and whether it belongs
-    to a request at all (tokens past the last end do not). No read back to the host."""
+    to a request at all (tokens past the last end do not). No read back to the host;
+    eight device ops (every runner step calls this a few times)."""
     end = ends.to(torch.int64).contiguous()
     token = torch.arange(num_tokens, device=ends.device)
-    req = torch.searchsorted(end, token, right=True).clamp(max=end.numel() - 1)
-    start = torch.where(req > 0, end[(req - 1).clamp(min=0)], 0)
-    return req, token - start, token < end[-1]
+    req = torch.searchsorted(end, token, right=True)
+    # request r starts where r - 1 ends; a token past the last end gets that end, harmlessly
+    start = torch.nn.functional.pad(end, (1, 0))[req]
+    return req.clamp(max=end.numel() - 1), token - start, token < end[-1]
 
 
 def kernel_dtypes() -> list[torch.dtype]:

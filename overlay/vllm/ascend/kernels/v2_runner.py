@@ -35,8 +35,7 @@ def _masked_set(target: torch.Tensor, index: tuple[torch.Tensor, ...], values, m
     """``target[index] = values`` where ``mask`` (integer tensors; masked-out entries may
     point anywhere valid, even at entries that are written)."""
     old = target[index]
-    delta = torch.where(mask, values.to(target.dtype) - old, torch.zeros_like(old))
-    target.index_put_(index, delta, accumulate=True)
+    target.index_put_(index, torch.where(mask, values.to(target.dtype) - old, 0), accumulate=True)
 
 
 # -- inputs (input_batch.py) ----------------------------------------------------------
@@ -146,7 +145,7 @@ def prepare_prefill_inputs(
     k = torch.arange(lookahead, device=qsl.device)
     pos = (computed + qsl[1:] - qsl[:-1])[None, :] + k[:, None]  # [lookahead, num_reqs]
     ahead = all_token_ids_ptr[req[None, :].expand_as(pos), pos.clamp(0, last_col)]
-    ahead = torch.where(pos < prefill_len[None, :], ahead, torch.zeros_like(ahead))
+    ahead = torch.where(pos < prefill_len[None, :], ahead, 0)
     columns = req[None, :].expand_as(pos)
     lines = k[:, None].expand_as(pos)
     _masked_set(next_prefill_tokens_ptr, (lines, columns), ahead, prefilling[None, :].expand_as(pos))
@@ -167,9 +166,8 @@ def get_num_sampled_and_rejected(
     chunked = seq_lens_ptr[:num_reqs] < prefill_len_ptr[idx_mapping_ptr.long()]
     sampled = num_sampled_ptr[:num_reqs]
     num_logits = (cu_num_logits_ptr[1 : num_reqs + 1] - cu_num_logits_ptr[:num_reqs]).to(sampled.dtype)
-    zero = torch.zeros_like(sampled)
-    num_rejected_ptr[:num_reqs] = torch.where(chunked, zero, num_logits - sampled).to(num_rejected_ptr.dtype)
-    num_sampled_ptr[:num_reqs] = torch.where(chunked, zero, sampled)
+    num_rejected_ptr[:num_reqs] = torch.where(chunked, 0, num_logits - sampled).to(num_rejected_ptr.dtype)
+    num_sampled_ptr[:num_reqs] = torch.where(chunked, 0, sampled)
 
 
 def post_update(
@@ -213,13 +211,18 @@ def post_update(
     sampled = sampled_tokens_ptr[:num_reqs]
     width = sampled.shape[1]
     has_sample = real & (num_sampled > 0)
-    last = sampled.gather(1, (num_sampled - 1).clamp(0, width - 1)[:, None])[:, 0]
+    if width == 1:  # a step without drafts (the shape says so): one token, no gather
+        last = sampled[:, 0]
+        new = has_sample[:, None]
+        cols = total_len[:, None].clamp(0, all_token_ids_ptr.shape[1] - 1)
+    else:
+        last = sampled.gather(1, (num_sampled - 1).clamp(0, width - 1)[:, None])[:, 0]
+        i = torch.arange(width, device=req.device)
+        new = real[:, None] & (i[None, :] < num_sampled[:, None])
+        cols = (total_len[:, None] + i[None, :]).clamp(0, all_token_ids_ptr.shape[1] - 1)
     _masked_set(last_sampled_tokens_ptr.view(-1), (req,), last, has_sample)
     _masked_set(total_len_ptr, (req,), total_len + num_sampled, has_sample)
 
-    i = torch.arange(width, device=req.device)
-    new = real[:, None] & (i[None, :] < num_sampled[:, None])
-    cols = (total_len[:, None] + i[None, :]).clamp(0, all_token_ids_ptr.shape[1] - 1)
     reqs = req[:, None].expand(-1, width)
     _masked_set(all_token_ids_ptr, (reqs, cols), sampled, new)
     if output_bin_counts_ptr is not None:
@@ -232,7 +235,7 @@ def post_update(
         qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
         query_len = qsl[1:] - qsl[:-1]
     delta = query_len - num_rejected_ptr[:num_reqs].to(torch.int64)
-    delta = torch.where(real, delta, torch.zeros_like(delta)).to(num_computed_tokens_ptr.dtype)
+    delta = torch.where(real, delta, 0).to(num_computed_tokens_ptr.dtype)
     num_computed_tokens_ptr.index_put_((req,), delta, accumulate=True)
 
 

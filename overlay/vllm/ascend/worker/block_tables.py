@@ -111,15 +111,15 @@ class NPUBlockTables(BlockTables):
                 continue
             sharded = self.cp_size > 1 and self._dcp_sharded[group]
             if sharded:
-                mine = owner(pos, self.cp_size, self.cp_interleave) == self.cp_rank
+                keep = real & (owner(pos, self.cp_size, self.cp_interleave) == self.cp_rank)
                 index, offset = block_and_offset(pos, block_size, self.cp_size, self.cp_interleave)
             else:
-                mine = torch.ones_like(real)
+                keep = real
                 index, offset = pos // block_size, pos % block_size
             index = index.clamp(0, table.gpu.shape[1] - 1)
             blocks = table.gpu[req, index].to(torch.int64)
             slots = blocks * block_size + offset
-            slot_mappings[group] = torch.where(real & mine, slots, torch.full_like(slots, PAD_SLOT_ID))
+            slot_mappings[group] = torch.where(keep, slots, PAD_SLOT_ID)
         return slot_mappings[:, :num_tokens_padded]
 
 
