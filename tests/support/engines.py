@@ -162,5 +162,10 @@ def greedy_completion(url: str, model: Path, prompt: str, max_tokens: int, timeo
 def clean_shutdown(output: str) -> None:
     """Engine processes ended without a traceback or a force-kill."""
     assert "Traceback" not in output, output[-4000:]
-    shutdown = [line for line in output.splitlines() if "[shutdown]" in line]  # upstream's own log lines
-    assert not any("force killing" in line for line in shutdown), "\n".join(shutdown[-40:])
+    lines = output.splitlines()
+    shutdown = [line for line in lines if "[shutdown]" in line]  # upstream's own log lines
+    if any("force killing" in line for line in shutdown):
+        # what the processes said last before the shutdown started, to tell where one hung
+        first = next(i for i, line in enumerate(lines) if "[shutdown]" in line)
+        before = "\n".join(lines[max(0, first - 30) : first])
+        raise AssertionError(f"{before}\n--- shutdown ---\n" + "\n".join(shutdown[-40:]))
