@@ -3,9 +3,11 @@ with its one MTP layer: greedy output with k = 1 and k = 2 draft tokens must equ
 greedy decoding token for token (Hugging Face transformers, which test_oracle holds
 vLLM's plain decoding to) at batch 8 and batch 1, with chunked prefill and prefix
 caching, under preemption, and with TP = 2 + expert parallelism (DP = 2 with MTP is in
-test_dp_serving.py). DeepSeek-V3.2, whose MTP layer has an indexer and sparse MLA of its
-own, runs k = 2 greedy and all-accepted; Qwen3.5 (Gated DeltaNet layers verifying drafts)
-k = 2 greedy, all-accepted and first-draft-accepted.
+test_dp_serving.py), every run with asynchronous scheduling (upstream's default); seeded
+random sampling draws the same tokens with synchronous scheduling. DeepSeek-V3.2, whose
+MTP layer has an indexer and sparse MLA of its own, runs k = 2 greedy and all-accepted;
+Qwen3.5 (Gated DeltaNet layers verifying drafts) k = 2 greedy, all-accepted and
+first-draft-accepted.
 
 The tiny model's MTP layer is random, so its drafts are mostly rejected. A run that
 accepts every draft (upstream's synthetic rejection mode) covers multi-token acceptance:
@@ -134,21 +136,21 @@ def single_rank(tiny_models):
                 "env": {**IN_PROCESS, **run.get("env", {})},
             }
         )
-    # Random sampling with a fixed seed: the same request twice in one batch, then again.
-    runs.append(
-        {
-            "model": str(model),
-            "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
-            "max_tokens": MAX_TOKENS,
-            "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
-            "engine": {**ENGINE, "speculative_config": mtp(2)},
-            "report_runner": True,
-            "env": IN_PROCESS,
-        }
-    )
+    # Random sampling with a fixed seed: the same request twice in one batch, then again;
+    # then the same with synchronous scheduling (every run above schedules asynchronously).
+    random = {
+        "model": str(model),
+        "batches": [[RANDOM_PROMPT] * 2, [RANDOM_PROMPT]],
+        "max_tokens": MAX_TOKENS,
+        "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
+        "engine": {**ENGINE, "speculative_config": mtp(2)},
+        "report_runner": True,
+        "env": IN_PROCESS,
+    }
+    runs += [random, {**random, "engine": {**random["engine"], "async_scheduling": False}}]
     result, output = run_spec({"runs": runs}, timeout=1800)
     clean_shutdown(output)
-    names = [*RUNS, "random"]
+    names = [*RUNS, "random", "random_sync"]
     return model, dict(zip(names, result["runs"])), output
 
 
@@ -163,8 +165,8 @@ def test_each_run_used_the_ascend_runner_in_step(single_rank):
     _, runs, _ = single_rank
     for name, run in runs.items():
         assert run["runner"] == "NPUModelRunner", name
-        # off with drafts: the attention kernels need exact host sequence lengths (docs/model_runner.md)
-        assert not run["async_scheduling"], name
+        # upstream's default, with drafts too (worker/v2/seq_lens.py makes the host lengths exact)
+        assert run["async_scheduling"] == (name != "random_sync"), name
 
 
 @pytest.mark.parametrize("run", ["k1", "k2", "v32_k2", "q35_k2"])
@@ -294,6 +296,10 @@ def test_random_sampling_with_seed_is_reproducible(single_rank):
     first, second = runs["random"]["batches"]
     assert first[0]["token_ids"] == first[1]["token_ids"] == second[0]["token_ids"]
     assert len(set(first[0]["token_ids"])) > 1
+    # asynchronous scheduling draws what synchronous scheduling draws
+    assert [r["token_ids"] for b in runs["random_sync"]["batches"] for r in b] == [
+        r["token_ids"] for b in runs["random"]["batches"] for r in b
+    ]
     rate, per_step = _acceptance(runs["random"]["counters"])
     print(f"MTP k2 random sampling: acceptance rate {rate:.3f}, per step {per_step:.3f}")
 

@@ -161,9 +161,9 @@ def host_seq_lens(m: CommonAttentionMetadata, max_model_len: int) -> list[int]:
     """Each request's sequence length from the host copy the runner already made
     (``seq_lens_cpu_upper_bound``), so building metadata reads nothing back from the
     device. It is exact here: the upper bound is optimistic only under asynchronous
-    scheduling with speculative decoding, which the platform turns off
-    (``platform/npu.py``). A drafter step past ``max_model_len`` adds 1 on the host where
-    the device clamps, hence the clamp."""
+    scheduling with speculative decoding, where the runner first copies the device's exact
+    lengths over it (``worker/v2/seq_lens.py``). A drafter step past ``max_model_len``
+    adds 1 on the host where the device clamps, hence the clamp."""
     host = m.seq_lens_cpu_upper_bound
     if host is None:
         raise RuntimeError(

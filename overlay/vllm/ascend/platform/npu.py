@@ -396,7 +396,6 @@ class NPUPlatform(Platform):
         cache_config = vllm_config.cache_config
         parallel_config = vllm_config.parallel_config
         compilation_config = vllm_config.compilation_config
-        scheduler_config = vllm_config.scheduler_config
 
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
@@ -411,13 +410,6 @@ class NPUPlatform(Platform):
                 "no torch.compile backend for Ascend in this distribution (decode steps may run as ACL graphs)",
             )
         choose_graph_mode(vllm_config)
-        if scheduler_config.async_scheduling and vllm_config.speculative_config is not None:
-            scheduler_config.async_scheduling = False
-            _adjust(
-                "async scheduling off with speculative decoding",
-                "the Ascend attention kernels take each request's exact sequence length from the "
-                "host, and with drafts in flight the host knows only an upper bound",
-            )
         if parallel_config.enable_dbo:
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")

@@ -7,13 +7,17 @@ A thin subclass: V2 asks the platform for its streams and events (hook patch
 are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered by the
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
 (hook: ``block_tables_cls``), its sampler by :class:`~vllm.ascend.worker.v2.sample.NPUSampler`
-(hook: ``sampler_cls``: an all-greedy batch takes an argmax), and its prompt-embeddings state, which reads a table of
+(hook: ``sampler_cls``: an all-greedy batch takes an argmax) and its rejection sampler by
+:class:`~vllm.ascend.worker.v2.rejection_sampler.NPURejectionSampler` (hook:
+``rejection_sampler_cls``), and its prompt-embeddings state, which reads a table of
 device pointers, by :class:`~vllm.ascend.worker.prompt_embeds.NPUPromptEmbedsState`
 after the model is loaded. Prefill context parallel splits a step's tokens around
 the model call (hook: ``model_forward``). DP ranks agree on a step in V2's own single
 all-reduce (``vllm/v1/worker/gpu/dp_utils.py``); seeded sampling needs no generator
 state (V2's noise is a hash of seed, position and token). With the NPU kernels the
-memory profile runs attention (``worker/profiling.py``).
+memory profile runs attention (``worker/profiling.py``). Under asynchronous scheduling
+with drafts, each step's host sequence lengths are made exact before the attention
+metadata is built (``worker/v2/seq_lens.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
 from vllm.ascend.worker.v2.rejection_sampler import NPURejectionSampler
 from vllm.ascend.worker.v2.sample import NPUSampler
+from vllm.ascend.worker.v2.seq_lens import ExactHostSeqLens
 
 logger = init_logger(__name__)
 
@@ -44,6 +49,12 @@ class NPUModelRunner(GPUModelRunner):
         self.device_layer = ascend_device.current()
         self._profiling_with_attention = False
         super().__init__(vllm_config, device)
+        # asynchronous scheduling with drafts: the host's lengths are upper bounds
+        self.exact_host_seq_lens = (
+            ExactHostSeqLens(self.max_num_reqs, self.device_layer)
+            if vllm_config.scheduler_config.async_scheduling and vllm_config.speculative_config is not None
+            else None
+        )
 
     @property
     def block_tables_cls(self):
@@ -62,6 +73,12 @@ class NPUModelRunner(GPUModelRunner):
     @property
     def rejection_sampler_cls(self):
         return NPURejectionSampler  # (hook patch ``...-select-its-rejection-sampler``)
+
+    def prepare_inputs(self, *args, **kwargs):
+        input_batch = super().prepare_inputs(*args, **kwargs)
+        if self.exact_host_seq_lens is not None:
+            self.exact_host_seq_lens.apply(input_batch)
+        return input_batch
 
     # -- prefill context parallel: the attention backends plan it from the whole step and
     # shard the KV over PCP x DCP; the model call runs this rank's share (hook patch
