@@ -16,7 +16,10 @@ engine must give the eager engine's greedy tokens where vllm-ascend's graph mode
   their first block), with every batch size up to 8 captured: a padded step's padding rows
   each count a block against the fused attention's documented ``blocknum`` rule, which a
   full cache leaves no room for (docs/model_runner.md);
-- the MLA + MoE DeepSeek-V3 with MTP (k = 2: the drafter's graphs too; k = 1 extended);
+- the MLA + MoE DeepSeek-V3 with MTP (k = 2: the drafter's graphs too; k = 1 extended),
+  with asynchronous scheduling (upstream's default);
+- seeded random sampling (temperature, top-p, top-k) in one batch of the Qwen2 pair and of
+  the MTP k = 2 pair (verification by the random walk): graph and eager draw the same;
 - a W8A8 (msModelSlim) DeepSeek-V3;
 - TP=2 with expert parallelism under MC2 (forced, Atlas A2; AllGather forced is extended)
   and under the selector on an Atlas A3 (AllToAll in eager steps, AllGather in the graphs:
@@ -122,6 +125,10 @@ PAIRS = {
     "tp2_ep_a3": (MLA512, TP2_EP, {"TORCH_NPU_DOUBLE_SOC": "A3"}),
 }
 DEEPSEEK_BATCHES = [PROMPTS[:5], LONG_PROMPTS[:4]]
+# seeded random sampling in one batch of a pair: graph and eager draw the same tokens (the
+# noise is a hash of seed, position and token; MTP k = 2 verifies through the random walk)
+RANDOM = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11}
+BATCH_SAMPLING = {"qwen2": [RANDOM, {}, {}, {}], "mtp_k2": [{}, RANDOM]}
 MLA_BLOCK16_BATCHES = [[f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]]
 # out of CI's run: k = 2 captures and replays the drafter's graphs as k = 1 does, and the A3
 # selector's graphs take AllGather
@@ -154,10 +161,23 @@ def runs(request, tiny_models, tmp_path_factory) -> dict:
     for name in cases_to_start(request, "name", PAIRS, EXTENDED_PAIRS):
         model, engine, env = PAIRS[name]
         batches = _batches(name)
+        sampling = {"batch_sampling": BATCH_SAMPLING[name]} if name in BATCH_SAMPLING else {}
         for mode, change in (("eager", {"enforce_eager": True}), ("graph", {})):
-            specs.append(_spec(models[model], {**engine, **change}, env, batches, root / f"{name}-{mode}"))
+            specs.append(
+                _spec(models[model], {**engine, **change}, env, batches, root / f"{name}-{mode}", **sampling)
+            )
             names.append((name, mode))
-    specs.append(_spec(models["qwen2"], QWEN2, {}, QWEN2_BATCHES, root / "frozen", freeze_graph_updates=True))
+    specs.append(
+        _spec(
+            models["qwen2"],
+            QWEN2,
+            {},
+            QWEN2_BATCHES,
+            root / "frozen",
+            freeze_graph_updates=True,
+            batch_sampling=BATCH_SAMPLING["qwen2"],
+        )
+    )
     names.append(("qwen2", "frozen"))
     specs.append(_spec(models[MLA512], MTP_START_UP, {}, [PROMPTS[:1]], root / "mtp-start-up"))
     names.append(("mtp", "start-up"))
@@ -198,6 +218,11 @@ def test_graphs_decode_like_eager(runs, name):
     divergences = compare_tokens(f"{name} graph vs eager", _flat(eager), _flat(graph), _prompts(name))
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
+    for i, sampling in enumerate(BATCH_SAMPLING.get(name, [])):
+        if sampling:  # a seeded draw has no near-tie excuse: the same noise on the same logits
+            want = [r["token_ids"] for r in eager["batches"][i]]
+            assert [r["token_ids"] for r in graph["batches"][i]] == want, f"{name} batch {i}"
+            assert len({t for tokens in want for t in tokens}) > len(want), "random sampling drew little"
 
 
 def test_the_qwen2_batches_took_the_paths_they_should(runs):
