@@ -50,11 +50,10 @@ def _torch_forms():
     NPUPlatform.register_triton_kernel_overrides()  # upstream's Triton kernels -> torch forms (once)
 
 
-@pytest.fixture(scope="module")
-def hf_logits() -> torch.Tensor:
-    """A tiny random Qwen2's next-token logits for a short prompt (weights wide enough that
-    the distribution is far from uniform)."""
-    torch.manual_seed(0)
+def tiny_qwen2_logits(prompt: list[int], rows: int, seed: int) -> torch.Tensor:
+    """A tiny random Qwen2's logits at the prompt's last ``rows`` positions (weights wide
+    enough that the distribution is far from uniform)."""
+    torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -66,7 +65,13 @@ def hf_logits() -> torch.Tensor:
     )
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
-        return model(torch.tensor([[3, 141, 59, 26, 535]])).logits[0, -1].float()
+        return model(torch.tensor([prompt])).logits[0, -rows:].float()
+
+
+@pytest.fixture(scope="module")
+def hf_logits() -> torch.Tensor:
+    """The next-token logits for a short prompt."""
+    return tiny_qwen2_logits([3, 141, 59, 26, 535], 1, seed=0)[0]
 
 
 def exact_distribution(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
@@ -240,21 +245,9 @@ def verified(hf_logits_two) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_logits_two() -> tuple[torch.Tensor, torch.Tensor]:
-    """The tiny model's logits at the prompt's last two positions: two target rows."""
-    torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([[3, 141, 59, 26, 535, 9]])).logits[0, -2:].float()
-    return logits[0], logits[1]
+    """The logits at the prompt's last two positions: two target rows."""
+    target, bonus = tiny_qwen2_logits([3, 141, 59, 26, 535, 9], 2, seed=1)
+    return target, bonus
 
 
 def test_mtp_verification_keeps_the_target_distribution(hf_logits_two, verified):
