@@ -4,7 +4,7 @@ with stop ids, bad words, min-p, logprobs and prompt logprobs) give the greedy t
 raw logprobs of an oracle that shares no code with them: transformers' logits with each
 option applied in plain torch (``tests/support/sampling_oracle.py``). The thinking-token
 budget is checked by what it must do (force the end marker); its kernel is held to
-upstream's under Triton's interpreter in tests/unit/kernels.
+upstream's under Triton's interpreter in tests/unit/worker.
 
 A second engine runs n-gram speculative decoding
 (greedy tokens equal to plain decoding, drafts accepted where the output repeats) and

@@ -63,7 +63,7 @@ def _runner_env_unset(monkeypatch):
         _config(spec=_spec("draft_model")),  # (the same)
         _config(spec=_spec("eagle")),  # (the same)
         _config(model=PROMPT_EMBEDS),  # (the same)
-        _config(model=MROPE),  # the torch form of its positions kernel: tests/unit/kernels
+        _config(model=MROPE),  # the torch form of its positions kernel: tests/unit/worker
         _config(kv=object()),  # tests/engine/test_pd_serving.py
         _config(pcp=2),  # KV sharded over PCP x DCP: tests/engine/test_context_parallel.py
         _config(dcp=2),

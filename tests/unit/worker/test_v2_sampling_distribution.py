@@ -5,7 +5,7 @@ next-token logits (an oracle that shares no code with vLLM), by a chi-square tes
 same seed draws the same token whatever else is in the batch.
 
 The sampler is upstream's V2 ``Sampler`` with every Triton kernel routed to this
-distribution's torch forms (``kernels/v2_runner.py``, ``kernels/v2_sampling.py``), as the
+distribution's torch forms (``worker/v2/gumbel.py``, ``worker/v2/logits_processing.py``), as the
 runner builds it (``worker/v2/sample.NPUSampler``). Each test runs with fixed seeds, so it
 is deterministic; a correct sampler fails the goodness-of-fit check with probability
 ``FALSE_ALARM`` over the choice of seeds. The same draws compared with a distribution at

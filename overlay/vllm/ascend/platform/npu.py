@@ -41,15 +41,11 @@ WORKER_CLS = "vllm.ascend.worker.worker.NPUWorker"
 
 @functools.cache
 def _register_kernel_overrides() -> None:
-    """Upstream's Triton kernels that have no torch fallback, replaced by the kernels
-    facade. Once per process: registering again would wrap the wrappers."""
-    from vllm.ascend.kernels.v2_runner import register_v2_runner_overrides
-    from vllm.ascend.kernels.v2_sampling import register_v2_sampling_overrides
-    from vllm.ascend.kernels.v2_spec_decode import register_v2_spec_decode_overrides
+    """Upstream's Triton kernels that have no torch fallback, replaced by the torch
+    forms of ``vllm.ascend.worker.v2``. Once per process: registering again would wrap the wrappers."""
+    from vllm.ascend.worker.v2.kernel_table import register_kernel_forms
 
-    register_v2_runner_overrides()
-    register_v2_sampling_overrides()
-    register_v2_spec_decode_overrides()
+    register_kernel_forms()
 
 
 def _adjust(what: str, reason: str) -> None:
@@ -224,7 +220,7 @@ class NPUPlatform(Platform):
     @classmethod
     def runs_model_runner_v2_without_triton(cls) -> bool:
         # the V2 kernels on the paths the platform allows have torch forms
-        # (vllm.ascend.kernels.v2_runner, worker/block_tables.py)
+        # (vllm.ascend.worker.v2, worker/block_tables.py)
         return True
 
     @classmethod

@@ -1,8 +1,8 @@
 """Start-up checks for ``--speculative-config`` on the Ascend platform.
 
 Upstream's speculators, rejection sampler and MTP model run unchanged on Model Runner V2;
-the platform supplies their kernels (``kernels/v2_spec_decode.py``) and multi-token decode
-rows in MLA (``attention/mla.py``).
+the platform supplies their kernels (``worker/v2/rejection_sampler_utils.py``,
+``worker/v2/speculator.py``) and multi-token decode rows in MLA (``attention/mla.py``).
 What this platform has not been built or tested for is refused here, in one line.
 """
 
@@ -23,7 +23,7 @@ class Method:
 
 # The speculative methods the Ascend runner runs (the start-up check refuses the others;
 # "deepseek_mtp" is rewritten to "mtp" by upstream's config). The torch forms of
-# kernels/v2_spec_decode.py cover these drafters' kernels only; `ngram_gpu` runs the same
+# worker/v2's forms cover these drafters' kernels only; `ngram_gpu` runs the same
 # drafter as `ngram` with no test of its own.
 METHODS = {
     "mtp": Method(tested=True, in_graphs=True),

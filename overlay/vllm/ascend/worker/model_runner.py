@@ -4,7 +4,7 @@ runner the distribution builds. What V2 does not run on Ascend is refused at sta
 
 A thin subclass: V2 asks the platform for its streams and events (hook patch
 ``v2-runner-make-its-streams-and-events-through-the-platform``), its Triton kernels
-are replaced by the torch forms of ``vllm.ascend.kernels.v2_runner`` (registered by the
+are replaced by the torch forms of ``vllm.ascend.worker.v2`` (registered by the
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
 (hook: ``block_tables_cls``), its sampler by :class:`~vllm.ascend.worker.v2.sample.NPUSampler`
 (hook: ``sampler_cls``: an all-greedy batch takes an argmax) and its rejection sampler by

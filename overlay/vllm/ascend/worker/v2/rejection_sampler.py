@@ -3,7 +3,7 @@ with a path that costs fewer device launches for an all-greedy batch.
 
 For a greedy request the rejection sampler accepts a draft while it equals the target's
 pick and emits the target's pick at the first mismatch (or after the last draft); no
-random number decides anything. Its torch forms on Ascend (``kernels/v2_spec_decode``)
+random number decides anything. Its torch forms on Ascend (``rejection_sampler_utils.py``)
 still draw Philox uniforms and run the random walk's statistics for every row (an MTP
 k = 1 step: 800 device ops in the step benchmark, 294 with this path). When the host
 copy of the temperatures says every request is greedy, and verification is the standard
@@ -20,7 +20,7 @@ import torch
 
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
-from vllm.ascend.kernels.v2_spec_decode import greedy_pick
+from vllm.ascend.worker.v2.rejection_sampler_utils import greedy_pick
 
 VERIFIED_BLOCK = 8192  # rejection_sampler_utils: the local logits stats' vocab block
 RESAMPLED_BLOCK = 1024  # its resample kernel's vocab block

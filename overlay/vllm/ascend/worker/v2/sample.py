@@ -2,7 +2,7 @@
 fewer device launches where the batch allows it.
 
 On CUDA the Gumbel-max sampler is two Triton launches whatever the batch. Its torch form
-on Ascend (``kernels/v2_runner.gumbel_sample``) hashes a noise value for every vocabulary
+on Ascend (``gumbel.gumbel_sample``) hashes a noise value for every vocabulary
 entry of every row (134 of a greedy step's 300 device ops in the step benchmark, NPU-path
 mode) even where every request is greedy and the noise is thrown away. The host knows each
 request's temperature (the sampling states keep a host copy), so an all-greedy batch picks
@@ -19,7 +19,7 @@ import torch
 
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-from vllm.ascend.kernels.v2_runner import first_max_or_nan
+from vllm.ascend.worker.v2.gumbel import first_max_or_nan
 
 
 class NPUSampler(Sampler):

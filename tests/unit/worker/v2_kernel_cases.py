@@ -1,7 +1,7 @@
 """Random cases for Model Runner V2's kernels, run two ways: through upstream's Triton
 kernels under Triton's interpreter (the oracle: upstream's code unchanged, in a process
-of its own, ``python -m tests.unit.kernels.v2_kernel_cases OUT``) and through the
-Ascend torch forms (``vllm.ascend.kernels.v2_runner``, ``v2_sampling`` and ``v2_spec_decode``, the block tables of
+of its own, ``python -m tests.unit.worker.v2_kernel_cases OUT``) and through the
+Ascend torch forms (``vllm.ascend.worker.v2``, the block tables of
 ``vllm.ascend.worker.block_tables``) in the test process. Each case calls upstream's own
 launcher (or drives a block-tables object) and returns every tensor it touched."""
 
@@ -683,7 +683,7 @@ def case_thinking_budget_long(g, side, guard):
     )
 
 
-# -- speculative decoding (kernels/v2_spec_decode.py) -----------------------------------
+# -- speculative decoding (worker/v2/rejection_sampler_utils.py, speculator.py) ---------
 SPEC_STEPS = 3
 SPEC_VOCAB = 8300  # two of the statistics' 8192-wide blocks, nine of the resampler's 1024
 

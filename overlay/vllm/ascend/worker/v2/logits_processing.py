@@ -1,12 +1,9 @@
-"""Torch forms of Model Runner V2's logits-processing kernels (``vllm/v1/worker/gpu/sample``
-and the grammar bitmask of ``structured_outputs.py``): min-p, the repetition/frequency/
-presence penalties and the token counts they read, allowed token ids / logit bias /
-min-tokens, bad words, logprobs and ranks, structured-output bitmasks and thinking-token
-budgets. Same contract as ``v2_runner.py``: each has
-its Triton kernel's signature, fills the same outputs, takes every size from the tensors
-and reads nothing back to the host. Scatters that may meet the same token twice count
-with ``scatter_add_`` and compare with zero, so duplicates and masked-out padding never
-race.
+"""Torch forms of the logits-processing kernels of upstream's ``sample/`` (min-p, the
+repetition/frequency/presence penalties and the token counts they read, allowed token
+ids / logit bias / min-tokens, bad words, logprobs and ranks, prompt logprobs, thinking-
+token budgets) and of the grammar bitmask of ``structured_outputs.py``. Scatters that may
+meet the same token twice count with ``scatter_add_`` and compare with zero, so
+duplicates and masked-out padding never race.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import torch
 
 from vllm.ascend.kernels import request_of_token
 
-_V2_SAMPLE = "vllm.v1.worker.gpu.sample."
 _NEG_INF = float("-inf")
 
 
@@ -538,25 +534,3 @@ def apply_thinking_budget(
     lanes = torch.arange(rows, device=device)
     old = logits_ptr[lanes, token]
     logits_ptr[lanes, token] = torch.where(force, torch.full_like(old, 1.0e9), old)
-
-
-KERNELS = {
-    _V2_SAMPLE + "min_p._min_p_kernel": apply_min_p,
-    _V2_SAMPLE + "penalties._penalties_kernel": apply_penalties,
-    _V2_SAMPLE + "penalties._bincount_kernel": bincount,
-    _V2_SAMPLE + "logit_bias._bias_kernel": apply_bias,
-    _V2_SAMPLE + "bad_words._bad_words_kernel": apply_bad_words,
-    _V2_SAMPLE + "logprob._topk_log_softmax_kernel": topk_log_softmax,
-    _V2_SAMPLE + "logprob._ranks_kernel": token_ranks,
-    _V2_SAMPLE + "logprob._fill_logprob_token_ids_kernel": fill_logprob_token_ids,
-    _V2_SAMPLE + "prompt_logprob._prompt_logprobs_token_ids_kernel": prompt_logprobs_token_ids,
-    "vllm.v1.worker.gpu.structured_outputs._apply_grammar_bitmask_kernel": apply_grammar_bitmask,
-    _V2_SAMPLE + "thinking_budget._update_committed_marker_cache_kernel": update_committed_marker_cache,
-    _V2_SAMPLE + "thinking_budget._thinking_budget_kernel": apply_thinking_budget,
-}
-
-
-def register_v2_sampling_overrides() -> None:
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    register_kernels(KERNELS)

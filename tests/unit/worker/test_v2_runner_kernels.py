@@ -1,5 +1,5 @@
-"""Model Runner V2's kernels: the Ascend torch forms (vllm.ascend.kernels.v2_runner,
-v2_sampling and v2_spec_decode, and the block tables of vllm.ascend.worker.block_tables) against upstream's own Triton
+"""Model Runner V2's kernels: the Ascend torch forms (``vllm.ascend.worker.v2``, registered
+through its ``kernel_table``, and the block tables of vllm.ascend.worker.block_tables) against upstream's own Triton
 kernels run unchanged by Triton's interpreter in a process of its own
 (``v2_kernel_cases.py``: the same random cases through upstream's launchers on both
 sides). The torch forms also run under a guard that fails on any read-back to the host."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.kernels import v2_kernel_cases as cases
 from tests.unit.kernels.host_reads import no_host_reads
+from tests.unit.worker import v2_kernel_cases as cases
 
 ROOT = Path(__file__).resolve().parents[3]
 EXACT_FLOAT = {"staged_write"}  # copies: bit for bit
@@ -28,7 +28,7 @@ def oracle(tmp_path_factory):
     out = tmp_path_factory.mktemp("v2") / "oracle.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.unit.kernels.v2_kernel_cases", str(out)],
+        [sys.executable, "-m", "tests.unit.worker.v2_kernel_cases", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -67,7 +67,7 @@ def test_seeded_sampling_depends_on_seed_position_and_temperature():
     """The Gumbel noise: the same (seed, position) draws the same token, another seed or
     position other noise, and temperature 0 is a plain argmax (independent of the oracle:
     these are the properties the runner relies on)."""
-    from vllm.ascend.kernels.v2_runner import gumbel_noised
+    from vllm.ascend.worker.v2.gumbel import gumbel_noised
 
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)).expand(4, -1)
     temp = torch.tensor([1.0, 1.0, 1.0, 0.0])

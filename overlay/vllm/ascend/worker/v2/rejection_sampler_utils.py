@@ -1,29 +1,22 @@
-"""Torch forms of the Triton kernels Model Runner V2 launches for speculative decoding.
-
-The draft model's input preparation (``spec_decode/target_dependent_ar/speculator.py``:
-the prefill shift, the decode-step inputs, the per-step update) and the rejection
-sampler (``spec_decode/rejection_sampler.py`` and ``rejection_sampler_utils.py``): the
-gather of each logits row's draft token, the per-vocabulary-block statistics, the
-accept/reject walk over the drafts, the resampling of the rejected or bonus token and
-its insertion. Each function has its kernel's signature and fills the same outputs, so
-vLLM's Triton kernel-override registry routes ``kernel[grid](...)`` to it; sizes come
-from the tensors, never from a read back to the host.
+"""Torch forms of the kernels of upstream's speculative-decoding verification
+(``spec_decode/rejection_sampler.py`` and ``rejection_sampler_utils.py``): the gather of
+each logits row's draft token, the per-vocabulary-block statistics, the accept/reject
+walk over the drafts, the resampling of the rejected or bonus token and its insertion.
 
 Only the standard method is here (greedy and random requests, one-hot drafts or the
 draft's own logits, upstream's synthetic acceptance rates): block verification, FLy and
 watermarked resampling are refused at start-up (``spec_decode/config.py``), and these
-forms raise if they are reached anyway. ``tests/unit/kernels/test_v2_runner_kernels.py``
-compares each with upstream's kernel run by Triton's interpreter.
+forms raise if they are reached anyway. The all-greedy path that skips them is
+``rejection_sampler.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm.ascend.kernels import request_of_token
-from vllm.ascend.kernels.v2_runner import _MASK32, _masked_set, draft_logits_row, gumbel_noised
+from vllm.ascend.worker.v2.gumbel import MASK32, draft_logits_row, gumbel_noised
+from vllm.ascend.worker.v2.input_batch import masked_set
 
-_SD = "vllm.v1.worker.gpu.spec_decode."
 _NEG_INF = float("-inf")
 # gumbel.py's _TL_RAND_MIN: the smallest uniform tl_rand32 returns without zero
 _RAND_MIN = torch.tensor(4.6566127342e-10, dtype=torch.float32)
@@ -39,7 +32,7 @@ def _mul32(value: torch.Tensor, factor: int) -> tuple[torch.Tensor, torch.Tensor
     high_part = value * (factor >> 16)  # < 2**48
     low_part = value * (factor & 0xFFFF)
     high = (high_part + (low_part >> 16)) >> 16
-    low = (((high_part & 0xFFFF) << 16) + low_part) & _MASK32
+    low = (((high_part & 0xFFFF) << 16) + low_part) & MASK32
     return high, low
 
 
@@ -47,18 +40,18 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``tl.rand(seed, offset)`` (Philox 4x32 with 10 rounds, first word, as a float32
     in [0, 1)) for int64 ``seed`` and ``offset`` tensors of one shape."""
     offset = offset.to(torch.int64)
-    c0, c1 = offset & _MASK32, (offset >> 32) & _MASK32
+    c0, c1 = offset & MASK32, (offset >> 32) & MASK32
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    k0, k1 = seed & MASK32, (seed >> 32) & MASK32
     for _ in range(10):
         high_b, low_b = _mul32(c2, _PHILOX_ROUND_B)
         high_a, low_a = _mul32(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
-        k0 = (k0 + _PHILOX_KEY_A) & _MASK32
-        k1 = (k1 + _PHILOX_KEY_B) & _MASK32
+        k0 = (k0 + _PHILOX_KEY_A) & MASK32
+        k1 = (k1 + _PHILOX_KEY_B) & MASK32
     # uint_to_uniform_float: the word as int32, negatives folded with ~x, times 2**-31
-    folded = torch.where(c0 >= 1 << 31, _MASK32 - c0, c0)
+    folded = torch.where(c0 >= 1 << 31, MASK32 - c0, c0)
     return folded.to(torch.float32) * _RAND_MIN.to(folded.device)
 
 
@@ -157,7 +150,7 @@ def flatten_sampled(
     step = torch.arange(width, device=sampled_ptr.device)
     where = (cu_num_logits_ptr[:num_reqs].long()[:, None] + step).clamp(max=flat_sampled_ptr.shape[0] - 1)
     live = step < num_sampled_ptr[:num_reqs].long()[:, None]
-    _masked_set(flat_sampled_ptr, (where,), sampled_ptr[:num_reqs], live)
+    masked_set(flat_sampled_ptr, (where,), sampled_ptr[:num_reqs], live)
 
 
 # -- rejection_sampler_utils.py ---------------------------------------------------------
@@ -321,7 +314,7 @@ def rejection(
 
     token = torch.where(greedy & ~accepted, target_argmax, draft)
     lanes = torch.arange(num_reqs, device=device)[:, None].expand_as(row)
-    _masked_set(sampled_ptr, (lanes, step.expand_as(row)), token, verified)
+    masked_set(sampled_ptr, (lanes, step.expand_as(row)), token, verified)
     rejected_steps_ptr[:num_reqs] = accepted_length.to(rejected_steps_ptr.dtype)
     # a random walk's last verified step keeps its log-sum-exps for the resampling
     num_verified = verified.sum(dim=1)
@@ -451,281 +444,4 @@ def insert_resampled(
         resampled_local_max_ptr[:num_reqs, :blocks], resampled_local_argmax_ptr[:num_reqs, :blocks]
     )
     lanes = torch.arange(num_reqs, device=row.device)
-    _masked_set(sampled_ptr, (lanes, count.clamp(max=sampled_ptr.shape[1] - 1)), token, run)
-
-
-# -- target_dependent_ar/speculator.py --------------------------------------------------
-def draft_prefill_inputs(
-    last_token_indices_ptr: torch.Tensor,
-    draft_current_step_ptr: torch.Tensor,
-    draft_input_ids_ptr: torch.Tensor,
-    draft_positions_ptr: torch.Tensor,
-    draft_query_start_loc_ptr: torch.Tensor,
-    draft_seq_lens_ptr: torch.Tensor,
-    target_input_ids_ptr: torch.Tensor,
-    target_positions_ptr: torch.Tensor,
-    idx_mapping_ptr: torch.Tensor,
-    last_sampled_ptr: torch.Tensor,
-    next_prefill_tokens_ptr: torch.Tensor,
-    num_sampled_ptr: torch.Tensor,
-    num_rejected_ptr: torch.Tensor,
-    query_start_loc_ptr: torch.Tensor,
-    seq_lens_ptr: torch.Tensor,
-    max_num_reqs: int,
-    BLOCK_SIZE: int | None = None,
-    **launch: object,
-) -> None:
-    """The draft's first step sees the target's tokens shifted by one, ending in the
-    token just sampled (or, mid-prefill, the prompt's next token)."""
-    num_reqs = idx_mapping_ptr.shape[0]
-    if num_reqs == 0:
-        return
-    qsl = query_start_loc_ptr[: num_reqs + 1].long()
-    length = qsl[1:] - qsl[:-1] - num_rejected_ptr[:num_reqs].long()
-    req_state = idx_mapping_ptr.long()
-    # flat indices, as the kernel's pointer arithmetic (both may be 2-D buffers)
-    sampled = last_sampled_ptr.reshape(-1)[req_state].to(torch.int32)
-    upcoming = next_prefill_tokens_ptr.reshape(-1)[req_state].to(torch.int32)
-    next_token = torch.where(num_sampled_ptr[:num_reqs] > 0, sampled, upcoming)
-
-    num_tokens = target_input_ids_ptr.shape[0]
-    rows, offset, inside = request_of_token(qsl[1:], num_tokens)
-    kept = inside & (offset < length[rows])
-    token = torch.arange(num_tokens, device=qsl.device)
-    _masked_set(draft_input_ids_ptr, ((token - 1).clamp(min=0),), target_input_ids_ptr, kept & (offset >= 1))
-    _masked_set(draft_positions_ptr, (token,), target_positions_ptr, kept)
-    last = qsl[:-1] + length - 1
-    draft_input_ids_ptr[last] = next_token.to(draft_input_ids_ptr.dtype)
-    last_token_indices_ptr[:num_reqs] = last.to(last_token_indices_ptr.dtype)
-    last_token_indices_ptr[num_reqs:max_num_reqs] = 0
-    draft_query_start_loc_ptr[:num_reqs] = qsl[:-1].to(draft_query_start_loc_ptr.dtype)
-    draft_query_start_loc_ptr[num_reqs : max_num_reqs + 1] = qsl[-1].to(draft_query_start_loc_ptr.dtype)
-    draft_seq_lens_ptr[:num_reqs] = seq_lens_ptr[:num_reqs].to(draft_seq_lens_ptr.dtype)
-    draft_seq_lens_ptr[num_reqs:max_num_reqs] = 0
-    draft_current_step_ptr.zero_()
-
-
-def draft_decode_inputs(
-    draft_tokens_ptr: torch.Tensor,
-    draft_tokens_stride: int,
-    target_seq_lens_ptr: torch.Tensor,
-    num_rejected_ptr: torch.Tensor,
-    input_ids_ptr: torch.Tensor,
-    positions_ptr: torch.Tensor,
-    sample_src_positions_ptr: torch.Tensor,
-    query_start_loc_ptr: torch.Tensor,
-    seq_lens_ptr: torch.Tensor,
-    max_model_len: int,
-    max_num_reqs: int,
-    BLOCK_SIZE: int | None = None,
-    ADVANCE_DRAFT_POSITIONS: bool = True,
-    **launch: object,
-) -> None:
-    num_reqs = draft_tokens_ptr.shape[0]
-    first_draft = draft_tokens_ptr.as_strided((num_reqs,), (int(draft_tokens_stride),))
-    input_ids_ptr[:num_reqs] = first_draft.to(input_ids_ptr.dtype)
-    sample_src_positions_ptr[:num_reqs] += 1
-    seq_len = target_seq_lens_ptr[:num_reqs].long() - num_rejected_ptr[:num_reqs].long()
-    if ADVANCE_DRAFT_POSITIONS:
-        positions_ptr[:num_reqs] = (positions_ptr[:num_reqs] + 1).clamp(max=int(max_model_len) - 1)
-        seq_len = (seq_len + 1).clamp(max=int(max_model_len))
-    seq_lens_ptr[:num_reqs] = seq_len.to(seq_lens_ptr.dtype)
-    seq_lens_ptr[num_reqs:max_num_reqs] = 0
-    lanes = torch.arange(max_num_reqs + 1, device=query_start_loc_ptr.device)
-    query_start_loc_ptr[: max_num_reqs + 1] = lanes.clamp(max=num_reqs).to(query_start_loc_ptr.dtype)
-
-
-def update_draft_inputs(
-    output_draft_tokens_ptr: torch.Tensor,
-    output_draft_tokens_stride: int,
-    next_input_hidden_states_ptr: torch.Tensor,
-    next_input_hidden_states_stride: int,
-    input_ids_ptr: torch.Tensor,
-    positions_ptr: torch.Tensor,
-    sample_src_positions_ptr: torch.Tensor,
-    seq_lens_ptr: torch.Tensor,
-    draft_tokens_ptr: torch.Tensor,
-    current_draft_step_ptr: torch.Tensor,
-    hidden_states_ptr: torch.Tensor,
-    hidden_states_stride: int,
-    hidden_size: int,
-    max_model_len_ptr: torch.Tensor,
-    num_speculative_steps: int,
-    BLOCK_SIZE: int | None = None,
-    ADVANCE_DRAFT_POSITIONS: bool = True,
-    **launch: object,
-) -> None:
-    """Record this step's draft tokens; before the last step, also make them (and the
-    hidden states) the next step's inputs. The step and the model length (a scalar
-    tensor, which may shrink after graph capture) stay on the device."""
-    num_reqs = draft_tokens_ptr.shape[0]
-    if num_reqs == 0:
-        return
-    step = current_draft_step_ptr.reshape(1).long()
-    lanes = torch.arange(num_reqs, device=draft_tokens_ptr.device)
-    drafts = draft_tokens_ptr[:num_reqs]
-    output_draft_tokens_ptr[lanes, step.expand(num_reqs)] = drafts.to(output_draft_tokens_ptr.dtype)
-    more = step < int(num_speculative_steps) - 1  # [1], on the device
-    sample_src_positions_ptr[:num_reqs] += more.to(sample_src_positions_ptr.dtype)
-    ids = input_ids_ptr[:num_reqs]
-    ids.copy_(torch.where(more, drafts.to(ids.dtype), ids))
-    size = int(hidden_size)
-    hidden = next_input_hidden_states_ptr[:num_reqs, :size]
-    hidden.copy_(torch.where(more[:, None], hidden_states_ptr[:num_reqs, :size].to(hidden.dtype), hidden))
-    if ADVANCE_DRAFT_POSITIONS:
-        limit = max_model_len_ptr.reshape(1).to(torch.int64)
-        pos = positions_ptr[:num_reqs]
-        advanced = torch.minimum(pos.to(torch.int64) + 1, limit - 1)
-        pos.copy_(torch.where(more, advanced.to(pos.dtype), pos))
-        seq = seq_lens_ptr[:num_reqs]
-        advanced = torch.minimum(seq.to(torch.int64) + 1, limit)
-        seq.copy_(torch.where(more, advanced.to(seq.dtype), seq))
-
-
-# -- the n-gram drafter (spec_decode/ngram/speculator.py) ------------------------------
-def ngram_scan(
-    token_ids_ptr: torch.Tensor,
-    token_ids_stride: int,
-    idx_mapping_ptr: torch.Tensor,
-    total_len_ptr: torch.Tensor,
-    num_sampled_ptr: torch.Tensor,
-    scratch_ptr: torch.Tensor,
-    scratch_stride: int,
-    L: int,
-    MIN_N: int,
-    MAX_N: int,
-    MAX_N_PO2: int,
-    BLOCK_L: int,
-    **launch: object,
-) -> None:
-    """Per request and block of history positions, the best earlier occurrence of the
-    request's last n tokens (MIN_N <= n <= MAX_N), packed as ``n * (L + 1) + pos + 1`` so
-    that one maximum prefers the longest n, then the rightmost position (0: none)."""
-    num_reqs = idx_mapping_ptr.shape[0]
-    num_blocks = scratch_ptr.shape[1]
-    width = num_blocks * int(BLOCK_L)
-    req = idx_mapping_ptr.to(torch.int64)
-    seq_len = total_len_ptr[req].to(torch.int64)[:, None]
-    # (-1 past the row: positions that could read there are out of every match anyway)
-    history = torch.nn.functional.pad(
-        token_ids_ptr[req], (0, width + int(MAX_N) - token_ids_ptr.shape[1]), value=-1
-    )
-    pos = torch.arange(width, device=history.device)[None, :]
-    # one row per request and history position (upstream's kernel keeps a block at a
-    # time): int32 scores halve that (n * (L + 1) + L stays far below 2**31)
-    best = torch.zeros(num_reqs, width, dtype=torch.int32, device=history.device)
-    for n in range(int(MIN_N), int(MAX_N) + 1):
-        match = pos <= seq_len - n - 1
-        for j in range(n):
-            suffix_token = history.gather(1, (seq_len - n + j).clamp(min=0))
-            match = match & (history[:, j : j + width] == suffix_token)
-        best = torch.where(match, (n * (int(L) + 1) + pos + 1).to(torch.int32), best)
-    eligible = (num_sampled_ptr[:num_reqs] > 0)[:, None] & (seq_len >= int(MIN_N))
-    block_best = best.view(num_reqs, num_blocks, -1).amax(dim=-1).to(scratch_ptr.dtype)
-    scratch_ptr[:num_reqs, :num_blocks] = torch.where(eligible, block_best, 0)
-
-
-def ngram_finalize(
-    token_ids_ptr: torch.Tensor,
-    token_ids_stride: int,
-    idx_mapping_ptr: torch.Tensor,
-    total_len_ptr: torch.Tensor,
-    num_sampled_ptr: torch.Tensor,
-    last_sampled_ptr: torch.Tensor,
-    scratch_ptr: torch.Tensor,
-    scratch_stride: int,
-    drafts_ptr: torch.Tensor,
-    L: int,
-    N_BLOCKS: int,
-    K: int,
-    K_PO2: int | None = None,
-    N_BLOCKS_PO2: int | None = None,
-    **launch: object,
-) -> None:
-    """The K tokens that followed the best match become the drafts; slots without a
-    match or past the history repeat the last sampled token (rejectable drafts)."""
-    num_reqs = idx_mapping_ptr.shape[0]
-    req = idx_mapping_ptr.to(torch.int64)
-    score = scratch_ptr[:num_reqs, : int(N_BLOCKS)].amax(dim=1)
-    has_match = score > 0
-    packed = (score - 1).clamp(min=0)
-    best_n = packed // (int(L) + 1)
-    start = torch.where(has_match, packed - best_n * (int(L) + 1) + best_n, 0)
-    available = (total_len_ptr[req].to(torch.int64) - start).clamp(min=0)
-    slot = torch.arange(int(K), device=score.device)[None, :]
-    index = (start[:, None] + slot).clamp(max=int(L) - 1)
-    valid = (slot < available[:, None]) & ((num_sampled_ptr[:num_reqs] > 0) & has_match)[:, None]
-    gathered = token_ids_ptr[req].to(torch.int64).gather(1, index)
-    last = last_sampled_ptr[req].to(torch.int64)[:, None]
-    drafts = drafts_ptr.view(-1, int(K))  # row b at b * K, as the kernel writes it
-    drafts[:num_reqs] = torch.where(valid, gathered, last).to(drafts.dtype)
-
-
-# -- a separate draft model (spec_decode/standalone_ar/speculator.py) --------------------
-def standalone_prefill_inputs(
-    target_input_ids_ptr: torch.Tensor,
-    target_positions_ptr: torch.Tensor,
-    last_sampled_ptr: torch.Tensor,
-    idx_mapping_ptr: torch.Tensor,
-    out_input_ids_ptr: torch.Tensor,
-    out_positions_ptr: torch.Tensor,
-    last_token_indices_ptr: torch.Tensor,
-    out_query_start_loc_ptr: torch.Tensor,
-    out_seq_lens_ptr: torch.Tensor,
-    query_start_loc_ptr: torch.Tensor,
-    seq_lens_ptr: torch.Tensor,
-    num_rejected_ptr: torch.Tensor,
-    max_num_reqs: int,
-    max_model_len: int,
-    BLOCK_SIZE: int | None = None,
-    **launch: object,
-) -> None:
-    """The draft model's first step: each request's query grown by one slot, holding its
-    accepted tokens, then the target's correction token, then zeros for the rejected
-    drafts, at consecutive positions (capped at the model length)."""
-    num_reqs = idx_mapping_ptr.shape[0]
-    qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
-    start, query_len = qsl[:-1], qsl[1:] - qsl[:-1]
-    valid = query_len - num_rejected_ptr[:num_reqs].to(torch.int64)
-    out_start = start + torch.arange(num_reqs, device=qsl.device)
-    rows, j, inside = request_of_token(out_start + query_len + 1, out_input_ids_ptr.shape[0])
-    source = (start[rows] + j).clamp(max=target_input_ids_ptr.shape[0] - 1)
-    correction = last_sampled_ptr.reshape(-1)[idx_mapping_ptr.to(torch.int64)].to(torch.int64)[rows]
-    token = torch.where(j < valid[rows], target_input_ids_ptr[source].to(torch.int64), 0)
-    token = torch.where(j == valid[rows], correction, token)
-    position = (target_positions_ptr[start].to(torch.int64)[rows] + j).clamp(max=int(max_model_len) - 1)
-    out_input_ids_ptr.copy_(torch.where(inside, token.to(out_input_ids_ptr.dtype), out_input_ids_ptr))
-    out_positions_ptr.copy_(torch.where(inside, position.to(out_positions_ptr.dtype), out_positions_ptr))
-    last_token_indices_ptr[:num_reqs] = (out_start + valid).to(last_token_indices_ptr.dtype)
-    last_token_indices_ptr[num_reqs : int(max_num_reqs)] = 0
-    out_query_start_loc_ptr[:num_reqs] = out_start.to(out_query_start_loc_ptr.dtype)
-    total = (out_start[-1:] + query_len[-1:] + 1).to(out_query_start_loc_ptr.dtype)
-    out_query_start_loc_ptr[num_reqs : int(max_num_reqs) + 1] = total
-    longer = (seq_lens_ptr[:num_reqs].to(torch.int64) + 1).clamp(max=int(max_model_len))
-    out_seq_lens_ptr[:num_reqs] = longer.to(out_seq_lens_ptr.dtype)
-    out_seq_lens_ptr[num_reqs : int(max_num_reqs)] = 0
-
-
-_TDAR = _SD + "target_dependent_ar.speculator."
-_RS = _SD + "rejection_sampler."
-_RSU = _SD + "rejection_sampler_utils."
-KERNELS = {
-    _RS + "_gather_draft_sampled_kernel": gather_draft_sampled,
-    _RS + "_flatten_sampled_kernel": flatten_sampled,
-    _RSU + "_compute_local_logits_stats_kernel": compute_local_logits_stats,
-    _RSU + "_rejection_kernel": rejection,
-    _RSU + "_resample_kernel": resample,
-    _RSU + "_insert_resampled_kernel": insert_resampled,
-    _TDAR + "_prepare_prefill_inputs_kernel": draft_prefill_inputs,
-    _TDAR + "_prepare_decode_inputs_kernel": draft_decode_inputs,
-    _TDAR + "_update_draft_inputs_kernel": update_draft_inputs,
-    _SD + "standalone_ar.speculator._prepare_prefill_inputs_kernel": standalone_prefill_inputs,
-    _SD + "ngram.speculator._ngram_scan_kernel": ngram_scan,
-    _SD + "ngram.speculator._ngram_finalize_kernel": ngram_finalize,
-}
-
-
-def register_v2_spec_decode_overrides() -> None:
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    register_kernels(KERNELS)
+    masked_set(sampled_ptr, (lanes, count.clamp(max=sampled_ptr.shape[1] - 1)), token, run)
