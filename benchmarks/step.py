@@ -138,9 +138,9 @@ def child(spec: dict) -> None:
         step.done = True
         state["step"] = None
 
-    replay, tasks = capture.AscendGraph.replay, _graphs._Replay.advance
+    replay, graph_replay, tasks = capture.AscendGraph.replay, _graphs._Graph.replay, _graphs._Replay.advance
 
-    def counted_replay(self):
+    def counted_replay(self):  # a decode graph's: its replay, then its update
         step, before = state["step"], _graphs.stats["update_ops"]
         state["replaying"] = True
         try:
@@ -148,8 +148,16 @@ def child(spec: dict) -> None:
         finally:
             state["replaying"] = False
         if step is not None:
-            step.replays += 1
             step.updates += _graphs.stats["update_ops"] - before
+
+    def counted_graph_replay(self):  # any graph's (decode or sampler)
+        replaying, state["replaying"] = state["replaying"], True
+        try:
+            graph_replay(self)
+        finally:
+            state["replaying"] = replaying
+        if state["step"] is not None:
+            state["step"].replays += 1
 
     def timed_tasks(self):
         start = time.perf_counter()
@@ -160,6 +168,7 @@ def child(spec: dict) -> None:
                 state["step"].device_s += time.perf_counter() - start
 
     capture.AscendGraph.replay, _graphs._Replay.advance = counted_replay, timed_tasks
+    _graphs._Graph.replay = counted_graph_replay
     execute, sample = runner.execute_model, runner.sample_tokens
 
     def execute_step(scheduler_output, *args, **kwargs):

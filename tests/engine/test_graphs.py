@@ -262,6 +262,8 @@ def test_start_up_reports_graphs(runs):
     output = runs["_output"]
     assert "Ascend platform: decode graphs (FULL_DECODE_ONLY)" in output
     assert "Ascend graphs: " in output and " captured in " in output
+    # the random batch's sampler: one graph per decode request size (Qwen2: 1, 2, 4, 8)
+    assert "Ascend sampler graphs: 4 captured (random batches of up to 8 requests)" in output
     assert "of graph memory estimated before the KV cache is sized" in output
     # the 16-token-block MLA engine captured a graph of more tokens than a block
     assert "Ascend MLA latent prolog not used in decode graphs of more than 16 tokens" in output

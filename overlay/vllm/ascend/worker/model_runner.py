@@ -74,6 +74,12 @@ class NPUModelRunner(GPUModelRunner):
     def rejection_sampler_cls(self):
         return NPURejectionSampler  # (hook patch ``...-select-its-rejection-sampler``)
 
+    def capture_model(self, *, profile_only: bool = False) -> int:
+        captured = super().capture_model(profile_only=profile_only)
+        if isinstance(self.sampler, NPUSampler):  # a random batch's sampler (worker/v2/gumbel_graphs.py)
+            captured += self.sampler.capture_graphs(profile_only)
+        return captured
+
     def prepare_inputs(self, *args, **kwargs):
         input_batch = super().prepare_inputs(*args, **kwargs)
         if self.exact_host_seq_lens is not None:
