@@ -213,8 +213,22 @@ def _request(request_id: str, prompt: list[int], params: dict):
 
 
 @pytest.fixture
+def decode_scheduler():
+    """Decode schedulers made by a test, closed after it (each runs its lease-renewal thread)."""
+    made = []
+
+    def make(trust: Trust, max_model_len: int = 4096) -> P2PScheduler:
+        made.append(_decode_scheduler(trust, max_model_len))
+        return made[-1]
+
+    yield make
+    for sched in made:
+        sched.close()
+
+
+@pytest.fixture
 def outbox(monkeypatch):
-    """What the scheduler would send (its messenger is not started by these tests' settings)."""
+    """What the scheduler would send (its releases are recorded here, not sent)."""
     sent = []
     monkeypatch.setattr(
         P2PScheduler, "_release", lambda self, rid, remote: sent.append((rid, remote.remote_request_id))
@@ -231,9 +245,9 @@ def outbox(monkeypatch):
         ({"remote_ranks": 10**6}, "untrusted"),  # item 8, forged: the signature catches it first
     ],
 )
-def test_forged_params_are_refused_counted_and_nothing_is_sent(outbox, change, label):
+def test_forged_params_are_refused_counted_and_nothing_is_sent(decode_scheduler, outbox, change, label):
     trust = Trust(SECRET)
-    sched = _decode_scheduler(trust)
+    sched = decode_scheduler(trust)
     params = dict(trust.sign_params(_params(), PULL_FIELDS, 90), **change)
     params = {k: v for k, v in params.items() if v is not None}
     request = _request("d-1", list(range(20)), params)
@@ -242,13 +256,13 @@ def test_forged_params_are_refused_counted_and_nothing_is_sent(outbox, change, l
     assert outbox == [] and sched.build_connector_meta().refusals == {label: 1}
 
 
-def test_params_of_another_prompt_are_refused_without_a_release(outbox):
+def test_params_of_another_prompt_are_refused_without_a_release(decode_scheduler, outbox):
     """Items 1 and 4: authentic parameters on a request with other tokens (a router that gave
     a batch's first prompt's parameters to all of it, or a client planting KV under its own
     tokens) are refused; the prefill request is not released, since its own reader may be
     pulling it."""
     trust = Trust(SECRET)
-    sched = _decode_scheduler(trust)
+    sched = decode_scheduler(trust)
     signed = trust.sign_params(_params(), PULL_FIELDS, 90)
     same_length = _request("d-2", list(range(100, 120)), signed)
     other_length = _request("d-3", list(range(30)), signed)
@@ -259,9 +273,9 @@ def test_params_of_another_prompt_are_refused_without_a_release(outbox):
     assert sched.get_num_new_matched_tokens(right, 0) == (20, True)
 
 
-def test_out_of_bounds_params_are_refused_even_on_a_trusted_network(outbox):
+def test_out_of_bounds_params_are_refused_even_on_a_trusted_network(decode_scheduler, outbox):
     """Item 8: without a secret every field is still bounded at the boundary."""
-    sched = _decode_scheduler(Trust(None), max_model_len=16)
+    sched = decode_scheduler(Trust(None), max_model_len=16)
     for i, params in enumerate((_params(remote_ranks=10**6), _params(remote_port=70000), _params())):
         # (the last: 20 tokens, over max_model_len 16)
         assert sched.get_num_new_matched_tokens(_request(f"x{i}", list(range(20)), params), 0) == (0, False)
@@ -277,7 +291,7 @@ LAYERWISE = {
 
 
 @pytest.mark.parametrize("mode", ["pull", "layerwise"])
-def test_parallel_sampling_children_share_one_pull(outbox, mode):
+def test_parallel_sampling_children_share_one_pull(decode_scheduler, outbox, mode):
     """Item 2: n children of one decode request carry the same parameters. The first pulls;
     the others wait for that pull, then compute what the prefix cache does not give them and
     report themselves readers done (the prefill request is held for n readers; layer-wise,
@@ -287,7 +301,7 @@ def test_parallel_sampling_children_share_one_pull(outbox, mode):
     from vllm.ascend.kv_transfer.trust import LAYERWISE_FIELDS
 
     trust = Trust(SECRET)
-    sched = _decode_scheduler(trust)
+    sched = decode_scheduler(trust)
     if mode == "pull":
         signed = trust.sign_params(_params(remote_readers=3), PULL_FIELDS, 90)
     else:
