@@ -38,6 +38,10 @@ ENGINE = {
     "enable_prefix_caching": True,
 }
 SINGLES = PROMPTS[:3]  # batch 1: one request at a time
+# every attention build compares the host lengths it gives the kernels with the device's: a
+# drafter step's host lengths must not count the rejected drafts (patch
+# speculators-let-the-platform-take-rejected-drafts-off-host)
+CHECKED = {"VLLM_ASCEND_CHECK_HOST_SEQ_LENS": "1"}
 RANDOM_PROMPT = PROMPTS[4]
 
 
@@ -133,7 +137,7 @@ def single_rank(tiny_models):
                 "max_tokens": MAX_TOKENS,
                 "report_runner": True,
                 **run,
-                "env": {**IN_PROCESS, **run.get("env", {})},
+                "env": {**IN_PROCESS, **CHECKED, **run.get("env", {})},
             }
         )
     # Random sampling with a fixed seed: the same request twice in one batch, then again;
@@ -145,7 +149,7 @@ def single_rank(tiny_models):
         "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
         "engine": {**ENGINE, "speculative_config": mtp(2)},
         "report_runner": True,
-        "env": IN_PROCESS,
+        "env": {**IN_PROCESS, **CHECKED},
     }
     runs += [random, {**random, "engine": {**random["engine"], "async_scheduling": False}}]
     result, output = run_spec({"runs": runs}, timeout=1800)
@@ -322,7 +326,7 @@ def test_mtp_tp2_expert_parallel(tiny_models):
             "speculative_config": mtp(2),
         },
     }
-    result, output = run_spec(spec, timeout=1200)
+    result, output = run_spec(spec, timeout=1200, env=CHECKED)
     clean_shutdown(output)
     assert "first step with the mc2 strategy" in output
     assert RUNNER_LINE in output

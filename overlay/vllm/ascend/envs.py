@@ -15,6 +15,14 @@ def emulate() -> bool:
     return os.environ.get("VLLM_ASCEND_EMULATE", "0").strip().lower() in _TRUE
 
 
+def check_host_seq_lens() -> bool:
+    """VLLM_ASCEND_CHECK_HOST_SEQ_LENS=1 (host emulation, tests): every attention metadata
+    build compares the host sequence lengths it hands the kernels with the device's and
+    fails on a difference (on an NPU that read would wait for the device: ignored there)."""
+    flag = os.environ.get("VLLM_ASCEND_CHECK_HOST_SEQ_LENS", "0").strip().lower() in _TRUE
+    return flag and emulate()
+
+
 def kernels() -> str:
     """VLLM_ASCEND_KERNELS: which implementation of every kernel-facade op runs.
 
@@ -91,6 +99,7 @@ DISTRIBUTION_VARIABLES = (
     "VLLM_ASCEND_PREFILL_CHUNK_TOKENS",
     "VLLM_ASCEND_GROUP_HCCL_BUFFSIZE_MB",
     "VLLM_ASCEND_KV_SECRET",  # P/D's shared secret (kv_transfer/trust.py)
+    "VLLM_ASCEND_CHECK_HOST_SEQ_LENS",  # tests: host lengths against the device's
     "VLLM_ASCEND_BUILD_CACHE",
     "VLLM_ASCEND_SDIST",
 )

@@ -36,6 +36,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm.ascend import device as ascend_device
 from vllm.ascend import envs
 from vllm.ascend.attention import context_parallel as cp
 from vllm.ascend.attention import prefill_chunks
@@ -170,7 +171,15 @@ def host_seq_lens(m: CommonAttentionMetadata, max_model_len: int) -> list[int]:
             "CommonAttentionMetadata.seq_lens_cpu_upper_bound is not set: the Ascend attention "
             "backends take sequence lengths from the host copy and never read them from the device"
         )
-    return host[: m.num_reqs].clamp(max=max_model_len).tolist()
+    lengths = host[: m.num_reqs].clamp(max=max_model_len).tolist()
+    if envs.check_host_seq_lens() and not ascend_device.current().is_capturing():
+        device = m.seq_lens[: m.num_reqs].tolist()
+        if lengths != device:
+            raise RuntimeError(
+                f"host sequence lengths {lengths} differ from the device's {device} "
+                "(VLLM_ASCEND_CHECK_HOST_SEQ_LENS)"
+            )
+    return lengths
 
 
 class AscendAttentionImpl(AttentionImpl[AscendAttentionMetadata]):

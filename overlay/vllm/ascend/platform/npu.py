@@ -123,6 +123,19 @@ class NPUPlatform(Platform):
     moe_experts_own_scratch: bool = True
 
     @classmethod
+    def draft_decode_host_seq_lens(
+        cls, seq_lens_cpu_upper_bound: torch.Tensor, num_rejected: torch.Tensor, num_reqs: int
+    ) -> torch.Tensor:
+        """A drafter's decode steps: the Ascend attention takes host lengths, so the
+        rejected drafts come off them on the host too (patch
+        ``speculators-let-the-platform-take-rejected-drafts-off-host``)."""
+        from vllm.ascend.worker.v2.seq_lens import draft_decode_host_seq_lens
+
+        return draft_decode_host_seq_lens(
+            seq_lens_cpu_upper_bound, num_rejected, num_reqs, ascend_device.current()
+        )
+
+    @classmethod
     def pre_register_and_update(cls, parser: Any = None) -> None:
         # before any ModelConfig checks the method name: ``--quantization ascend``
         import vllm.ascend.quantization.config  # noqa: F401  (registers through its decorator)

@@ -12,6 +12,14 @@ the step before corrected by its rejections in stream order).
 are prepared and before its attention metadata is built: one small non-blocking copy and a
 wait on its event. That is the step's one wait, and it comes after the host has scheduled
 and prepared the step while the device was finishing the one before.
+
+A drafter's decode steps (MTP, EAGLE, a draft model) start from the target step's lengths,
+which count every draft of the step, accepted or not; the device takes the rejected ones
+off. ``draft_decode_host_seq_lens`` does the same on the host, from the rejected counts
+the verification just made (one more small copy and wait, with drafts of two or more
+tokens only: a single draft has no later step). Without it, those steps' attention spans
+the rejected drafts' slots: the target still verifies every draft, so the output stays
+exact, but the later drafts are made from the wrong context.
 """
 
 from __future__ import annotations
@@ -36,3 +44,20 @@ class ExactHostSeqLens:
         self._copied.record()
         self._copied.synchronize()
         input_batch.seq_lens_cpu_upper_bound[:n] = self._host[:n]
+
+
+def draft_decode_host_seq_lens(
+    seq_lens_cpu_upper_bound: torch.Tensor, num_rejected: torch.Tensor, num_reqs: int, device_layer
+) -> torch.Tensor:
+    """The target step's host lengths less each request's rejected drafts (waits for the
+    rejected counts); rows past ``num_reqs`` as they were."""
+    if num_reqs == 0:
+        return seq_lens_cpu_upper_bound
+    rejected = torch.empty(num_reqs, dtype=num_rejected.dtype, pin_memory=is_pin_memory_available())
+    rejected.copy_(num_rejected[:num_reqs], non_blocking=True)
+    copied = device_layer.event()
+    copied.record()
+    copied.synchronize()
+    exact = seq_lens_cpu_upper_bound.clone()
+    exact[:num_reqs] -= rejected.to(exact.dtype)
+    return exact
