@@ -7,7 +7,8 @@ A thin subclass: V2 asks the platform for its streams and events (hook patch
 are replaced by the torch forms of ``vllm.ascend.worker.v2`` (registered by the
 platform), and its block tables by :class:`~vllm.ascend.worker.block_tables.NPUBlockTables`
 (hook: ``block_tables_cls``), its sampler by :class:`~vllm.ascend.worker.v2.sample.NPUSampler`
-(hook: ``sampler_cls``: an all-greedy batch takes an argmax) and its rejection sampler by
+(hook: ``sampler_cls``: an all-greedy batch takes an argmax, a random one replays its
+Gumbel sampler from a graph captured after the decode graphs) and its rejection sampler by
 :class:`~vllm.ascend.worker.v2.rejection_sampler.NPURejectionSampler` (hook:
 ``rejection_sampler_cls``), and its prompt-embeddings state, which reads a table of
 device pointers, by :class:`~vllm.ascend.worker.prompt_embeds.NPUPromptEmbedsState`
