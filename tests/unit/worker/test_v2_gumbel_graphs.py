@@ -18,6 +18,7 @@ from torch_npu import _graphs  # noqa: E402
 
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample  # noqa: E402
 
+from vllm.ascend import device as ascend_device  # noqa: E402
 from vllm.ascend.device.npu import NPUPathDevice  # noqa: E402
 from vllm.ascend.platform.npu import NPUPlatform  # noqa: E402
 from vllm.ascend.worker.v2.gumbel_graphs import GumbelGraphs  # noqa: E402
@@ -28,12 +29,16 @@ SIZES = [1, 2, 4, 8]
 
 
 @pytest.fixture(scope="module")
-def graphs() -> GumbelGraphs:
+def graphs():
     NPUPlatform.register_triton_kernel_overrides()  # upstream's Triton kernels -> torch forms (once)
-    graphs = GumbelGraphs(NPUPathDevice(), SIZES, VOCAB, MAX_REQS, False, torch.device("cpu"))
-    assert not graphs.covers(1), "nothing is captured yet"
-    graphs.capture()
-    return graphs
+    with pytest.MonkeyPatch.context() as mp:
+        # the process's device is the NPU-path one (the double's graphs), as in an NPU-path engine
+        npu_path = NPUPathDevice()
+        mp.setattr(ascend_device, "current", lambda: npu_path)
+        graphs = GumbelGraphs(SIZES, VOCAB, MAX_REQS, False, torch.device("cpu"))
+        assert not graphs.covers(1), "nothing is captured yet"
+        graphs.capture()
+        yield graphs
 
 
 def _batch(rows: int, step: int):

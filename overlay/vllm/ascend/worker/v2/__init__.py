@@ -1,9 +1,9 @@
 """The Ascend forms of Model Runner V2's step around the forward (``vllm/v1/worker/gpu``),
 one module per upstream module, beside the runner as upstream's CPU runner keeps its own.
 
-Two kinds live here. The runner's class seams: the sampler (``sample.py``), the rejection
-sampler (``rejection_sampler.py``) and the exact host sequence lengths under asynchronous
-scheduling with drafts (``seq_lens.py``). And the torch forms of the Triton kernels upstream
+Two kinds live here. The runner's class seams: the sampler (``sample.py``, with its graphs
+for random batches in ``gumbel_graphs.py``), the rejection sampler (``rejection_sampler.py``)
+and the exact host sequence lengths (``seq_lens.py``). And the torch forms of the Triton kernels upstream
 launches around the forward, which have no torch fallback upstream (``input_batch.py``,
 ``buffer_utils.py``, ``cp_utils.py``, ``rope.py``, ``mamba_hybrid.py``, ``gumbel.py``,
 ``logits_processing.py``, ``rejection_sampler_utils.py``, ``speculator.py``), each named

@@ -24,33 +24,27 @@ captured memory).
 from __future__ import annotations
 
 import bisect
-import time
 
 import torch
 
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
+from vllm.ascend import device as ascend_device
+from vllm.ascend.graph import capture as graph_capture
+
 logger = init_logger(__name__)
-
-
-class _CapturedSize:
-    def __init__(self, graph, sampled: torch.Tensor) -> None:
-        self.graph = graph
-        self.sampled = sampled
 
 
 class GumbelGraphs:
     def __init__(
         self,
-        device_layer,
         sizes: list[int],
         vocab_size: int,
         max_num_reqs: int,
         use_fp64: bool,
         device: torch.device,
     ) -> None:
-        self._device_layer = device_layer
         self.sizes = sorted({s for s in sizes if s > 0})
         self._use_fp64 = use_fp64
         rows = self.sizes[-1] if self.sizes else 0
@@ -59,35 +53,31 @@ class GumbelGraphs:
         self._pos = torch.zeros(rows, dtype=torch.int64, device=device)
         self._temperature = torch.zeros(max_num_reqs, dtype=torch.float32, device=device)
         self._seeds = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self._captured: dict[int, _CapturedSize] = {}
+        # size -> (its graph, the tokens it writes)
+        self._captured: dict[int, tuple[graph_capture.AscendGraph, torch.Tensor]] = {}
 
     def capture(self, log: bool = True) -> int:
-        """Capture one graph per size, on a side stream, sharing one memory pool (the
-        graphs replay one at a time and each step copies its tokens out); the device
-        memory they took."""
+        """Capture one graph per size, as the decode graphs are captured (``graph/capture.py``:
+        a side stream, CANN's resource errors named), all sharing one memory pool (they
+        replay one at a time and each step copies its tokens out); the device memory they
+        took."""
         if self._captured or not self.sizes:
             return 0
-        started = time.perf_counter()
-        layer = self._device_layer
+        layer = ascend_device.current()
         free_before = layer.accelerator_memory_info()[0]
         pool = layer.graph_pool_handle()
-        previous = layer.current_stream()
-        stream = layer.stream()
-        stream.wait_stream(previous)
-        with layer.stream_context(stream):
+        with graph_capture.capture_context() as session:
             for rows in self.sizes:
-                graph = layer.new_graph()
-                with layer.capture_graph(graph, pool, stream):
+                graph = graph_capture.AscendGraph()
+                with graph_capture.capture(graph, pool, session.stream):
                     sampled = self._sample(rows)
-                self._captured[rows] = _CapturedSize(graph, sampled)
-        previous.wait_stream(stream)
+                self._captured[rows] = (graph, sampled)
         taken = free_before - layer.accelerator_memory_info()[0]
         if log:
             logger.info(
-                "Ascend sampler graphs: %d captured (random batches of up to %d requests) in %.1f s, %.1f MiB",
+                "Ascend sampler graphs: %d captured (random batches of up to %d requests), %.1f MiB",
                 len(self._captured),
                 self.sizes[-1],
-                time.perf_counter() - started,
                 taken / 2**20,
             )
         return taken
@@ -109,7 +99,7 @@ class GumbelGraphs:
         )
 
     def covers(self, rows: int) -> bool:
-        return bool(self._captured) and rows <= self.sizes[-1] and not self._device_layer.is_capturing()
+        return bool(self._captured) and rows <= self.sizes[-1] and not ascend_device.current().is_capturing()
 
     def sample(
         self,
@@ -130,8 +120,8 @@ class GumbelGraphs:
         self._pos[:rows].copy_(pos)
         self._temperature[: temperature.shape[0]].copy_(temperature)
         self._seeds[: seeds.shape[0]].copy_(seeds)
-        captured = self._captured[size]
-        self._device_layer.replay_graph(captured.graph, None)
+        graph, sampled = self._captured[size]
+        graph.replay()  # (no fused-attention tasks: nothing to update)
         # the graph's output is rewritten by the next replay, which may come before an
         # asynchronous copy of this step's tokens has read them
-        return captured.sampled[:rows].clone()
+        return sampled[:rows].clone()

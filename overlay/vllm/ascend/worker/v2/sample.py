@@ -23,7 +23,6 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-from vllm.ascend import device as ascend_device
 from vllm.ascend.worker.v2.gumbel import first_max_or_nan
 from vllm.ascend.worker.v2.gumbel_graphs import GumbelGraphs
 
@@ -37,9 +36,7 @@ class NPUSampler(Sampler):
         compilation = vllm_config.compilation_config
         if compilation.cudagraph_mode != CUDAGraphMode.NONE and not vllm_config.model_config.enforce_eager:
             sizes = [n for n in compilation.decode_cudagraph_capture_request_sizes or () if n <= max_num_reqs]
-            self.gumbel_graphs = GumbelGraphs(
-                ascend_device.current(), sizes, vocab_size, max_num_reqs, self.use_fp64_gumbel, device
-            )
+            self.gumbel_graphs = GumbelGraphs(sizes, vocab_size, max_num_reqs, self.use_fp64_gumbel, device)
 
     def capture_graphs(self, profile_only: bool) -> int:
         """Capture the sampler's graphs; the device memory they take. For the memory
