@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness.stacks import stacks_if_slow
+
 
 def _run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
@@ -96,7 +98,9 @@ def _run(spec: dict) -> dict:
         # explicit shutdown() gives it 5 s, which a loaded 2-core machine can exceed)
         from vllm import envs
 
-        llm.llm_engine.engine_core.shutdown(timeout=envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+        grace = envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+        with stacks_if_slow(os.getpid(), after=0.75 * grace):  # where a process hangs, before the force-kill
+            llm.llm_engine.engine_core.shutdown(timeout=grace)
         del llm
         gc.collect()
     finally:

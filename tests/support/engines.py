@@ -18,6 +18,8 @@ import httpx
 import pytest
 
 from harness.ports import free_port
+from harness.stacks import MARKER as stacks_marker
+from harness.stacks import stacks_if_slow
 
 from .models import ROOT
 
@@ -120,7 +122,8 @@ class VllmServer:
         # core exits first), so the group only gets SIGKILL for what is left afterwards.
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            slow = stacks_if_slow(self.proc.pid, 0.75 * grace, include_root=True, out=self.log)
+            with contextlib.suppress(subprocess.TimeoutExpired), slow:
                 self.proc.wait(timeout=grace)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -168,4 +171,5 @@ def clean_shutdown(output: str) -> None:
         # what the processes said last before the shutdown started, to tell where one hung
         first = next(i for i, line in enumerate(lines) if "[shutdown]" in line)
         before = "\n".join(lines[max(0, first - 30) : first])
-        raise AssertionError(f"{before}\n--- shutdown ---\n" + "\n".join(shutdown[-40:]))
+        stacks = "\n".join(line for line in lines if stacks_marker in line)
+        raise AssertionError(f"{before}\n--- shutdown ---\n" + "\n".join(shutdown[-40:]) + f"\n{stacks}")
