@@ -43,13 +43,15 @@ WITH_MTP = ["dsv3_w8a8", "dsv3_w8a8_dynamic_float_mtp", "dsv32_w8a8"]
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
     base = tmp_path_factory.mktemp("quantized")
-    models = {
-        **tiny_models,
-        "deepseek_v3_q_lora": make_model(
+    extra = {
+        "deepseek_v3_q_lora": lambda: make_model(
             base / "deepseek_v3_q_lora", "--arch", "deepseek_v3", "--q-lora-rank", "32"
         ),
-        "qwen2_float16": make_model(base / "qwen2_float16", "--arch", "qwen2", "--dtype", "float16"),
+        "qwen2_float16": lambda: make_model(base / "qwen2_float16", "--arch", "qwen2", "--dtype", "float16"),
     }
+    # only the float models quantized here (``{**tiny_models}`` would make every tiny model)
+    archs = dict.fromkeys(arch for arch, _, _ in CHECKPOINTS.values())
+    models = {arch: extra[arch]() if arch in extra else tiny_models[arch] for arch in archs}
     paths = {
         name: quantize_model(models[arch], base / name, scheme, *extra)
         for name, (arch, scheme, extra) in CHECKPOINTS.items()
