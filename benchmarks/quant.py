@@ -1,14 +1,17 @@
-"""W8A8 (msModelSlim) checkpoints vs their float models, side by side in one run: bytes of the
-linear-layer and expert weights (with their scales and offsets) and host-emulation output
-tokens/s, for the tiny Qwen2 and DeepSeek-V3 made here (examples/make_tiny_model.py,
-quantized by examples/quantize_tiny_model.py).
+"""W8A8 and W4A8 (msModelSlim) checkpoints vs their float models, side by side in one run:
+bytes of the linear-layer and expert weights (with their scales and offsets), of the
+routed experts alone, and host-emulation output tokens/s, for the tiny Qwen2 and
+DeepSeek-V3 made here (examples/make_tiny_model.py, quantized by
+examples/quantize_tiny_model.py).
 
     nox -s bench -- quant [--prompts 16] [--max-tokens 32] [--hidden-size 256]
 
 The weight ratio is a property of the format (int8 plus per-channel float32 scale and
 offset against the float32 weights of the tiny models; against bfloat16 it would be about
-twice as large). Host tokens/s compares the reference int8 kernels on the CPU with float
-matmuls; it says nothing about NPU speed.
+twice as large; W4A8's experts hold two int4 per byte, so theirs is about half W8A8's).
+W4A8 runs on DeepSeek-V3 only (it quantizes MoE experts; Qwen2 has none). Host tokens/s
+compares the reference int8 kernels on the CPU with float matmuls; it says nothing about
+NPU speed.
 """
 
 from __future__ import annotations
@@ -29,14 +32,17 @@ WEIGHT = re.compile(
 )
 
 
-def linear_bytes(model: Path) -> int:
+def linear_bytes(model: Path, experts_only: bool = False) -> int:
     """Bytes of every tensor that belongs to a linear layer or an expert (weights and their
-    quantization parameters), from the safetensors headers."""
+    quantization parameters; ``experts_only``: the routed experts'), from the safetensors
+    headers."""
     total = 0
     for file in model.glob("*.safetensors"):
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         for name, entry in header.items():
+            if experts_only and ".mlp.experts." not in name:
+                continue
             if name != "__metadata__" and WEIGHT.search(name):
                 start, end = entry["data_offsets"]
                 total += end - start
@@ -71,7 +77,7 @@ def main() -> None:
                 capture_output=True,
             )
             variants = [("float", float_model)]
-            for scheme in ("w8a8", "w8a8_dynamic"):
+            for scheme in ("w8a8", "w8a8_dynamic", "w4a8_dynamic")[: 3 if arch == "deepseek_v3" else 2]:
                 out = Path(tmp) / f"{arch}-{scheme}"
                 done = subprocess.run(
                     [
@@ -91,7 +97,16 @@ def main() -> None:
                     sys.exit(f"quantizing {arch} ({scheme}) failed:\n{done.stderr[-3000:]}")
                 variants.append((scheme, out))
             for scheme, model in variants:
-                rows.append((arch, scheme, linear_bytes(model), linear_bytes(float_model)))
+                rows.append(
+                    (
+                        arch,
+                        scheme,
+                        linear_bytes(model),
+                        linear_bytes(float_model),
+                        linear_bytes(model, experts_only=True),
+                        linear_bytes(float_model, experts_only=True),
+                    )
+                )
                 engine = {"dtype": "float32", "max_model_len": 512, "seed": 0}
                 runs.append(
                     {
@@ -117,16 +132,22 @@ def main() -> None:
             sys.exit(f"benchmark engines failed:\n{proc.stderr[-4000:]}")
         results = json.loads(lines[-1][len("RESULT ") :])["runs"]
     print(
-        f"\n{'model':12} {'scheme':13} {'linear+expert MiB':>17} {'vs float':>8} {'output tok/s':>12} {'vs float':>8}"
+        f"\n{'model':12} {'scheme':13} {'linear+expert MiB':>17} {'vs float':>8} {'experts MiB':>11} {'vs float':>8} "
+        f"{'output tok/s':>12} {'vs float':>8}"
     )
     base_rate = {}
-    for (arch, scheme, size, float_size), run in zip(rows, results):
+    for (arch, scheme, size, float_size, experts, float_experts), run in zip(rows, results):
         tokens = sum(len(r["token_ids"]) for batch in run["batches"] for r in batch)
         rate = tokens / run["generate_s"]  # both batches: the warm-up is short and the same for every row
         base_rate.setdefault(arch, rate)
         print(
-            f"{arch:12} {scheme:13} {size / 2**20:>17.3f} {size / float_size:>8.3f} {rate:>12.1f} "
-            f"{rate / base_rate[arch]:>7.2f}x"
+            f"{arch:12} {scheme:13} {size / 2**20:>17.3f} {size / float_size:>8.3f} "
+            + (
+                f"{experts / 2**20:>11.3f} {experts / float_experts:>8.3f} "
+                if float_experts
+                else f"{'-':>11} {'-':>8} "
+            )
+            + f"{rate:>12.1f} {rate / base_rate[arch]:>7.2f}x"
         )
     print("\ngoal: linear + expert weight bytes <= 0.30 of float")
 

@@ -1,10 +1,11 @@
-"""Quantize a float checkpoint into msModelSlim's W8A8 format (what ``--quantization ascend`` serves).
+"""Quantize a float checkpoint into msModelSlim's W8A8 or W4A8 format (what ``--quantization ascend`` serves).
 
     python examples/quantize_tiny_model.py --model /tmp/tiny-qwen2 --out /tmp/tiny-qwen2-w8a8 --scheme w8a8
     python examples/quantize_tiny_model.py --model /tmp/tiny-dsv3 --out /tmp/tiny-dsv3-w8a8d \
         --scheme w8a8_dynamic [--float-mtp] [--keep-float REGEX ...]
+    python examples/quantize_tiny_model.py --model /tmp/tiny-dsv3 --out /tmp/tiny-dsv3-w4a8 --scheme w4a8_dynamic
 
-Works on any llama, qwen2, deepseek_v3 or deepseek_v32 checkpoint in safetensors (made by
+Works on any llama, qwen2, qwen3_moe, deepseek_v3 or deepseek_v32 checkpoint in safetensors (made by
 ``make_tiny_model.py`` or not); meant for small models, everything is held in memory.
 
 * Weights: symmetric per output channel, ``scale = max|w| / 127``, rounded half to even.
@@ -15,6 +16,11 @@ Works on any llama, qwen2, deepseek_v3 or deepseek_v32 checkpoint in safetensors
   DeepSeek MTP module, which transformers does not run (nothing to calibrate them on).
 * ``w8a8_dynamic``: every linear layer W8A8_DYNAMIC (activations quantized per token at
   run time).
+* ``w4a8_dynamic``: MoE routed experts W4A8_DYNAMIC in msModelSlim's per-channel format
+  (version "1.0.0"): int4 weights, ``scale = max|w| / 7``, two per int8 byte along the
+  output dim (row ``2j`` in the low nibble), and the offset term ``scale_bias = 8 * sum_k
+  w * scale`` (gate/up ``[out, 1]``, down ``[H, 16]``: the input dim in 16 parts); every
+  other linear layer W8A8_DYNAMIC, as msModelSlim's W4A8 recipes do.
 * Always float: embeddings, norms, the LM heads, the MoE router, MLA's ``kv_b_proj`` (as
   msModelSlim leaves it), the MTP module's ``eh_proj`` and DeepSeek-V3.2's indexer key and
   weights projections (``wk``, ``weights_proj``: upstream's indexer builds them float; its
@@ -41,7 +47,7 @@ from safetensors.torch import load_file, save_file
 
 import vllm  # noqa: F401  (first: on hosts without CANN, hides an unusable torch_npu from transformers)
 
-ARCHS = ("llama", "qwen2", "deepseek_v3", "deepseek_v32")
+ARCHS = ("llama", "qwen2", "qwen3_moe", "deepseek_v3", "deepseek_v32")
 LINEARS = {
     "q_proj",
     "k_proj",
@@ -107,7 +113,11 @@ def plan_schemes(
         in_mtp = mtp_first is not None and layer >= mtp_first
         if in_mtp and float_mtp:
             continue
-        dynamic = scheme == "w8a8_dynamic" or ".mlp.experts." in name or in_mtp
+        expert = ".mlp.experts." in name
+        if scheme == "w4a8_dynamic":
+            plan[name] = "W4A8_DYNAMIC" if expert else "W8A8_DYNAMIC"
+            continue
+        dynamic = scheme == "w8a8_dynamic" or expert or in_mtp
         plan[name] = "W8A8_DYNAMIC" if dynamic else "W8A8"
     check_whole_expert_layers(tensors, plan)
     return plan
@@ -163,6 +173,32 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
 
 
+DOWN_OFFSET_PARTS = 16
+
+
+def quantize_w4a8(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One expert projection in msModelSlim's per-channel W4A8_DYNAMIC tensors."""
+    w = weight.to(torch.float32)
+    out, inner = w.shape
+    down = ".down_proj." in name
+    if out % 2 or (down and inner % DOWN_OFFSET_PARTS):
+        fail(
+            f"{name} [{out}, {inner}]: W4A8 needs an even output size (and a down projection's input a multiple of 16)"
+        )
+    scale = (w.abs().amax(dim=1, keepdim=True) / 7).clamp(min=torch.finfo(torch.float32).eps)
+    q = torch.round(w / scale).clamp(-8, 7).to(torch.int16)
+    packed = ((q[1::2] & 0xF) << 4 | (q[0::2] & 0xF)).to(torch.uint8).view(torch.int8)
+    dequantized = q.to(torch.float64) * scale.to(torch.float64)
+    parts = DOWN_OFFSET_PARTS if down else 1
+    offset = 8 * dequantized.view(out, parts, inner // parts).sum(dim=-1)
+    return {
+        "weight": packed,
+        "weight_scale": scale,
+        "weight_offset": torch.zeros_like(scale),
+        "scale_bias": offset.to(torch.float32),
+    }
+
+
 def activation_qparams(low: float, high: float) -> tuple[float, float]:
     low, high = min(low, 0.0), max(high, 0.0)
     scale = max((high - low) / 255, torch.finfo(torch.float32).eps)
@@ -179,7 +215,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="float checkpoint directory")
     parser.add_argument("--out", type=Path, required=True, help="directory to write (must not exist)")
-    parser.add_argument("--scheme", choices=("w8a8", "w8a8_dynamic"), required=True)
+    parser.add_argument("--scheme", choices=("w8a8", "w8a8_dynamic", "w4a8_dynamic"), required=True)
     parser.add_argument("--float-mtp", action="store_true", help="keep the DeepSeek MTP module float")
     parser.add_argument(
         "--keep-float",
@@ -219,7 +255,9 @@ def main(argv=None) -> None:
         prefix = name[: -len(".weight")]
         w_q, w_scale = quantize_weight(tensor)
         layer = {"weight": w_q}
-        if scheme == "W8A8_DYNAMIC":
+        if scheme == "W4A8_DYNAMIC":
+            layer = quantize_w4a8(name, tensor)
+        elif scheme == "W8A8_DYNAMIC":
             layer["weight_scale"] = w_scale
             layer["weight_offset"] = torch.zeros_like(w_scale)
         else:
@@ -244,7 +282,7 @@ def main(argv=None) -> None:
             out_tensors[f"{prefix}.{suffix}"], description[f"{prefix}.{suffix}"] = value.contiguous(), scheme
     schemes = set(plan.values())
     description = {
-        "model_quant_type": "W8A8" if "W8A8" in schemes else "W8A8_DYNAMIC",
+        "model_quant_type": next(k for k in ("W4A8_DYNAMIC", "W8A8", "W8A8_DYNAMIC") if k in schemes),
         "version": "1.0.0",
         "group_size": 0,
         **description,

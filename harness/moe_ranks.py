@@ -14,7 +14,8 @@ per rank: max error, strategies run, bytes it sent per forward.
 Case: {"tp": T, "dp": D, "ep": bool, "strategy": "allgather"|"alltoall"|"mc2",
 "tokens": [per DP rank, ...] (or "tokens_grid"), "experts": E, "top_k": K, "hidden": H,
 "inter": I, "seed": S, "dtype": "float32", "skew": bool, "env": {...}, "bench": {"repeats": n},
-"quant": "w8a8_dynamic" (int8 experts with per-channel scales; EP layouts only)}
+"quant": "w8a8_dynamic" | "w4a8_dynamic" (int8 / int4 experts with per-channel scales; EP
+layouts only)}
 """
 
 from __future__ import annotations
@@ -50,12 +51,26 @@ def problem(case: dict, num_tokens: int, dp_rank: int, seed_offset: int = 0):
     return x, weights, ids, w13, w2
 
 
-def quantize_experts(w):
-    """Per expert and output channel symmetric int8 (msModelSlim's W8A8_DYNAMIC weights)."""
+def quantize_experts(w, bits: int = 8):
+    """Per expert and output channel symmetric int8 (msModelSlim's W8A8_DYNAMIC weights) or,
+    with ``bits`` 4, int4 values held as int8 (W4A8_DYNAMIC's)."""
     import torch
 
-    scale = (w.float().abs().amax(dim=-1) / 127).clamp(min=1e-12)
-    return torch.round(w.float() / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
+    top = 2 ** (bits - 1) - 1
+    scale = (w.float().abs().amax(dim=-1) / top).clamp(min=1e-12)
+    return torch.round(w.float() / scale.unsqueeze(-1)).clamp(-top - 1, top).to(torch.int8), scale
+
+
+def w4a8_experts(values, scale):
+    """int4 expert values in the form the selected kernels take (``kernels/moe.py``), with
+    the offset term msModelSlim writes (``8 * sum_k w * scale``)."""
+    from vllm.ascend.kernels.moe import w4a8_weights
+
+    offset = 8 * (values.double() * scale.double().unsqueeze(-1)).sum(-1)
+    return w4a8_weights(values, scale, offset.float())
+
+
+BITS = {"w8a8_dynamic": 8, "w4a8_dynamic": 4}
 
 
 def _rank(rank: int, world: int, port: int, case: dict, queue) -> None:
@@ -134,19 +149,30 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
             moe_parallel_config=moe_pc,
             in_dtype=getattr(torch, case.get("dtype", "float32")),
         )
-        if case.get("quant") == "w8a8_dynamic":  # int8 experts (vllm/ascend/quantization/moe.py)
+        if case.get("quant") in BITS:  # int8 / int4 experts (vllm/ascend/quantization/moe.py)
             from types import SimpleNamespace
 
-            from vllm.ascend.quantization.moe import AscendW8A8DynamicExperts
+            from vllm.ascend.quantization.moe import AscendW4A8DynamicExperts, AscendW8A8DynamicExperts
 
             if not moe_pc.use_ep:
                 raise ValueError("quantized cases need EP: per-token scales of a sharded intermediate differ")
             *_, w13, w2 = problem(case, 0, 0)
             ids = torch.nonzero(expert_map >= 0).flatten() if expert_map is not None else torch.arange(e)
-            q13, s13 = quantize_experts(w13[ids])
-            q2, s2 = quantize_experts(w2[ids])
-            holder = SimpleNamespace(w13_weight_scale=s13, w2_weight_scale=s2)
-            experts = AscendW8A8DynamicExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG, holder)
+            bits = BITS[case["quant"]]
+            q13, s13 = quantize_experts(w13[ids], bits)
+            q2, s2 = quantize_experts(w2[ids], bits)
+            if bits == 8:
+                holder = SimpleNamespace(w13_weight_scale=s13, w2_weight_scale=s2)
+                experts = AscendW8A8DynamicExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG, holder)
+            else:
+                p13, p2 = w4a8_experts(q13, s13), w4a8_experts(q2, s2)
+                holder = SimpleNamespace(
+                    w13_weight_scale=p13.scale,
+                    w2_weight_scale=p2.scale,
+                    w13_scale_bias=p13.bias,
+                    w2_scale_bias=p2.bias,
+                )
+                experts = AscendW4A8DynamicExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG, holder)
         else:
             experts = AscendExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
         kernel = mk.FusedMoEKernel(AscendMoEPrepareAndFinalize(moe, cfg), experts)
@@ -200,13 +226,16 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
 
     inter = case["inter"]
     x, w, ids, w13, w2 = problem(case, tokens[dp_rank], dp_rank)
-    quantized = case.get("quant") == "w8a8_dynamic"
+    quantized = case.get("quant") in BITS
     if quantized:
-        w13, s13 = quantize_experts(w13)
-        w2, s2 = quantize_experts(w2)
+        w13, s13 = quantize_experts(w13, BITS[case["quant"]])
+        w2, s2 = quantize_experts(w2, BITS[case["quant"]])
     if moe_pc.use_ep:
         global_ids = torch.nonzero(expert_map >= 0).flatten()
         lw13, lw2 = w13[global_ids], w2[global_ids]
+        if case.get("quant") == "w4a8_dynamic":  # the kernels' form of the int4 weights
+            lw13 = w4a8_experts(lw13, s13[global_ids]).weight
+            lw2 = w4a8_experts(lw2, s2[global_ids]).weight
     else:  # no EP: experts' intermediate dimension is sharded over every rank
         shard = inter // moe_pc.tp_size
         rows = slice(moe_pc.tp_rank * shard, (moe_pc.tp_rank + 1) * shard)
@@ -235,7 +264,7 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
                 if repeats == 1 or repeat > 0:
                     times[comm].append(elapsed)
                 outs[comm], sent[comm] = out, counter.bytes
-    if quantized:  # all experts in one process, same int8 math
+    if quantized:  # all experts in one process, same int8 math (int4 values: the same, narrower)
         from vllm.ascend.kernels.moe import reference_moe_experts_w8a8_dynamic
 
         expected = reference_moe_experts_w8a8_dynamic(x.float(), w13, w2, s13, s2, w, ids).float()

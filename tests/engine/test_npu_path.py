@@ -12,7 +12,8 @@ fused attention's v2, alternating windows, biased experts with a clamped SwiGLU)
 at TP=2 with expert parallelism; LongCat-Flash (MLA with 512-wide latents, zero-computation
 experts routed beside the real ones) at TP=1. CI's run (``nox -s tests``) takes Qwen2, the
 MLA model, Mistral (its window in decode steps past window + 512 keys), Qwen3 (the fused q/k
-rotary), LongCat and the quantized pair; the other models are ``extended`` cases (see EXTENDED_ARCHS).
+rotary), LongCat and the quantized models (W8A8, and W4A8 experts); the other models are
+``extended`` cases (see EXTENDED_ARCHS).
 The NPU engines run the NPU device class (``NPUPathDevice``), which asks the double for
 the SoC: the TP=2 engines report an Atlas A3 (``TORCH_NPU_DOUBLE_SOC=A3``), the others an
 A2. On A3 the selector would pick MC2, but the tiny model's hidden size (64) is outside
@@ -60,6 +61,7 @@ from tests.support.models import (
     QWEN35_MOE_NPU,
     QWEN35_NPU,
     V32_NPU,
+    make_model,
     quantize_model,
 )
 from tests.support.npu_compare import (
@@ -552,19 +554,65 @@ def _logprob_deviation(reference: list[dict], got: list[dict]) -> float:
     return worst
 
 
+# W4A8 experts need a hidden and an expert intermediate size of 256 at least (the A8W4
+# grouped matmul's quantGroupSize): a DeepSeek model of its own
+W4A8_MODEL = [
+    "--arch",
+    "deepseek_v3",
+    "--kv-lora-rank",
+    "512",
+    "--hidden-size",
+    "256",
+    "--intermediate-size",
+    "512",
+]
+EXPECTED_W4A8_OPS = (
+    "npu::npu_convert_weight_to_int4pack",
+    "npu::npu_grouped_matmul",
+    "npu::npu_dynamic_quant",
+)
+
+
 def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tmp_path):
     """Quantized checkpoints in bf16: Qwen2 dynamic W8A8 (per-token activations, the float
-    q/k/v biases added by npu_quant_matmul) and the MLA model static W8A8 (its experts
-    and the MTP module dynamic), reference kernels against the NPU kernels in one layout
-    (Qwen2 at TP=1; the MLA model at TP=2 with expert parallelism and MTP k=2, the NPU run
-    with MC2). One runner process, four engines; the same near-tie rule as above."""
+    q/k/v biases added by npu_quant_matmul), the MLA model static W8A8 (its experts
+    and the MTP module dynamic), and a DeepSeek model with W4A8 experts (the MTP module's
+    too: packed at load by ``npu_convert_weight_to_int4pack``, run by the A8W4 grouped
+    matmul) and dynamic W8A8 linear layers; reference kernels against the NPU kernels in
+    one layout (Qwen2 at TP=1; the DeepSeek models at TP=2 with expert parallelism and MTP
+    k=2, the NPU runs with MC2). One runner process, six engines; the same near-tie rule
+    as above."""
+    checkpoints = {
+        arch: (
+            quantize_model(tiny_models[arch], tmp_path / f"{arch}-{scheme}", scheme),
+            arch in REFERENCE_AT_TP2,
+        )
+        for arch, scheme in QUANT_SCHEMES.items()
+    }
+    w4a8 = make_model(tmp_path / "dsv3-256", *W4A8_MODEL)
+    checkpoints["w4a8"] = (quantize_model(w4a8, tmp_path / "dsv3-256-w4a8", "w4a8_dynamic"), True)
+    expected = {**EXPECTED_QUANT_OPS}
+    for op in EXPECTED_W4A8_OPS:
+        expected[op] = (*expected.get(op, ()), "w4a8")
+    expected["npu::npu_moe_distribute_dispatch_v2"] += ("w4a8",)
+    outputs = _quantized_pairs(checkpoints, expected, tmp_path)
+    for label in (MLA512, "w4a8"):
+        assert outputs[(label, "npu")]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+    assert call_counts(tmp_path / "w4a8-npu").get("graph::replay", 0) > 0  # int4 experts in decode graphs
+
+
+def _quantized_pairs(checkpoints: dict, expected_ops: dict, tmp_path: Path) -> dict:
+    """Each checkpoint (label -> (directory, at TP=2 with EP and MTP k=2)) served with the
+    reference and with the NPU kernels (MC2 at TP=2) in one runner process; their tokens
+    compared under the near-tie rule, their log-probabilities within LOGPROB_TOLERANCE,
+    and ``expected_ops`` (op -> labels) seen in the NPU runs. The runs' outputs by
+    (label, kernels)."""
     batches = [LONG_PROMPTS[:6]]
     specs, labels = [], []
-    for arch, scheme in QUANT_SCHEMES.items():
-        checkpoint = quantize_model(tiny_models[arch], tmp_path / f"{arch}-{scheme}", scheme)
+    for label, (checkpoint, tp2) in checkpoints.items():
         for kernels in ("reference", "npu"):
             engine, env = dict(ENGINE), dict(IN_PROCESS)
-            if arch in REFERENCE_AT_TP2:  # both runs in the NPU run's layout (REFERENCE_AT_TP2)
+            if tp2:  # both runs in the NPU run's layout (REFERENCE_AT_TP2)
                 engine.update(
                     tensor_parallel_size=2,
                     distributed_executor_backend="mp",
@@ -572,13 +620,13 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
                     speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
                     disable_log_stats=False,
                 )
-            if kernels == "npu" and arch == MLA512:
+            if kernels == "npu" and tp2:
                 engine.update(additional_config={"moe_comm_method": "mc2"})
             if kernels == "npu":
-                (tmp_path / f"{arch}-npu").mkdir()
+                (tmp_path / f"{label}-npu").mkdir()
                 env = {
                     "VLLM_ASCEND_KERNELS": "npu",
-                    "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / f"{arch}-npu"),
+                    "TORCH_NPU_DOUBLE_CALL_LOG": str(tmp_path / f"{label}-npu"),
                     "TORCH_NPU_DOUBLE_SOC": "A2",  # forced MC2 on an Atlas A2 (EP 2, hidden 64 fit)
                 }
             specs.append(
@@ -591,27 +639,25 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
                     "env": env,
                 }
             )
-            labels.append((arch, kernels))
+            labels.append((label, kernels))
     result, output = run_spec({"runs": specs}, timeout=1200, env=_runner_env(tmp_path / "reference"))
     clean_shutdown(output)
     assert output.count("quantization=ascend") >= len(specs)
     assert SOC_LOG["A2"] in output  # the NPU device class read the double's A2
     outputs = dict(zip(labels, result["runs"]))
     divergences = []
-    for arch in QUANT_SCHEMES:
-        ref, npu = outputs[(arch, "reference")]["batches"][0], outputs[(arch, "npu")]["batches"][0]
+    for label in checkpoints:
+        ref, npu = outputs[(label, "reference")]["batches"][0], outputs[(label, "npu")]["batches"][0]
         assert len({tuple(r["token_ids"]) for r in ref}) == len(ref)  # the oracle discriminates
-        divergences += compare_tokens(f"{arch} {QUANT_SCHEMES[arch]}", ref, npu, LONG_PROMPTS[:6])
+        divergences += compare_tokens(label, ref, npu, LONG_PROMPTS[:6])
         deviation = _logprob_deviation(ref, npu)
-        print(
-            f"{arch} {QUANT_SCHEMES[arch]}: largest logprob deviation from the reference kernels {deviation:.4f}"
-        )
-        assert deviation <= LOGPROB_TOLERANCE, (arch, deviation)
-        counts = call_counts(tmp_path / f"{arch}-npu")
-        for op, archs in EXPECTED_QUANT_OPS.items():
-            if arch in archs:
-                assert counts.get(op, 0) > 0, f"{arch}: {op} never ran ({counts})"
+        print(f"{label}: largest logprob deviation from the reference kernels {deviation:.4f}")
+        assert deviation <= LOGPROB_TOLERANCE, (label, deviation)
+        counts = call_counts(tmp_path / f"{label}-npu")
+        for op, labelled in expected_ops.items():
+            if label in labelled:
+                assert counts.get(op, 0) > 0, f"{label}: {op} never ran ({counts})"
     assert not call_counts(tmp_path / "reference"), "the reference runs must not call torch_npu"
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
-    assert outputs[(MLA512, "npu")]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+    return outputs

@@ -31,13 +31,23 @@ CHECKPOINTS = {  # name -> (float model, scheme, extra quantizer arguments)
     "dsv3_w8a8": ("deepseek_v3_q_lora", "w8a8", []),  # fused_qkv_a_proj: q_a_proj + kv_a_proj_with_mqa
     "dsv3_w8a8_dynamic": ("deepseek_v3", "w8a8_dynamic", []),
     "dsv3_w8a8_dynamic_float_mtp": ("deepseek_v3", "w8a8_dynamic", ["--float-mtp"]),
+    # int4 experts (the MTP module's too), every other linear layer dynamic W8A8
+    "dsv3_w4a8_dynamic": ("deepseek_v3", "w4a8_dynamic", []),
+    "qwen3_moe_w4a8_dynamic": ("qwen3_moe", "w4a8_dynamic", []),  # softmax-routed experts, q/k norms
     # DeepSeek-V3.2: its indexer's query projection quantized (static: calibrated like the rest)
     "dsv32_w8a8": ("deepseek_v32", "w8a8", []),
 }
 # Qwen2 with dynamic W8A8 runs in test_npu_path.py (reference against NPU kernels); here
 # each scheme is served on DeepSeek-V3, the static one on Qwen2 as well.
-PLAIN = ["qwen2_w8a8", "dsv3_w8a8", "dsv3_w8a8_dynamic", "dsv32_w8a8"]
-WITH_MTP = ["dsv3_w8a8", "dsv3_w8a8_dynamic_float_mtp", "dsv32_w8a8"]
+PLAIN = [
+    "qwen2_w8a8",
+    "dsv3_w8a8",
+    "dsv3_w8a8_dynamic",
+    "dsv32_w8a8",
+    "dsv3_w4a8_dynamic",
+    "qwen3_moe_w4a8_dynamic",
+]
+WITH_MTP = ["dsv3_w8a8", "dsv3_w8a8_dynamic_float_mtp", "dsv32_w8a8", "dsv3_w4a8_dynamic"]
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +137,32 @@ def test_quantized_and_float_models_differ(served):
     assert tokens["dsv3_w8a8_dynamic"] != float_tokens
 
 
+def test_w4a8_expert_weights_take_a_quarter_of_their_bf16_bytes(served):
+    """Two int4 per byte, against bfloat16's two bytes per weight (the NPU kernels keep the
+    packed form: tests/unit/kernels/test_npu_kernels.py)."""
+    paths, tokens, _, _ = served
+    description = json.loads((paths["dsv3_w4a8_dynamic"] / "quant_model_description.json").read_text())
+    experts = [k for k, v in description.items() if v == "W4A8_DYNAMIC" and k.endswith(".weight")]
+    assert experts and description["model_quant_type"] == "W4A8_DYNAMIC"
+    with safe_open(paths["dsv3_w4a8_dynamic"] / "quant_model_weights.safetensors", "pt") as f:
+        packed = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in experts)
+        shapes = [f.get_tensor(k).shape for k in experts]
+    bf16 = sum(2 * rows * 2 * cols for rows, cols in shapes)  # [out/2, in] int8 -> [out, in] bf16
+    assert packed * 4 == bf16
+    assert tokens["dsv3_w4a8_dynamic"] != tokens["dsv3_w8a8_dynamic"]  # the int4 experts mattered
+
+
 def test_mtp_on_the_quantized_model_equals_plain_decoding(served):
-    """Greedy MTP k=2 with the MTP module quantized (dynamic W8A8) and kept float:
+    """Greedy MTP k=2 with the MTP module quantized (dynamic W8A8, or W4A8 experts) and kept float:
     token for token the checkpoint's plain decoding (the float-MTP checkpoint's other
     layers are the dynamic checkpoint's, quantized identically)."""
     paths, tokens, _, _ = served
     assert tokens["dsv3_w8a8+mtp2"] == tokens["dsv3_w8a8"]
     assert tokens["dsv3_w8a8_dynamic_float_mtp+mtp2"] == tokens["dsv3_w8a8_dynamic"]
     assert tokens["dsv32_w8a8+mtp2"] == tokens["dsv32_w8a8"]
+    assert (
+        tokens["dsv3_w4a8_dynamic+mtp2"] == tokens["dsv3_w4a8_dynamic"]
+    )  # W4A8 experts in the MTP module too
     v32 = json.loads((paths["dsv32_w8a8"] / "quant_model_description.json").read_text())
     assert v32["model.layers.0.self_attn.indexer.wq_b.weight"] == "W8A8"
     assert v32["model.layers.0.self_attn.indexer.wk.weight"] == "FLOAT"  # upstream's indexer: float

@@ -163,6 +163,31 @@ def qgmm(scale_dtype=BF16, scale_cols=4):
     )
 
 
+def a8w4(k=256, n=8, experts=2, counts=(2, 3), rows=6, scale=None, **kw):
+    """A valid A8W4 npu_grouped_matmul call (int8 x, int32-packed int4 weight), one thing
+    changed: (its output, the int4 values, the float32 scales)."""
+    values = torch.randint(-8, 8, (experts, k, n), dtype=torch.int32)
+    packed = torch_npu.npu_convert_weight_to_int4pack(values.reshape(experts * k, n)).view(experts, k, n // 8)
+    scales = torch.rand(experts, n) + 0.5
+    bits = scales.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    scale = bits[:, None, :].expand(experts, k // 256, n).contiguous() if scale is None else scale
+    offset_term = 8 * (values.double() * scales[:, None, :].double()).sum(1).float()
+    args = dict(
+        bias=[offset_term],
+        scale=[scale],
+        per_token_scale=[torch.rand(rows)],
+        group_list=torch.tensor(counts),
+        group_list_type=1,
+        split_item=2,
+        group_type=0,
+        output_dtype=BF16,
+    )
+    args.update(kw)
+    x = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
+    [y] = torch_npu.npu_grouped_matmul([x], [packed], **args)
+    return y, x, values, scales, args
+
+
 def dense(n=8, d=192, dv=128, t=5, kv_t=7, dtype=BF16, kv_heads=None, causal=True, **change):
     """The dense TND form (no page attention) with documented defaults, one field changed."""
     kv_heads = kv_heads or n

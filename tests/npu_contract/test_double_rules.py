@@ -9,6 +9,7 @@ import torch
 from tests.npu_contract.contract_cases import (
     BF16,
     MASK,
+    a8w4,
     dense,
     fia,
     fia_v2,
@@ -235,6 +236,29 @@ VIOLATIONS = {
     "per-token grouped matmul with a scale per group row": (
         "GMM.pertoken_formula",
         lambda: qgmm(scale_cols=1),
+    ),
+    "A8W4 grouped matmul with an input size not a multiple of 256": ("GMM.a8w4_k", lambda: a8w4(k=128)),
+    "A8W4 grouped matmul with one scale per expert and channel": (
+        "GMM.a8w4_scale_shape",
+        lambda: a8w4(scale=torch.ones(2, 8, dtype=torch.int64)),
+    ),
+    "A8W4 grouped matmul with a float32 scale": (
+        "GMM.a8w4_dtypes",
+        lambda: a8w4(scale=torch.ones(2, 1, 8)),
+    ),
+    "A8W4 grouped matmul without its offset term": ("GMM.a8w4_dtypes", lambda: a8w4(bias=None)),
+    "A8W4 grouped matmul with a bias per row": ("GMM.a8w4_bias", lambda: a8w4(bias=[torch.zeros(2, 1, 8)])),
+    "A8W4 grouped matmul with cumulative group ends past its rows": (
+        "GMM.a8w4_counts",
+        lambda: a8w4(counts=(2, 5), group_list_type=0),
+    ),
+    "int4 packing of values outside [-8, 7]": (
+        "I4P.weight",
+        lambda: torch_npu.npu_convert_weight_to_int4pack(torch.full((2, 8), 8, dtype=torch.int32)),
+    ),
+    "int4 packing of a last dim not a multiple of 8": (
+        "I4P.weight",
+        lambda: torch_npu.npu_convert_weight_to_int4pack(torch.zeros(2, 12, dtype=torch.int32)),
     ),
     "quant matmul of float inputs": (
         "QMM.x1",

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.npu_contract.contract_cases import BF16, MASK, gmm
+from tests.npu_contract.contract_cases import BF16, MASK, a8w4, gmm
 
 torch_npu = pytest.importorskip("torch_npu")
 if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
@@ -331,6 +331,36 @@ def test_grouped_matmul_rows_past_the_groups_are_left_undefined():
     [y] = gmm(x_rows=9, group_list=(2, 6))
     assert not y[:6].isnan().any()
     assert y[6:].isnan().all()
+
+
+def test_a8w4_grouped_matmul_is_the_documented_formula():
+    """``((x - 8) @ w * scale + bias) * per_token_scale`` with the documented bias
+    (``8 * w * scale`` summed over K) is ``x @ w * scale * per_token_scale``, the int8 x int4
+    product, per expert group; rows past the groups stay undefined."""
+    torch.manual_seed(0)
+    y, x, values, scales, args = a8w4(counts=(2, 3), rows=6)
+    per_token, starts = args["per_token_scale"][0], (0, 2, 5)
+    for e in range(2):
+        rows = slice(starts[e], starts[e + 1])
+        want = (
+            (x[rows].double() @ values[e].double()) * scales[e].double() * per_token[rows].double()[:, None]
+        )
+        torch.testing.assert_close(y[rows].double(), want, rtol=1e-2, atol=1e-2)
+    assert y[5:].isnan().all()
+    # without the offset term the result is off by 8 * sum_k w * scale per channel
+    torch.manual_seed(0)  # the same inputs
+    wrong, x_again, *_ = a8w4(counts=(2, 3), rows=6, bias=[torch.zeros(2, 8)])
+    assert torch.equal(x_again, x)
+    assert not torch.allclose(wrong[:5].float(), y[:5].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_int4_packing_is_undone_by_the_grouped_matmul():
+    values = torch.randint(-8, 8, (3, 16), dtype=torch.int32)
+    packed = torch_npu.npu_convert_weight_to_int4pack(values)
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (3, 2)  # documented (k, n/8)
+    from torch_npu._ops.moe import unpack_int4
+
+    assert torch.equal(unpack_int4(packed).to(torch.int32), values)
 
 
 def test_w8a8_ops_semantics():

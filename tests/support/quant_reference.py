@@ -63,9 +63,25 @@ def _dynamic(tensors: dict, prefix: str, bias):
     return forward
 
 
-def _experts(tensors: dict, prefix: str, num_experts: int):
+def int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's W4A8 weight [out/2, in] int8, two int4 per byte (row 2j low nibble,
+    2j+1 high), as its values [out, in]; written out byte by byte from the format's
+    description, not with the code under test."""
+    byte = packed.view(torch.uint8).to(torch.int64)
+    rows = torch.empty(packed.shape[0] * 2, packed.shape[1], dtype=torch.int64)
+    for nibble, shift in ((0, 0), (1, 4)):
+        value = (byte >> shift) & 0xF
+        rows[nibble::2] = value - 16 * (value >= 8).to(torch.int64)
+    return rows
+
+
+def _experts(tensors: dict, prefix: str, num_experts: int, int4: bool = False):
     def stacked(proj, suffix):
-        return torch.stack([tensors[f"{prefix}.{e}.{proj}.{suffix}"] for e in range(num_experts)]).double()
+        def one(e):
+            t = tensors[f"{prefix}.{e}.{proj}.{suffix}"]
+            return int4_rows(t) if int4 and suffix == "weight" else t
+
+        return torch.stack([one(e) for e in range(num_experts)]).double()
 
     gate, up, down = (stacked(p, "weight") for p in ("gate_proj", "up_proj", "down_proj"))
     s_gate, s_up, s_down = (stacked(p, "weight_scale") for p in ("gate_proj", "up_proj", "down_proj"))
@@ -103,7 +119,8 @@ def fake_quantized(float_model: Path, quantized: Path):
         elif type(module).__name__.endswith("Experts") and description.get(
             f"{name}.0.gate_proj.weight"
         ) not in (None, "FLOAT"):
-            module.forward = types.MethodType(_experts(tensors, name, module.num_experts), module)
+            int4 = description[f"{name}.0.gate_proj.weight"] == "W4A8_DYNAMIC"
+            module.forward = types.MethodType(_experts(tensors, name, module.num_experts, int4), module)
         else:
             continue
         replaced += 1

@@ -392,6 +392,50 @@ def test_w8a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, 
     torch.testing.assert_close(out_npu.float(), out_ref.float(), rtol=6e-2, atol=6e-2)
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    data=st.data(),
+    tokens=st.integers(1, 12),
+    experts=st.sampled_from([2, 4]),
+    top_k=st.sampled_from([1, 2]),
+    with_map=st.booleans(),
+)
+def test_w4a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, with_map):
+    """The A8W4 grouped matmul (the double computes its documented ``(x - 8) @ w * scale +
+    bias``, so the offset term must be right) against the reference's int8 math on the
+    same int4 values; hidden and intermediate 256, the smallest input the op takes."""
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    hidden = inter = 256
+    x = torch.randn(tokens, hidden, dtype=BF16)
+    v13 = torch.randint(-8, 8, (experts, 2 * inter, hidden), dtype=torch.int8)
+    v2 = torch.randint(-8, 8, (experts, hidden, inter), dtype=torch.int8)
+    s13, s2 = torch.rand(experts, 2 * inter) * 2e-2, torch.rand(experts, hidden) * 2e-2
+    # msModelSlim's scale_bias: 8 * sum_k w * scale
+    o13 = 8 * (v13.double() * s13.double()[..., None]).sum(-1)
+    o2 = 8 * (v2.double() * s2.double()[..., None]).sum(-1)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    expert_map = None
+    if with_map:
+        local = experts // 2
+        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
+        v13, v2, s13, s2, o13, o2 = (t[experts - local :] for t in (v13, v2, s13, s2, o13, o2))
+    npu13, npu2 = moe.npu_w4a8_weights(v13, s13, o13), moe.npu_w4a8_weights(v2, s2, o2)
+    assert (
+        npu13.weight.dtype == torch.int32 and npu13.weight.numel() * 4 == v13.numel() // 2
+    )  # int4: half an int8
+    out_npu = moe.npu_moe_experts_w4a8_dynamic(x, npu13, npu2, weights, ids, expert_map=expert_map)
+    ref13, ref2 = moe.reference_w4a8_weights(v13, s13, o13), moe.reference_w4a8_weights(v2, s2, o2)
+    out_ref = moe.reference_moe_experts_w4a8_dynamic(x, ref13, ref2, weights, ids, expert_map=expert_map)
+    torch.testing.assert_close(out_npu.float(), out_ref.float(), rtol=6e-2, atol=6e-2)
+
+
+def test_w4a8_weights_the_npu_op_cannot_take_are_refused():
+    values = torch.zeros(2, 16, 64, dtype=torch.int8)  # input 64: not a multiple of 256
+    with pytest.raises(ValueError, match="multiple of 256"):
+        moe.npu_w4a8_weights(values, torch.ones(2, 16), torch.zeros(2, 16))
+
+
 def test_write_index_and_slots_built_once_equal_the_per_call_writes():
     """The backends build the cache-write coordinates (GQA) and int32 slots (MLA) once per
     step and hand them to every layer's write: through the double, those writes land

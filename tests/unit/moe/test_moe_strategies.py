@@ -70,11 +70,12 @@ def test_strategies_equal_dense_reference(layout):
     ), results
 
 
+@pytest.mark.parametrize("quant", ["w8a8_dynamic", "w4a8_dynamic"])
 @pytest.mark.parametrize("layout", ["ep4_tp2_dp2"])
-def test_w8a8_dynamic_experts_through_every_strategy(layout):
-    """The quantized MoE layer (int8 experts, per-token activations) through AllGather,
-    AllToAll and MC2 equals all experts computed in one process with the same int8 math:
-    each expert quantizes whole rows, wherever they were sent."""
+def test_quantized_experts_through_every_strategy(layout, quant):
+    """The quantized MoE layer (int8 or int4 experts, per-token activations) through
+    AllGather, AllToAll and MC2 equals all experts computed in one process with the same
+    integer math: each expert quantizes whole rows, wherever they were sent."""
     tp, dp, ep, experts, top_k, rounds, skew = LAYOUTS[layout]
     strategies = ["allgather", "alltoall", "mc2"]
     case = {
@@ -89,7 +90,7 @@ def test_w8a8_dynamic_experts_through_every_strategy(layout):
         "inter": 16,
         "seed": 4,
         "skew": skew,
-        "quant": "w8a8_dynamic",
+        "quant": quant,
     }
     results = run(case)
     _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))

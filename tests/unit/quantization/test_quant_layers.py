@@ -210,9 +210,9 @@ def test_description_decides_each_layer_and_names_what_it_cannot():
     with pytest.raises(DescriptionError, match="no entries for the experts of model.layers.9.mlp.experts"):
         d.experts_scheme("model.layers.9.mlp.experts")
     with pytest.raises(
-        DescriptionError, match="model.layers.0.o_proj.weight uses the quantization scheme 'W4A8_DYNAMIC'"
+        DescriptionError, match="model.layers.0.o_proj.weight uses the quantization scheme 'W8A16'"
     ):
-        QuantDescription({**DESCRIPTION, "model.layers.0.o_proj.weight": "W4A8_DYNAMIC"})
+        QuantDescription({**DESCRIPTION, "model.layers.0.o_proj.weight": "W8A16"})
 
 
 def test_the_config_refuses_a_quantized_eh_proj():

@@ -51,6 +51,7 @@ LIGHTNING_INDEXER_DOC = (
 SPARSE_FA_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_sparse_flash_attention.md (commit 517f2e7d)"
 )
+GMM_V5_DOC = "hicann/ops-transformer gmm/grouped_matmul/docs/aclnnGroupedMatmulV5_en.md (commit 827a6040)"
 INTERLEAVE_ROPE_DOC = (
     "Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_interleave_rope.md (commit 09fca6f6)"
 )
@@ -329,6 +330,70 @@ RULES: dict[str, Rule] = {
             "antiquant_scale: 无需赋值, 无需赋值\r\nantiquant_offset: 无需赋值, 无需赋值\r\n"
             "per_token_scale: torch.float32, torch.float32\r\n"
             "output_dtype: torch.bfloat16, torch.float16",
+        ),
+        # A8W4 (int8 x, int4 weight): the wheel's docstring has no such row; CANN's operator
+        # docs for the aclnn API npu_grouped_matmul calls do.
+        Rule(
+            "GMM.a8w4_formula",
+            GMM_V5_DOC,
+            "y_i=((x_i - 8) \\times weight_i * scale_i+bias_i ) * per\\_token\\_scale_i",
+            in_wheel=False,
+        ),
+        Rule(
+            "GMM.a8w4_dtypes",
+            GMM_V5_DOC,
+            "| INT8 | INT4 (ND/NZ) | FLOAT | UINT64 | null | null | null | FLOAT | INT64 | null | null | null "
+            "| BFLOAT16|",
+            in_wheel=False,
+        ),
+        Rule(
+            "GMM.a8w4_single",
+            GMM_V5_DOC,
+            "Only `GroupType=0` (M-axis grouping) and `actType=0` are supported.",
+            in_wheel=False,
+        ),
+        Rule("GMM.a8w4_layout", GMM_V5_DOC, "`x` and `weight` cannot be transposed.", in_wheel=False),
+        Rule(
+            "GMM.a8w4_k",
+            GMM_V5_DOC,
+            "`k` must be an integer multiple of `quantGroupSize` and `k` ≤ 18432. `quantGroupSize` is the "
+            "per-group quantization length in the K-axis. Currently, `quantGroupSize=256` is supported.",
+            in_wheel=False,
+        ),
+        Rule(
+            "GMM.a8w4_scale_shape",
+            GMM_V5_DOC,
+            "The shape must be $[E, quantGroupNum, N]$, where $quantGroupNum=k \\div quantGroupSize$.",
+            in_wheel=False,
+        ),
+        Rule(
+            "GMM.a8w4_bias",
+            GMM_V5_DOC,
+            "Its value must be $8\\times weight \\times scale$ and is accumulated in the first dimension. "
+            "The shape must be $[E, N]$.",
+            in_wheel=False,
+        ),
+        Rule(
+            "GMM.a8w4_counts",
+            GMM_V5_DOC,
+            "the operator does not validate `groupListType` and treats it as `1`",
+            in_wheel=False,
+        ),
+        # the uint64 scale's encoding is not in the docs; vllm-ascend's W4A8 loader writes
+        # each float32 scale's bits, zero-extended (the double reads the low 32 bits)
+        Rule(
+            "GMM.a8w4_scale_bits",
+            "vllm-project/vllm-ascend vllm_ascend/quantization/methods/w4a8.py (commit 182b75ea) _process_scale",
+            "scale_uint64_tensor = torch.from_numpy(scale_np.astype(np.int64)).npu()",
+            in_wheel=False,
+        ),
+        # -- npu_convert_weight_to_int4pack -----------------------------------------------------------
+        Rule(
+            "I4P.weight",
+            DOCS,
+            "weight : Tensor类型, 输入的weight, 数据格式支持ND、FRACTAL_NZ, 数据类型支持int32,  "
+            "不支持非连续的Tensor; 维度支持2维, shape支持(k, n)、 (n, k), 最后一维度需要8个元素对齐, "
+            "元素的值需要在int4的表示范围内, 即[-8, 7].",
         ),
         # -- npu_quant_matmul ---------------------------------------------------------------------------
         Rule(

@@ -11,6 +11,8 @@ parallelism skip experts held elsewhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -347,3 +349,118 @@ def npu_moe_experts_w8a8_dynamic(
 
 
 moe_experts_w8a8_dynamic = pick(reference_moe_experts_w8a8_dynamic, npu_moe_experts_w8a8_dynamic)
+
+
+# -- W4A8 dynamic experts (msModelSlim W4A8_DYNAMIC, per-channel) -----------------------
+# int4 expert weights with one scale per output channel; activations quantized per token
+# to int8 as in W8A8_DYNAMIC. The math is W8A8_DYNAMIC's with weights in [-8, 7]; what
+# differs is the form the NPU's grouped matmul takes them in (``npu_w4a8_weights``).
+A8W4_GROUP = 256  # aclnnGroupedMatmulV5, A8W4 without offset: "Currently, quantGroupSize=256 is supported."
+A8W4_MAX_K = 18432
+
+
+@dataclass(frozen=True)
+class W4A8Weights:
+    """One projection's experts as its kernel takes them. Reference: ``weight`` int8 int4
+    values [E, out, in], ``scale`` float32 [E, out]. NPU: ``weight`` packed [E, in, out/8]
+    (int32, eight int4 each), ``scale`` the per-channel scale repeated for every 256 inputs
+    as float32 bits [E, in/256, out] (int64), ``bias`` the offset term the A8W4 kernel adds
+    back, ``8 * sum_k w * scale`` [E, out] (msModelSlim's ``scale_bias``)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+
+def reference_w4a8_weights(
+    values: torch.Tensor, scale: torch.Tensor, offset_term: torch.Tensor
+) -> W4A8Weights:
+    return W4A8Weights(values.contiguous(), scale.to(torch.float32).contiguous())
+
+
+def npu_w4a8_weights(values: torch.Tensor, scale: torch.Tensor, offset_term: torch.Tensor) -> W4A8Weights:
+    """Packed once at load (``npu_convert_weight_to_int4pack``: 2-D, eight int4 along the
+    last dim per int32), in the layout the A8W4 grouped matmul documents: weight
+    (E, K, N), scale [E, K/256, N] uint64, bias [E, N] float32."""
+    experts, out, k = values.shape
+    if k % A8W4_GROUP or k > A8W4_MAX_K or out % 8:
+        raise ValueError(
+            f"W4A8 experts of shape [{experts}, {out}, {k}] cannot run on the NPU's A8W4 grouped "
+            f"matmul: its input size must be a multiple of {A8W4_GROUP} and at most {A8W4_MAX_K}, "
+            "its output size a multiple of 8"
+        )
+    rows = values.transpose(1, 2).reshape(experts * k, out).to(torch.int32).contiguous()
+    packed = torch_npu().npu_convert_weight_to_int4pack(rows).view(experts, k, out // 8)
+    bits = scale.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    grouped = bits[:, None, :].expand(experts, k // A8W4_GROUP, out).contiguous()
+    return W4A8Weights(packed, grouped, offset_term.to(torch.float32).contiguous())
+
+
+w4a8_weights = pick(reference_w4a8_weights, npu_w4a8_weights)
+
+
+def reference_moe_experts_w4a8_dynamic(
+    x: torch.Tensor,
+    w13: W4A8Weights,
+    w2: W4A8Weights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    return reference_moe_experts_w8a8_dynamic(
+        x,
+        w13.weight,
+        w2.weight,
+        w13.scale,
+        w2.scale,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        apply_router_weight_on_input,
+    )
+
+
+def npu_moe_experts_w4a8_dynamic(
+    x: torch.Tensor,
+    w13: W4A8Weights,
+    w2: W4A8Weights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Tokens sorted by expert, then per projection ``npu_dynamic_quant`` and the A8W4
+    grouped matmul (int8 rows, packed int4 weight, uint64 scale, the offset term as its
+    float bias, per-token scale; per-expert counts, the only group list it reads), with
+    ``npu_swiglu`` between. Passes the contract double; not verified on an NPU."""
+    npu = torch_npu()
+    tokens, h, weights, mine, group_list = _rows_by_expert(
+        x, topk_weights, topk_ids, expert_map, w13.num_experts, apply_router_weight_on_input
+    )
+    counts = torch.diff(group_list, prepend=group_list.new_zeros(1))
+
+    def project(rows: torch.Tensor, w: W4A8Weights) -> torch.Tensor:
+        rows_q, rows_scale = npu.npu_dynamic_quant(rows)
+        return npu.npu_grouped_matmul(
+            [rows_q],
+            [w.weight],
+            bias=[w.bias],
+            scale=[w.scale],
+            per_token_scale=[rows_scale],
+            group_list=counts,
+            group_list_type=1,
+            split_item=2,
+            group_type=0,
+            output_dtype=x.dtype,
+        )[0]
+
+    y = project(npu.npu_swiglu(project(h, w13)), w2)
+    return _scatter_rows(x, tokens, y, weights, mine, apply_router_weight_on_input)
+
+
+moe_experts_w4a8_dynamic = pick(reference_moe_experts_w4a8_dynamic, npu_moe_experts_w4a8_dynamic)

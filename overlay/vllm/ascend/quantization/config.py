@@ -6,7 +6,8 @@ and builds this config from it; patch
 by itself when that file is there and the user named no method. Per layer:
 
 * linear layers: static W8A8, dynamic W8A8 or float (``FLOAT``);
-* MoE routed experts: dynamic W8A8, or float (the Ascend unquantized MoE method);
+* MoE routed experts: dynamic W8A8, dynamic W4A8 (int4 weights per channel, the
+  description's version "1.0.0" format), or float (the Ascend unquantized MoE method);
 * embeddings, the LM heads (also the MTP module's), attention and the MoE router stay float.
 
 Everything the description cannot serve is refused at start-up with the layer's name.
@@ -24,6 +25,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.ascend.quantization.description import (
     FILENAME,
     FLOAT,
+    W4A8_DYNAMIC,
     W8A8,
     W8A8_DYNAMIC,
     DescriptionError,
@@ -100,6 +102,12 @@ class AscendQuantConfig(QuantizationConfig):
             scheme = self.description.layer_scheme(prefix, self.packed_modules_mapping)
             if scheme == FLOAT:
                 return UnquantizedLinearMethod()
+            if scheme == W4A8_DYNAMIC:
+                raise DescriptionError(
+                    f"{self.description.source}: {prefix} is W4A8_DYNAMIC; this build takes W4A8 for "
+                    "MoE experts only (linear layers: W8A8, W8A8_DYNAMIC or FLOAT, as msModelSlim's "
+                    "W4A8 recipes quantize them)"
+                )
             if scheme == W8A8 and prefix.endswith(".kv_b_proj"):
                 # MLA splits kv_b_proj into its up-projections by applying it to an identity
                 # matrix, which a calibrated per-tensor activation scale cannot pass exactly
@@ -117,8 +125,10 @@ class AscendQuantConfig(QuantizationConfig):
                     f"{self.description.source}: the experts of {prefix} are static W8A8; "
                     "MoE experts take W8A8_DYNAMIC (msModelSlim's MoE scheme) or FLOAT"
                 )
-            assert scheme == W8A8_DYNAMIC
-            from vllm.ascend.quantization.moe import AscendW8A8DynamicMoEMethod
+            from vllm.ascend.quantization.moe import AscendW4A8DynamicMoEMethod, AscendW8A8DynamicMoEMethod
 
+            if scheme == W4A8_DYNAMIC:
+                return AscendW4A8DynamicMoEMethod(layer.moe_config)
+            assert scheme == W8A8_DYNAMIC
             return AscendW8A8DynamicMoEMethod(layer.moe_config)
         return None

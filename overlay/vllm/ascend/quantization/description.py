@@ -15,7 +15,8 @@ from pathlib import Path
 FLOAT = "FLOAT"
 W8A8 = "W8A8"
 W8A8_DYNAMIC = "W8A8_DYNAMIC"
-SUPPORTED = (FLOAT, W8A8, W8A8_DYNAMIC)
+W4A8_DYNAMIC = "W4A8_DYNAMIC"  # MoE experts only
+SUPPORTED = (FLOAT, W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC)
 FILENAME = "quant_model_description.json"
 # metadata fields msModelSlim writes beside the tensor entries
 METADATA = frozenset(
@@ -58,6 +59,17 @@ class QuantDescription:
                 f"({len(unknown)} tensor(s) in all); supported: {', '.join(SUPPORTED)}"
             )
         self.model_quant_type = entries.get("model_quant_type")
+        self.version = entries.get("version")
+        self.group_size = entries.get("group_size", 0)
+        if W4A8_DYNAMIC in self.entries.values() and (
+            self.version != "1.0.0" or self.group_size not in (0, None)
+        ):
+            raise DescriptionError(
+                f"{source}: W4A8_DYNAMIC weights are served in msModelSlim's per-channel format "
+                f'(version "1.0.0", group_size 0, two int4 per int8); this one has version '
+                f"{self.version!r}, group_size {self.group_size!r} (per-group and the older unpacked "
+                "format are not supported): quantize per channel"
+            )
 
     @classmethod
     def load(cls, path: str | Path) -> QuantDescription:

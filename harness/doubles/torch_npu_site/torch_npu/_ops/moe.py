@@ -29,6 +29,8 @@ _GMM_UNMODELLED = (
 
 def npu_grouped_matmul(**a):
     op = "npu_grouped_matmul"
+    if a["x"] and a["weight"] and a["x"][0].dtype == torch.int8 and a["weight"][0].dtype == torch.int32:
+        return [_gmm_a8w4(op, a)]
     _refuse_unmodelled(op, a, _GMM_UNMODELLED)
     if a["act_type"] not in (0, None):
         raise unmodelled(op, f"act_type={a['act_type']}")
@@ -142,6 +144,123 @@ def _gmm_per_token(op, a, x, weight, ends):
         out[start:end] = acc * scale[e].float() * per_token[start:end].unsqueeze(1)
         start = end
     return out.to(out_dtype)
+
+
+def _gmm_a8w4(op, a):
+    """A8W4 (aclnnGroupedMatmulV5): int8 x [M, K], int4 weight (E, K, N) held as int32
+    [E, K, N/8] (eight int4 each, packed as ``npu_convert_weight_to_int4pack`` packs),
+    uint64 scale [E, K/256, N] (float32 bits; the per-group and per-channel scales fused),
+    float bias [E, N] = 8 * sum_k weight * scale, float per-token scale [M]; the group
+    list is read as per-expert counts whatever ``group_list_type`` says. Computed as
+    documented: ``((x - 8) @ weight * scale + bias) * per_token_scale``, so a bias that
+    is not the offset term gives a visibly wrong result."""
+    _refuse_unmodelled(op, a, tuple(n for n in _GMM_UNMODELLED if n != "bias") + ("tuning_config",))
+    require(
+        len(a["x"]) == 1 and len(a["weight"]) == 1 and a["group_type"] == 0 and a["act_type"] in (0, None),
+        op,
+        "GMM.a8w4_single",
+        f"{len(a['x'])} x, {len(a['weight'])} weight, group_type {a['group_type']}, act_type {a['act_type']}",
+    )
+    [x], [weight] = a["x"], a["weight"]
+    scale, bias, per_token = a["scale"], a["bias"], a["per_token_scale"]
+    out_dtype = scalar_type(a["output_dtype"])
+    require(
+        scale is not None
+        and bias is not None
+        and per_token is not None
+        and scale[0].dtype == torch.int64
+        and bias[0].dtype == torch.float32
+        and per_token[0].dtype == torch.float32
+        and out_dtype in HALF_TYPES,
+        op,
+        "GMM.a8w4_dtypes",
+        f"scale {None if scale is None else scale[0].dtype}, bias {None if bias is None else bias[0].dtype}, "
+        f"per_token_scale {None if per_token is None else per_token[0].dtype}, output {out_dtype}",
+    )
+    [scale], [bias], [per_token] = scale, bias, per_token
+    require(
+        x.dim() == 2 and weight.dim() == 3 and x.is_contiguous() and weight.is_contiguous(),
+        op,
+        "GMM.a8w4_layout",
+        f"x {tuple(x.shape)}, weight {tuple(weight.shape)} strides {weight.stride()}",
+    )
+    experts, k_dim, n_dim = weight.shape[0], weight.shape[1], weight.shape[2] * 8
+    require(
+        k_dim % 256 == 0 and k_dim <= 18432 and x.shape[1] == k_dim,
+        op,
+        "GMM.a8w4_k",
+        f"x {tuple(x.shape)}, K={k_dim}",
+    )
+    require(
+        tuple(scale.shape) == (experts, k_dim // 256, n_dim),
+        op,
+        "GMM.a8w4_scale_shape",
+        f"scale {tuple(scale.shape)} for weight (E, K, N) = {(experts, k_dim, n_dim)}",
+    )
+    require(
+        tuple(bias.shape) == (experts, n_dim) and tuple(per_token.shape) == (x.shape[0],),
+        op,
+        "GMM.a8w4_bias",
+        f"bias {tuple(bias.shape)}, per_token_scale {tuple(per_token.shape)} for E={experts}, N={n_dim}, "
+        f"M={x.shape[0]}",
+    )
+    counts = a["group_list"]
+    require(
+        counts is not None and counts.dtype == torch.int64 and tuple(counts.shape) == (experts,),
+        op,
+        "GMM.a8w4_counts",
+        f"group_list {None if counts is None else (counts.dtype, tuple(counts.shape))} for {experts} experts",
+    )
+    values = counts.tolist()
+    require(
+        all(v >= 0 for v in values) and sum(values) <= x.shape[0], op, "GMM.a8w4_counts", f"counts {values}"
+    )
+    w = unpack_int4(weight.reshape(experts * k_dim, -1)).view(experts, k_dim, n_dim).to(torch.float64)
+    s = (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32).to(torch.float64)
+    s = s.repeat_interleave(256, dim=1)  # [E, K, N]
+    out = torch.full((x.shape[0], n_dim), float("nan"), dtype=torch.float32)
+    start = 0
+    for e, count in enumerate(values):
+        end = start + count
+        shifted = x[start:end].to(torch.float64) - 8
+        y = (shifted @ (w[e] * s[e]) + bias[e].double()) * per_token[start:end].double().unsqueeze(1)
+        out[start:end] = y.float()
+        start = end
+    return out.to(out_dtype)
+
+
+# -- npu_convert_weight_to_int4pack ----------------------------------------------------------------
+INT4PACK = "npu_convert_weight_to_int4pack"
+
+
+def npu_convert_weight_to_int4pack(**a):
+    """int32 [rows, n] of int4 values -> int32 [rows, n/8], eight values per int32, the
+    first in the lowest four bits (op-plugin's kernel source; the docs say only that the
+    values are interleaved). What no caller reads: only ``_gmm_a8w4`` unpacks it."""
+    op = INT4PACK
+    w = a["weight"]
+    if a["inner_k_tiles"] not in (0, None):
+        raise unmodelled(op, f"inner_k_tiles={a['inner_k_tiles']}")
+    require(
+        w.dtype == torch.int32
+        and w.dim() == 2
+        and w.is_contiguous()
+        and w.shape[-1] % 8 == 0
+        and bool(((w >= -8) & (w <= 7)).all()),
+        op,
+        "I4P.weight",
+        f"weight {w.dtype} {tuple(w.shape)} contiguous={w.is_contiguous()}",
+    )
+    nibbles = (w.to(torch.int64) & 0xF).view(w.shape[0], -1, 8)
+    word = sum(nibbles[..., j] << (4 * j) for j in range(8))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``npu_convert_weight_to_int4pack``'s inverse: int32 [rows, n/8] -> int8 [rows, n]."""
+    word = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = torch.stack([(word >> (4 * j)) & 0xF for j in range(8)], dim=-1)
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).reshape(packed.shape[0], -1).to(torch.int8)
 
 
 # -- npu_moe_init_routing_v2 / npu_moe_finalize_routing ---------------------------------------------
