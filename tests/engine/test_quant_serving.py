@@ -138,16 +138,19 @@ def test_quantized_and_float_models_differ(served):
 
 
 def test_w4a8_expert_weights_take_a_quarter_of_their_bf16_bytes(served):
-    """Two int4 per byte, against bfloat16's two bytes per weight (the NPU kernels keep the
-    packed form: tests/unit/kernels/test_npu_kernels.py)."""
-    paths, tokens, _, _ = served
-    description = json.loads((paths["dsv3_w4a8_dynamic"] / "quant_model_description.json").read_text())
+    """Two int4 per byte, against the float model's own expert weights in bfloat16 (the NPU
+    kernels keep the packed form: tests/unit/kernels/test_npu_kernels.py)."""
+    paths, tokens, _, models = served
+    checkpoint = paths["dsv3_w4a8_dynamic"]
+    description = json.loads((checkpoint / "quant_model_description.json").read_text())
     experts = [k for k, v in description.items() if v == "W4A8_DYNAMIC" and k.endswith(".weight")]
     assert experts and description["model_quant_type"] == "W4A8_DYNAMIC"
-    with safe_open(paths["dsv3_w4a8_dynamic"] / "quant_model_weights.safetensors", "pt") as f:
+    with safe_open(checkpoint / "quant_model_weights.safetensors", "pt") as f:
         packed = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in experts)
-        shapes = [f.get_tensor(k).shape for k in experts]
-    bf16 = sum(2 * rows * 2 * cols for rows, cols in shapes)  # [out/2, in] int8 -> [out, in] bf16
+    float_model = models[CHECKPOINTS["dsv3_w4a8_dynamic"][0]]
+    with safe_open(next(float_model.glob("*.safetensors")), "pt") as f:
+        assert set(experts) <= set(f.keys())
+        bf16 = sum(2 * f.get_tensor(k).numel() for k in experts)
     assert packed * 4 == bf16
     assert tokens["dsv3_w4a8_dynamic"] != tokens["dsv3_w8a8_dynamic"]  # the int4 experts mattered
 

@@ -359,6 +359,19 @@ def test_w8a8_linear_kernels_equal_reference(data, rows, k, n, dtype, with_bias)
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
 
+def _routing_with_optional_map(tokens, experts, top_k, with_map, *per_expert):
+    """Random top-k routing; with ``with_map``, this rank holds the last half of the experts
+    (an expert map, and ``per_expert`` tensors cut to its experts). (ids, weights, map,
+    the per-expert tensors)."""
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    if not with_map:
+        return ids, weights, None, per_expert
+    local = experts // 2
+    expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
+    return ids, weights, expert_map, tuple(t[experts - local :] for t in per_expert)
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     data=st.data(),
@@ -374,18 +387,9 @@ def test_w8a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, 
     w13 = torch.randint(-128, 128, (experts, 2 * inter, hidden), dtype=torch.int8)
     w2 = torch.randint(-128, 128, (experts, hidden, inter), dtype=torch.int8)
     s13, s2 = torch.rand(experts, 2 * inter) * 2e-3, torch.rand(experts, hidden) * 2e-3
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k)
-    expert_map = None
-    if with_map:
-        local = experts // 2
-        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
-        w13, w2, s13, s2 = (
-            w13[experts - local :],
-            w2[experts - local :],
-            s13[experts - local :],
-            s2[experts - local :],
-        )
+    ids, weights, expert_map, (w13, w2, s13, s2) = _routing_with_optional_map(
+        tokens, experts, top_k, with_map, w13, w2, s13, s2
+    )
     out_npu = moe.npu_moe_experts_w8a8_dynamic(x, w13, w2, s13, s2, weights, ids, expert_map=expert_map)
     out_ref = moe.reference_moe_experts_w8a8_dynamic(x, w13, w2, s13, s2, weights, ids, expert_map=expert_map)
     # the NPU form's scales are bfloat16 (documented for bfloat16 output), the reference's float32
@@ -413,13 +417,9 @@ def test_w4a8_dynamic_moe_experts_equal_reference(data, tokens, experts, top_k, 
     # msModelSlim's scale_bias: 8 * sum_k w * scale
     o13 = 8 * (v13.double() * s13.double()[..., None]).sum(-1)
     o2 = 8 * (v2.double() * s2.double()[..., None]).sum(-1)
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k)
-    expert_map = None
-    if with_map:
-        local = experts // 2
-        expert_map = torch.tensor([-1] * (experts - local) + list(range(local)))
-        v13, v2, s13, s2, o13, o2 = (t[experts - local :] for t in (v13, v2, s13, s2, o13, o2))
+    ids, weights, expert_map, (v13, v2, s13, s2, o13, o2) = _routing_with_optional_map(
+        tokens, experts, top_k, with_map, v13, v2, s13, s2, o13, o2
+    )
     npu13, npu2 = moe.npu_w4a8_weights(v13, s13, o13), moe.npu_w4a8_weights(v2, s2, o2)
     assert (
         npu13.weight.dtype == torch.int32 and npu13.weight.numel() * 4 == v13.numel() // 2

@@ -93,12 +93,19 @@ def reference_moe_experts(
 
 
 def _rows_by_expert(
-    x, topk_weights, topk_ids, expert_map, num_local: int, apply_router_weight_on_input: bool
+    x,
+    topk_weights,
+    topk_ids,
+    expert_map,
+    num_local: int,
+    apply_router_weight_on_input: bool,
+    cumulative: bool = True,
 ):
     """Every (token, k) row sorted by local expert, the rows held by other ranks last:
     row -> token index, the rows' inputs (router weight applied when asked), their float32
     router weights (zero for rows held elsewhere), whether each row is this rank's, and
-    the cumulative int64 group list (its last value: this rank's row count).
+    the int64 group list: cumulative (its last value: this rank's row count), or with
+    ``cumulative=False`` the per-expert counts.
 
     The row count stays on the device: the grouped matmuls get all ``T * k`` rows and a
     group list that ends at the valid count, so nothing is read back to the host (a
@@ -110,7 +117,7 @@ def _rows_by_expert(
     # scatter_add_ instead of bincount: bincount sizes its output from the data's max.
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
-    group_list = torch.cumsum(counts[:num_local], 0)
+    group_list = torch.cumsum(counts[:num_local], 0) if cumulative else counts[:num_local]
     mine = (key[order] < num_local).unsqueeze(1)
     tokens = order // topk_ids.shape[1]
     weights = topk_weights.flatten()[order].to(torch.float32).unsqueeze(1) * mine
@@ -364,12 +371,13 @@ class W4A8Weights:
     """One projection's experts as its kernel takes them. Reference: ``weight`` int8 int4
     values [E, out, in], ``scale`` float32 [E, out]. NPU: ``weight`` packed [E, in, out/8]
     (int32, eight int4 each), ``scale`` the per-channel scale repeated for every 256 inputs
-    as float32 bits [E, in/256, out] (int64), ``bias`` the offset term the A8W4 kernel adds
-    back, ``8 * sum_k w * scale`` [E, out] (msModelSlim's ``scale_bias``)."""
+    as float32 bits [E, in/256, out] (int64). Both: ``bias`` the offset term the A8W4 kernel
+    adds back, ``8 * sum_k w * scale`` [E, out] float32 (msModelSlim's ``scale_bias``; the
+    reference's math needs none, it keeps the term so both forms hold the same tensors)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
-    bias: torch.Tensor | None = None
+    bias: torch.Tensor
 
     @property
     def num_experts(self) -> int:
@@ -379,7 +387,9 @@ class W4A8Weights:
 def reference_w4a8_weights(
     values: torch.Tensor, scale: torch.Tensor, offset_term: torch.Tensor
 ) -> W4A8Weights:
-    return W4A8Weights(values.contiguous(), scale.to(torch.float32).contiguous())
+    return W4A8Weights(
+        values.contiguous(), scale.to(torch.float32).contiguous(), offset_term.to(torch.float32).contiguous()
+    )
 
 
 def npu_w4a8_weights(values: torch.Tensor, scale: torch.Tensor, offset_term: torch.Tensor) -> W4A8Weights:
@@ -439,10 +449,9 @@ def npu_moe_experts_w4a8_dynamic(
     float bias, per-token scale; per-expert counts, the only group list it reads), with
     ``npu_swiglu`` between. Passes the contract double; not verified on an NPU."""
     npu = torch_npu()
-    tokens, h, weights, mine, group_list = _rows_by_expert(
-        x, topk_weights, topk_ids, expert_map, w13.num_experts, apply_router_weight_on_input
+    tokens, h, weights, mine, counts = _rows_by_expert(
+        x, topk_weights, topk_ids, expert_map, w13.num_experts, apply_router_weight_on_input, cumulative=False
     )
-    counts = torch.diff(group_list, prepend=group_list.new_zeros(1))
 
     def project(rows: torch.Tensor, w: W4A8Weights) -> torch.Tensor:
         rows_q, rows_scale = npu.npu_dynamic_quant(rows)

@@ -68,16 +68,29 @@ class AscendExperts(mk.FusedMoEExpertsModular):
         apply_router_weight_on_input,
     ):
         output.copy_(
-            moe_experts(
+            self.run(
                 hidden_states,
                 w1,
                 w2,
                 topk_weights,
                 topk_ids,
-                expert_map=expert_map,
-                apply_router_weight_on_input=apply_router_weight_on_input,
-                activation=activation,
-                w13_bias=self.quant_config.w1_bias,
-                w2_bias=self.quant_config.w2_bias,
+                expert_map,
+                apply_router_weight_on_input,
+                activation,
             )
+        )
+
+    def run(self, x, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, activation):
+        """The experts' weighted output for ``x``: the kernel call a quantized subclass replaces."""
+        return moe_experts(
+            x,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            expert_map=expert_map,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            activation=activation,
+            w13_bias=self.quant_config.w1_bias,
+            w2_bias=self.quant_config.w2_bias,
         )

@@ -37,43 +37,65 @@ from vllm.ascend.moe.experts import AscendExperts
 from vllm.ascend.moe.method import AscendMoEMethod, check_activation
 
 
-class AscendW8A8DynamicExperts(AscendExperts):
-    """The local experts with int8 weights; the per-channel scales come from the layer."""
+def register_channel_quantized_experts(
+    layer,
+    num_experts: int,
+    hidden_size: int,
+    intermediate: int,
+    extra_weight_attrs: dict,
+    values_per_byte: int = 1,
+) -> None:
+    """``w13_*`` / ``w2_*``: the int8 weight (``values_per_byte`` int4 values packed along its
+    rows), its per-channel ``weight_scale`` and ``weight_offset`` ``[E, rows, 1]``."""
+    shapes = {"w13": (2 * intermediate, hidden_size), "w2": (hidden_size, intermediate)}
+    channel = {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.CHANNEL.value}
+    for name, (rows, cols) in shapes.items():
+        weight = torch.nn.Parameter(
+            torch.empty(num_experts, rows // values_per_byte, cols, dtype=torch.int8), requires_grad=False
+        )
+        layer.register_parameter(f"{name}_weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        for suffix in ("weight_scale", "weight_offset"):
+            param = torch.nn.Parameter(
+                torch.empty(num_experts, rows, 1, dtype=torch.float32), requires_grad=False
+            )
+            layer.register_parameter(f"{name}_{suffix}", param)
+            set_weight_attrs(param, channel)
+
+
+def drop_zero_offsets(layer, name: str, scheme: str) -> None:
+    """Symmetric weights only: refuse non-zero ``<name>_weight_offset``, then drop it."""
+    if torch.any(getattr(layer, f"{name}_weight_offset").data != 0):
+        raise ValueError(
+            f"{scheme} experts of {getattr(layer, 'layer_name', 'a MoE layer')} have "
+            "non-zero weight offsets: asymmetric expert weights are not supported"
+        )
+    delattr(layer, f"{name}_weight_offset")
+
+
+class _LayerScaledExperts(AscendExperts):
+    """Local experts whose scales (and offset terms) the layer holds."""
 
     def __init__(self, moe_config, quant_config, layer):
         super().__init__(moe_config, quant_config)
         self._layer = layer
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        output.copy_(
-            moe_experts_w8a8_dynamic(
-                hidden_states,
-                w1,
-                w2,
-                self._layer.w13_weight_scale,
-                self._layer.w2_weight_scale,
-                topk_weights,
-                topk_ids,
-                expert_map=expert_map,
-                apply_router_weight_on_input=apply_router_weight_on_input,
-            )
+
+class AscendW8A8DynamicExperts(_LayerScaledExperts):
+    """The local experts with int8 weights; the per-channel scales come from the layer."""
+
+    def run(self, x, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, activation):
+        layer = self._layer
+        return moe_experts_w8a8_dynamic(
+            x,
+            w1,
+            w2,
+            layer.w13_weight_scale,
+            layer.w2_weight_scale,
+            topk_weights,
+            topk_ids,
+            expert_map=expert_map,
+            apply_router_weight_on_input=apply_router_weight_on_input,
         )
 
 
@@ -89,21 +111,9 @@ class AscendW8A8DynamicMoEMethod(AscendMoEMethod, FusedMoEMethodBase):  # set-up
     ):
         if self.moe.has_bias:
             raise ValueError("W8A8_DYNAMIC MoE experts with biases are not supported on Ascend")
-        gate_up = 2 * intermediate_size_per_partition
-        shapes = {"w13": (gate_up, hidden_size), "w2": (hidden_size, intermediate_size_per_partition)}
-        channel = {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.CHANNEL.value}
-        for name, (rows, cols) in shapes.items():
-            weight = torch.nn.Parameter(
-                torch.empty(num_experts, rows, cols, dtype=torch.int8), requires_grad=False
-            )
-            layer.register_parameter(f"{name}_weight", weight)
-            set_weight_attrs(weight, extra_weight_attrs)
-            for suffix in ("weight_scale", "weight_offset"):
-                param = torch.nn.Parameter(
-                    torch.empty(num_experts, rows, 1, dtype=torch.float32), requires_grad=False
-                )
-                layer.register_parameter(f"{name}_{suffix}", param)
-                set_weight_attrs(param, channel)
+        register_channel_quantized_experts(
+            layer, num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs
+        )
 
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG  # activations cross ranks unquantized
@@ -111,14 +121,9 @@ class AscendW8A8DynamicMoEMethod(AscendMoEMethod, FusedMoEMethodBase):  # set-up
     def process_weights_after_loading(self, layer) -> None:
         check_activation(layer, self.moe, ("silu",))  # moe_experts_w8a8_dynamic: SwiGLU
         for name in ("w13", "w2"):
-            if torch.any(getattr(layer, f"{name}_weight_offset").data != 0):
-                raise ValueError(
-                    f"W8A8_DYNAMIC experts of {getattr(layer, 'layer_name', 'a MoE layer')} have "
-                    "non-zero weight offsets: asymmetric expert weights are not supported"
-                )
+            drop_zero_offsets(layer, name, "W8A8_DYNAMIC")
             scale = getattr(layer, f"{name}_weight_scale").data.squeeze(-1).contiguous()
             setattr(layer, f"{name}_weight_scale", torch.nn.Parameter(scale, requires_grad=False))
-            delattr(layer, f"{name}_weight_offset")
         self.set_up_kernel(
             layer, lambda quant_config: AscendW8A8DynamicExperts(self.moe, quant_config, layer)
         )
@@ -152,43 +157,20 @@ def down_offset_term(
     return parts[..., tp_rank * per_rank : (tp_rank + 1) * per_rank].sum(-1)
 
 
-class AscendW4A8DynamicExperts(AscendExperts):
+class AscendW4A8DynamicExperts(_LayerScaledExperts):
     """The local experts with int4 weights in the form the selected kernel takes
     (``kernels/moe.py``: ``w4a8_weights``); the scales and offset terms come from the layer."""
 
-    def __init__(self, moe_config, quant_config, layer):
-        super().__init__(moe_config, quant_config)
-        self._layer = layer
-
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
+    def run(self, x, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input, activation):
         layer = self._layer
-        output.copy_(
-            moe_experts_w4a8_dynamic(
-                hidden_states,
-                W4A8Weights(w1, layer.w13_weight_scale, layer.w13_scale_bias),
-                W4A8Weights(w2, layer.w2_weight_scale, layer.w2_scale_bias),
-                topk_weights,
-                topk_ids,
-                expert_map=expert_map,
-                apply_router_weight_on_input=apply_router_weight_on_input,
-            )
+        return moe_experts_w4a8_dynamic(
+            x,
+            W4A8Weights(w1, layer.w13_weight_scale, layer.w13_scale_bias),
+            W4A8Weights(w2, layer.w2_weight_scale, layer.w2_scale_bias),
+            topk_weights,
+            topk_ids,
+            expert_map=expert_map,
+            apply_router_weight_on_input=apply_router_weight_on_input,
         )
 
 
@@ -210,26 +192,19 @@ class AscendW4A8DynamicMoEMethod(AscendMoEMethod, FusedMoEMethodBase):  # set-up
                 f"W4A8_DYNAMIC experts of {name}: int4 pairs need even sizes per rank (intermediate "
                 f"{intermediate_size_per_partition}, hidden {hidden_size})"
             )
-        gate_up = 2 * intermediate_size_per_partition
         # int4 pairs along the output dim: half the rows of int8
-        shapes = {"w13": (gate_up, hidden_size), "w2": (hidden_size, intermediate_size_per_partition)}
-        channel = {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.CHANNEL.value}
-        for proj, (rows, cols) in shapes.items():
-            weight = torch.nn.Parameter(
-                torch.empty(num_experts, rows // 2, cols, dtype=torch.int8), requires_grad=False
-            )
-            layer.register_parameter(f"{proj}_weight", weight)
-            set_weight_attrs(weight, extra_weight_attrs)
-            for suffix in ("weight_scale", "weight_offset"):
-                param = torch.nn.Parameter(
-                    torch.empty(num_experts, rows, 1, dtype=torch.float32), requires_grad=False
-                )
-                layer.register_parameter(f"{proj}_{suffix}", param)
-                set_weight_attrs(param, channel)
+        register_channel_quantized_experts(
+            layer,
+            num_experts,
+            hidden_size,
+            intermediate_size_per_partition,
+            extra_weight_attrs,
+            values_per_byte=2,
+        )
         # ``scale_bias`` names go through the expert loader's bias branch: gate/up are split
         # per rank like their rows; down's 16 parts load whole, each rank sums its own
         offsets = {
-            "w13_scale_bias": (num_experts, gate_up, 1),
+            "w13_scale_bias": (num_experts, 2 * intermediate_size_per_partition, 1),
             "w2_scale_bias": (num_experts, hidden_size, DOWN_OFFSET_PARTS),
         }
         for param_name, shape in offsets.items():
@@ -248,19 +223,16 @@ class AscendW4A8DynamicMoEMethod(AscendMoEMethod, FusedMoEMethodBase):  # set-up
             "w2": down_offset_term(layer.w2_scale_bias.data, self.moe.tp_size, self.moe.tp_rank, name),
         }
         for proj in ("w13", "w2"):
-            if torch.any(getattr(layer, f"{proj}_weight_offset").data != 0):
-                raise ValueError(
-                    f"W4A8_DYNAMIC experts of {name} have non-zero weight offsets: asymmetric "
-                    "expert weights are not supported"
-                )
+            drop_zero_offsets(layer, proj, "W4A8_DYNAMIC")
             values = unpack_int4_rows(getattr(layer, f"{proj}_weight").data)
             scale = getattr(layer, f"{proj}_weight_scale").data.squeeze(-1)
             prepared = w4a8_weights(values, scale, offset_terms[proj])
-            for suffix, tensor in (("weight", prepared.weight), ("weight_scale", prepared.scale)):
+            for suffix, tensor in (
+                ("weight", prepared.weight),
+                ("weight_scale", prepared.scale),
+                ("scale_bias", prepared.bias),
+            ):
                 setattr(layer, f"{proj}_{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
-            bias = prepared.bias if prepared.bias is not None else offset_terms[proj].contiguous()
-            setattr(layer, f"{proj}_scale_bias", torch.nn.Parameter(bias, requires_grad=False))
-            delattr(layer, f"{proj}_weight_offset")
         self.set_up_kernel(
             layer, lambda quant_config: AscendW4A8DynamicExperts(self.moe, quant_config, layer)
         )
