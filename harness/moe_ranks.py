@@ -15,7 +15,9 @@ Case: {"tp": T, "dp": D, "ep": bool, "strategy": "allgather"|"alltoall"|"mc2",
 "tokens": [per DP rank, ...] (or "tokens_grid"), "experts": E, "top_k": K, "hidden": H,
 "inter": I, "seed": S, "dtype": "float32", "skew": bool, "env": {...}, "bench": {"repeats": n},
 "quant": "w8a8_dynamic" | "w4a8_dynamic" (int8 / int4 experts with per-channel scales; EP
-layouts only)}
+layouts only), "redundant": R (EPLB: E + R physical experts, a seeded placement of the
+logical ones with R replicas; routes mapped by ``moe/eplb.py``, which also records the load
+each rank checks against its routes; EP layouts only)}
 """
 
 from __future__ import annotations
@@ -73,6 +75,43 @@ def w4a8_experts(values, scale):
 BITS = {"w8a8_dynamic": 8, "w4a8_dynamic": 4}
 
 
+def eplb_placement(case: dict):
+    """The logical expert of each physical one for a case with ``redundant`` replicas (None
+    without): every logical expert once and R of them again, shuffled by the case's seed
+    (the same on every rank), so replicas sit on other ranks than their originals."""
+    import torch
+
+    redundant = case.get("redundant", 0)
+    if not redundant:
+        return None
+    e = case["experts"]
+    g = torch.Generator().manual_seed(7 + case.get("seed", 0))
+    slots = torch.cat([torch.arange(e), torch.randperm(e, generator=g)[:redundant]])
+    return slots[torch.randperm(e + redundant, generator=g)]
+
+
+def eplb_layer_state(physical_to_logical, num_tokens: int):
+    """Upstream's per-layer EPLB state for that placement, recording on."""
+    import torch
+
+    from vllm.distributed.eplb.eplb_state import EplbLayerState
+
+    e = int(physical_to_logical.max()) + 1
+    replicas = torch.bincount(physical_to_logical, minlength=e)
+    to_physical = torch.full((e, int(replicas.max())), -1, dtype=torch.int64)
+    filled = [0] * e
+    for slot, logical in enumerate(physical_to_logical.tolist()):
+        to_physical[logical, filled[logical]] = slot
+        filled[logical] += 1
+    state = EplbLayerState()
+    state.expert_load_view = torch.zeros(len(physical_to_logical), dtype=torch.int32)
+    state.logical_to_physical_map = to_physical
+    state.logical_replica_count = replicas
+    state.should_record_tensor = torch.tensor(True)
+    state.num_unpadded_tokens_tensors = [torch.tensor(num_tokens, dtype=torch.int32)]
+    return state
+
+
 def _rank(rank: int, world: int, port: int, case: dict, queue) -> None:
     os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
     os.environ.update(case.get("env", {}))  # before vllm is imported: kernels are bound at import
@@ -112,6 +151,7 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
 
     tp, dp, use_ep = case["tp"], case["dp"], case.get("ep", True)
     e, k, h, inter = case["experts"], case["top_k"], case["hidden"], case["inter"]
+    physical = e + case.get("redundant", 0)
     dp_rank, tp_rank = divmod(rank, tp)
     # What torchrun would set; the external-launcher config derives the DP rank from it.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -133,11 +173,13 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
             tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1, vllm_parallel_config=pc
         )
         ep_size, ep_rank = moe_pc.ep_size, moe_pc.ep_rank
-        local_e, expert_map = e, None
+        local_e, expert_map = physical, None
         if moe_pc.use_ep:
-            local_e, expert_map, _ = determine_expert_map(ep_size, ep_rank, e)
+            local_e, expert_map, _ = determine_expert_map(ep_size, ep_rank, physical)
+        elif physical != e:
+            raise ValueError("redundant experts (EPLB) need EP")
         moe = FusedMoEConfig(
-            num_experts=e,
+            num_experts=physical,
             experts_per_token=k,
             hidden_dim=h,
             intermediate_size=inter,
@@ -157,7 +199,7 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
             if not moe_pc.use_ep:
                 raise ValueError("quantized cases need EP: per-token scales of a sharded intermediate differ")
             *_, w13, w2 = problem(case, 0, 0)
-            ids = torch.nonzero(expert_map >= 0).flatten() if expert_map is not None else torch.arange(e)
+            ids = _local_experts(case, expert_map)
             bits = BITS[case["quant"]]
             q13, s13 = quantize_experts(w13[ids], bits)
             q2, s2 = quantize_experts(w2[ids], bits)
@@ -184,7 +226,7 @@ def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
             # MC2 carries at most MAX_BATCH tokens per rank: larger rounds skip it.
             usable = [c for c in comms if c is not selector.MoEComm.MC2 or max(tokens) <= MAX_BATCH * tp]
             results += _one_round(
-                case, cfg, kernel, usable, tokens, dp_rank, tp, e, expert_map, moe_pc, repeats
+                case, cfg, kernel, usable, tokens, dp_rank, tp, physical, expert_map, moe_pc, repeats
             )
         calls = {}
         try:
@@ -226,16 +268,27 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
 
     inter = case["inter"]
     x, w, ids, w13, w2 = problem(case, tokens[dp_rank], dp_rank)
+    logical_ids, load_ok = ids, None
+    placement = eplb_placement(case)
+    if placement is not None:  # routes to physical replicas, load recorded (moe/eplb.py)
+        from vllm.ascend.moe.eplb import map_to_physical
+
+        state = eplb_layer_state(placement, tokens[dp_rank])
+        ids = map_to_physical(logical_ids, state)
+        per_logical = torch.zeros(int(placement.max()) + 1, dtype=torch.int64)
+        per_logical.index_add_(0, placement, state.expert_load_view.to(torch.int64))
+        expected_load = torch.bincount(logical_ids.flatten().long(), minlength=len(per_logical))
+        load_ok = bool((placement[ids.long()] == logical_ids).all()) and per_logical.equal(expected_load)
     quantized = case.get("quant") in BITS
     if quantized:
         w13, s13 = quantize_experts(w13, BITS[case["quant"]])
         w2, s2 = quantize_experts(w2, BITS[case["quant"]])
     if moe_pc.use_ep:
-        global_ids = torch.nonzero(expert_map >= 0).flatten()
-        lw13, lw2 = w13[global_ids], w2[global_ids]
+        held = _local_experts(case, expert_map)
+        lw13, lw2 = w13[held], w2[held]
         if case.get("quant") == "w4a8_dynamic":  # the kernels' form of the int4 weights
-            lw13 = w4a8_experts(lw13, s13[global_ids]).weight
-            lw2 = w4a8_experts(lw2, s2[global_ids]).weight
+            lw13 = w4a8_experts(lw13, s13[held]).weight
+            lw2 = w4a8_experts(lw2, s2[held]).weight
     else:  # no EP: experts' intermediate dimension is sharded over every rank
         shard = inter // moe_pc.tp_size
         rows = slice(moe_pc.tp_rank * shard, (moe_pc.tp_rank + 1) * shard)
@@ -267,9 +320,9 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
     if quantized:  # all experts in one process, same int8 math (int4 values: the same, narrower)
         from vllm.ascend.kernels.moe import reference_moe_experts_w8a8_dynamic
 
-        expected = reference_moe_experts_w8a8_dynamic(x.float(), w13, w2, s13, s2, w, ids).float()
+        expected = reference_moe_experts_w8a8_dynamic(x.float(), w13, w2, s13, s2, w, logical_ids).float()
     else:
-        expected = reference_moe_experts(x.float(), w13.float(), w2.float(), w, ids)
+        expected = reference_moe_experts(x.float(), w13.float(), w2.float(), w, logical_ids)
     return [
         {
             "strategy": comm.value,
@@ -279,9 +332,21 @@ def _one_round(case, cfg, kernel, comms, tokens, dp_rank, tp, e, expert_map, moe
             "scale": float(expected.abs().max()) if tokens[dp_rank] else 0.0,
             "median_s": statistics.median(times[comm]),
             "bytes_sent": sent[comm],
+            "eplb_load_ok": load_ok,
         }
         for comm in comms
     ]
+
+
+def _local_experts(case: dict, expert_map):
+    """The logical expert of each of this rank's physical ones, in local order."""
+    import torch
+
+    placement = eplb_placement(case)
+    if expert_map is None:
+        return torch.arange(case["experts"]) if placement is None else placement
+    slots = torch.nonzero(expert_map >= 0).flatten()
+    return slots if placement is None else placement[slots]
 
 
 class _nothing:

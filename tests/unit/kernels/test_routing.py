@@ -156,7 +156,7 @@ def _layer(**change):
     fields = dict(
         layer_name="model.layers.1.mlp.experts",
         moe_config=SimpleNamespace(
-            has_hash_routing=False, moe_parallel_config=SimpleNamespace(enable_eplb=False)
+            has_hash_routing=False, num_logical_experts=8, moe_parallel_config=SimpleNamespace()
         ),
         use_grouped_topk=False,
         num_expert_group=None,
@@ -186,19 +186,22 @@ def test_layer_routing_follows_upstreams_router_choice():
     assert grouped == R.Routing(2, "sigmoid", True, 2, 1, 2.5)
 
 
+def test_layer_routing_scores_the_logical_experts_under_eplb():
+    """With EPLB the layer holds 8 logical experts as 12 physical ones: the router scores
+    the 8 (eight groups of one works, three groups does not), not the 12."""
+    from vllm.ascend.moe.method import layer_routing
+
+    grouped = dict(use_grouped_topk=True, topk_group=2, scoring_func="sigmoid", global_num_experts=12)
+    assert layer_routing(_layer(num_expert_group=8, **grouped)).num_expert_group == 8
+    with pytest.raises(NotImplementedError, match="equal expert groups"):
+        layer_routing(_layer(num_expert_group=3, **grouped))
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
         ({"scoring_func": "sqrtsoftplus"}, "sqrtsoftplus"),
         ({"moe_config": SimpleNamespace(has_hash_routing=True, moe_parallel_config=None)}, "hash routing"),
-        (
-            {
-                "moe_config": SimpleNamespace(
-                    has_hash_routing=False, moe_parallel_config=SimpleNamespace(enable_eplb=True)
-                )
-            },
-            "EPLB",
-        ),
         ({"use_grouped_topk": True, "num_expert_group": 3, "topk_group": 1}, "equal expert groups"),
     ],
 )

@@ -240,3 +240,21 @@ def test_forced_mc2_is_checked_at_config_time_on_an_npu(moe_config, monkeypatch)
         validate_config(cfg)
     monkeypatch.setenv("VLLM_ASCEND_EMULATE", "1")
     validate_config(cfg)  # host emulation: no SoC limits, no HCCL
+
+
+def test_eplb_layout_counts_the_redundant_experts_for_mc2(moe_config):
+    """With EPLB the layers hold E + R physical experts, placed linearly: MC2 dispatches over
+    all of them, so its limits see E + R (8 + 2 do not split over EP 4; 8 + 4 do)."""
+    import copy
+
+    from vllm.ascend.moe import selector
+    from vllm.ascend.moe.step import MoEPlan
+
+    cfg = copy.deepcopy(moe_config(dp=2, tp=2, ep=True))
+    cfg.parallel_config.enable_eplb = True
+    for redundant, reason in ((4, None), (2, "the 10 routed experts to split evenly over the 4 EP ranks")):
+        cfg.parallel_config.eplb_config.num_redundant_experts = redundant
+        layout = MoEPlan.from_config(cfg, "host").layout
+        assert layout.num_experts == 8 + redundant and layout.linear_placement
+        unusable = selector.unusable_reason(MoEComm.MC2, layout)
+        assert unusable is None if reason is None else reason in unusable, unusable

@@ -96,6 +96,32 @@ def test_quantized_experts_through_every_strategy(layout, quant):
     _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))
 
 
+@pytest.mark.parametrize("quant", [None, "w8a8_dynamic"])
+def test_redundant_experts_through_every_strategy(quant):
+    """EPLB's layout: 8 logical experts as 12 physical ones (4 replicas, seeded placement
+    over EP 4), routes mapped to replicas by ``moe/eplb.py``. Every strategy equals the
+    dense computation on the logical experts, and the load each rank recorded, summed per
+    logical expert, is its routes' count."""
+    strategies = ["allgather", "alltoall", "mc2"]
+    rounds = [[7, 1], [3, 0], [33, 12]]
+    case = {
+        "tp": 2,
+        "dp": 2,
+        "strategies": strategies,
+        "tokens_grid": rounds,
+        "experts": 8,
+        "redundant": 4,
+        "top_k": 2,
+        "hidden": 32,
+        "inter": 16,
+        "seed": 6,
+        **({"quant": quant} if quant else {}),
+    }
+    results = run(case)
+    _check(results, strategies, rounds, lambda scale: FLOAT32_TOLERANCE * max(1.0, scale))
+    assert all(r["eplb_load_ok"] is True for rank in results for r in rank["results"]), results
+
+
 @pytest.mark.parametrize("soc", ["A2", "A3"])
 def test_strategies_through_torch_npu_contract(soc, tmp_path):
     """NPU-path mode: MC2 through npu_moe_distribute_dispatch_v2/combine_v2 and the

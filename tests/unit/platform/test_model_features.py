@@ -375,13 +375,24 @@ def test_moe_options_that_change_routes_are_refused(tmp_path, monkeypatch):
         engine_config(tmp_path / "simulated", _qwen3_moe())
 
 
-def test_eplb_is_refused_by_name(tmp_path):
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], **SMALL)
+def test_eplb_starts_synchronous_with_its_redundant_experts(tmp_path):
+    """--enable-eplb passes the platform's start-up checks; the platform turns upstream's
+    asynchronous rearrangement (a CUDA/XPU worker thread) into the synchronous one."""
     from vllm.ascend.platform.model_features import unsupported_features
 
-    built = engine_config(tmp_path, config)
-    built.parallel_config.enable_eplb = True  # upstream accepts it only with an MoE model and EP
-    assert unsupported_features(built) == ["expert-parallel load balancing (drop --enable-eplb)"]
+    built = engine_config(
+        tmp_path,
+        _qwen3_moe(),
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_eplb=True,
+        eplb_config={"num_redundant_experts": 2, "step_interval": 8, "window_size": 4},
+        distributed_executor_backend="mp",
+    )
+    assert unsupported_features(built) == []
+    eplb = built.parallel_config.eplb_config
+    assert built.parallel_config.enable_eplb and not eplb.use_async
+    assert eplb.num_redundant_experts == 2
 
 
 def test_the_python_api_raises_before_any_process_starts(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import gc
 import os
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import cache
@@ -90,11 +91,19 @@ class _HostStream:
 
 
 class _HostEvent:
+    """Host work runs in program order, so an event is complete when recorded; its time is
+    the host clock's at recording (what ``elapsed_time`` compares, in ms)."""
+
     def __init__(self, **kwargs) -> None:
-        pass
+        self._recorded_at: float | None = None
 
     def record(self, *args, **kwargs) -> None:
-        pass
+        self._recorded_at = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        if self._recorded_at is None or end._recorded_at is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        return (end._recorded_at - self._recorded_at) * 1000.0
 
     def synchronize(self) -> None:
         pass

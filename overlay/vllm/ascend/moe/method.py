@@ -8,9 +8,10 @@ own (``AscendMoEMethod``): the method is *monolithic* in upstream's terms, so th
 hands it the router logits instead of calling upstream's router, whose plain softmax
 top-k is a CUDA kernel (``_moe_C.topk_softmax``); the kernels facade's ``routing.route``
 computes every scoring option upstream's layer offers (softmax or sigmoid, with or
-without renormalisation, grouped or not, with a correction bias, scaled). Shared
-experts are run by upstream's MoE runner, which also does the TP all-reduce when the
-kernel's output is not already reduced. Because the method owns a kernel, the runner
+without renormalisation, grouped or not, with a correction bias, scaled); with EPLB
+the method then sends each route to a physical replica (``eplb.py``), as upstream's
+router would. Shared experts are run by upstream's MoE runner, which also does the TP
+all-reduce when the kernel's output is not already reduced. Because the method owns a kernel, the runner
 skips its own naive DP dispatch/combine: the strategies do that work.
 """
 
@@ -27,6 +28,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 
 from vllm.ascend.kernels.moe import ACTIVATIONS, activation_name
 from vllm.ascend.kernels.routing import Routing, route, split_zero_experts
+from vllm.ascend.moe.eplb import layer_eplb_state, map_to_physical
 from vllm.ascend.moe.experts import AscendExperts
 from vllm.ascend.moe.prepare_finalize import AscendMoEPrepareAndFinalize
 
@@ -48,11 +50,17 @@ def apply_kernel(kernel, layer, x, topk_weights, topk_ids, shared_experts, share
     )
 
 
+def logical_experts(layer) -> int:
+    """The experts the router scores: the model's, without EPLB's redundant replicas
+    (``global_num_experts`` counts the physical ones)."""
+    return int(layer.moe_config.num_logical_experts)
+
+
 def zero_experts(layer) -> int:
     """Zero-computation experts the router scores after the layer's real ones (LongCat):
     upstream's zero-expert router needs a correction bias, which covers them too."""
     bias = layer.e_score_correction_bias
-    return 0 if bias is None else max(0, int(bias.shape[0]) - layer.global_num_experts)
+    return 0 if bias is None else max(0, int(bias.shape[0]) - logical_experts(layer))
 
 
 def layer_routing(layer) -> Routing:
@@ -62,10 +70,6 @@ def layer_routing(layer) -> Routing:
     config = layer.moe_config
     if getattr(config, "has_hash_routing", False):
         raise NotImplementedError(f"{name}: hash routing (DeepSeek-V4) is not supported by the Ascend MoE")
-    if getattr(config.moe_parallel_config, "enable_eplb", False):
-        raise NotImplementedError(
-            f"{name}: EPLB is not supported by the Ascend MoE (its routing has no EPLB map)"
-        )
     if getattr(config, "require_decomposed_backend", False):
         # upstream 0.33 sets it when the routes are changed between routing and the experts
         raise NotImplementedError(
@@ -89,7 +93,7 @@ def layer_routing(layer) -> Routing:
         routed_scaling_factor=float(layer.routed_scaling_factor) if scaled else 1.0,
     )
     try:
-        routing.check(layer.global_num_experts + zero_experts(layer))
+        routing.check(logical_experts(layer) + zero_experts(layer))
     except ValueError as e:
         raise NotImplementedError(f"{name}: {e}") from None
     return routing
@@ -119,6 +123,7 @@ class AscendMoEMethod:
     built once weights are loaded (``set_up_kernel``)."""
 
     zero_expert_output: torch.Tensor | None = None  # identity experts' output, until taken
+    eplb: Any = None  # the layer's EplbLayerState with --enable-eplb (moe/eplb.py)
 
     # what the upstream method class it is mixed into has (annotations only)
     moe: Any
@@ -130,9 +135,11 @@ class AscendMoEMethod:
         as the local experts."""
         if layer.custom_routing_function is None:
             layer._ascend_routing = layer_routing(layer)
+        vllm_config = get_current_vllm_config()
+        self.eplb = layer_eplb_state(vllm_config, getattr(layer, "layer_name", ""))
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = mk.FusedMoEKernel(
-            AscendMoEPrepareAndFinalize(self.moe, get_current_vllm_config()),
+            AscendMoEPrepareAndFinalize(self.moe, vllm_config),
             experts_for(self.moe_quant_config),
         )
 
@@ -143,6 +150,12 @@ class AscendMoEMethod:
 
     @property
     def is_monolithic(self) -> bool:
+        return True
+
+    @property
+    def supports_eplb(self) -> bool:
+        # Routing maps to physical experts (moe/eplb.py); every per-expert parameter has
+        # the local experts first, which is what EPLB's in-place moves need.
         return True
 
     def select_experts(self, layer, x, router_logits):
@@ -162,10 +175,12 @@ class AscendMoEMethod:
         topk_weights, topk_ids = self.select_experts(layer, x, router_logits)
         if zero_experts(layer):
             topk_weights, topk_ids, zero_weight = split_zero_experts(
-                topk_weights, topk_ids, layer.global_num_experts
+                topk_weights, topk_ids, logical_experts(layer)
             )
             # identity experts: the runner adds this after the routed output's reduction
             self.zero_expert_output = (x.to(torch.float32) * zero_weight).to(x.dtype)
+        if self.eplb is not None:
+            topk_ids = map_to_physical(topk_ids, self.eplb)
         # Shared experts: the runner ran them before this call (the kernel cannot overlap them).
         return self.apply(layer, x, topk_weights, topk_ids, None, None)
 

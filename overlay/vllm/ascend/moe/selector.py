@@ -93,12 +93,12 @@ class MoELayout:
     expert_parallel: bool  # --enable-expert-parallel and an EP group larger than one
     ep_size: int
     tp_size: int
-    num_experts: int  # global routed experts
+    num_experts: int  # global routed experts, physical (EPLB's redundant replicas included)
     top_k: int
     hidden_size: int
     soc: str  # "A2" | "A3" | "other" | "host" (host: only the SoC-independent limits apply)
     mc2_capacity: int  # tokens per DP rank MC2 may carry (a multiple of tp_size)
-    linear_placement: bool = True  # EP rank r holds experts r*E/ep ...; no EPLB redundancy
+    linear_placement: bool = True  # EP rank r holds physical experts r*E/ep ... (EPLB's too)
     quantized: bool = False  # does not change the choice (it changes MC2's quant_mode)
 
 
@@ -128,7 +128,7 @@ def unusable_reason(comm: MoEComm, layout: MoELayout) -> str | None:
 
     e, ep, k, h = layout.num_experts, layout.ep_size, layout.top_k, layout.hidden_size
     if not layout.linear_placement:
-        return "mc2 needs linear expert placement without EPLB (--expert-placement-strategy linear)"
+        return "mc2 needs linear expert placement (--expert-placement-strategy linear)"
     if e % ep:
         return f"mc2 needs the {e} routed experts to split evenly over the {ep} EP ranks"
     if k > mc2.MAX_TOP_K or e > mc2.MAX_EXPERTS:

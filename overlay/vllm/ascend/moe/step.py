@@ -45,6 +45,14 @@ def _expert_parallel(vllm_config) -> tuple[bool, int]:
     return bool(pc.enable_expert_parallel) and ep > 1, ep
 
 
+def redundant_experts(parallel_config) -> int:
+    """EPLB's redundant replicas: the layers hold that many physical experts more than the
+    model's, placed over the EP ranks like the others (``moe/eplb.py``)."""
+    if not parallel_config.enable_eplb:
+        return 0
+    return parallel_config.eplb_config.num_redundant_experts or 0
+
+
 def moe_layout(
     vllm_config, soc: str, choice: MoEComm | None, hccl_buffsize_mb: int | None = None
 ) -> MoELayout:
@@ -64,12 +72,12 @@ def moe_layout(
         expert_parallel=expert_parallel,
         ep_size=ep if expert_parallel else 1,
         tp_size=tp,
-        num_experts=mc.get_num_experts(),
+        num_experts=mc.get_num_experts() + redundant_experts(pc),
         top_k=mc.get_num_experts_per_tok(),
         hidden_size=mc.get_hidden_size(),
         soc=soc,
         mc2_capacity=capacity,
-        linear_placement=pc.expert_placement_strategy == "linear" and not pc.enable_eplb,
+        linear_placement=pc.expert_placement_strategy == "linear",
         quantized=vllm_config.quant_config is not None,
     )
     if hccl_buffsize_mb is None or selector.unusable_reason(MoEComm.MC2, layout) is not None:

@@ -82,8 +82,6 @@ def unsupported_features(vllm_config: VllmConfig) -> list[str]:
     zero_kind = getattr(hf, "zero_expert_type", None)
     if getattr(hf, "zero_expert_num", 0) and zero_kind != "identity":
         found.append(f"zero-computation experts of type {zero_kind!r} (the Ascend MoE runs identity ones)")
-    if vllm_config.parallel_config.enable_eplb:
-        found.append("expert-parallel load balancing (drop --enable-eplb)")
     return found
 
 

@@ -230,6 +230,11 @@ class NPUPlatform(Platform):
     def record_tensor_stream(cls, tensor: torch.Tensor, stream: Any) -> None:
         ascend_device.current().record_stream(tensor, stream)
 
+    def supports_eplb(self) -> bool:
+        # The Ascend MoE methods map routes to physical experts and record the load
+        # themselves (moe/eplb.py) (hook patch parallel-config-let-the-platform-say-whether-it-runs-eplb)
+        return True
+
     @classmethod
     def runs_model_runner_v2_without_triton(cls) -> bool:
         # the V2 kernels on the paths the platform allows have torch forms
@@ -419,6 +424,12 @@ class NPUPlatform(Platform):
                 "no torch.compile backend for Ascend in this distribution (decode steps may run as ACL graphs)",
             )
         choose_graph_mode(vllm_config)
+        if parallel_config.enable_eplb and parallel_config.eplb_config.use_async:
+            parallel_config.eplb_config.use_async = False
+            _adjust(
+                "EPLB rearranges synchronously",
+                "upstream's asynchronous EPLB worker thread runs on CUDA and XPU streams only",
+            )
         if parallel_config.enable_dbo:
             parallel_config.enable_dbo = False
             _adjust("dual-batch overlap off", "not supported on Ascend")
