@@ -9,7 +9,9 @@ text, or {"embeds_of": text}: the model's input embeddings of its tokens, as pro
 "batch_loras": [[adapter dir or null per prompt] per batch] (each adapter one LoRARequest),
 "drafter_parameters": true (also return the drafter's parameter sums; the engine's
 processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in "env"), "report_runner": true (also
-return the worker's model runner class name, as "runner"; the same condition), "calls":
+return the worker's model runner class name, as "runner"; the same condition),
+"eplb_placement": true (also return, per worker, each EPLB model's physical-to-logical
+expert map of every MoE layer, as "eplb_placement"; the same condition), "calls":
 [[{"method": name, "args": [...], "kwargs": {...}}, ...] per batch] (LLM methods called
 before that batch, such as sleep, wake_up or collective_rpc; a dotted name is an
 attribute path from the LLM, as llm_engine.is_sleeping; each result or error message is
@@ -93,6 +95,7 @@ def _run(spec: dict) -> dict:
         counters = _counters(llm)
         drafter = llm.collective_rpc(_drafter_parameters)[0] if spec.get("drafter_parameters") else None
         runner = llm.collective_rpc(_runner_class)[0] if spec.get("report_runner") else None
+        placement = llm.collective_rpc(_eplb_placement) if spec.get("eplb_placement") else None
         async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
         # the engine-core process gets the same exit grace as its workers (upstream's
         # explicit shutdown() gives it 5 s, which a loaded 2-core machine can exceed)
@@ -123,6 +126,7 @@ def _run(spec: dict) -> dict:
         "counters": counters,
         "drafter_parameters": drafter,
         "runner": runner,
+        "eplb_placement": placement,
         "async_scheduling": async_scheduling,
         "kv_dump": kv_dump,
         "call_results": call_results,
@@ -239,6 +243,15 @@ def _save_kv(worker, block_ids: list[int], directory: str) -> None:
 def _runner_class(worker) -> str:
     """Runs in the worker: the class name of its model runner."""
     return type(worker.model_runner).__name__
+
+
+def _eplb_placement(worker) -> list:
+    """Runs in the worker: each EPLB model's physical-to-logical expert map ([MoE layer]
+    [physical expert] -> logical expert), as upstream's EplbState holds it."""
+    state = worker.model_runner.eplb.state
+    if state is None:
+        return []
+    return [model.physical_to_logical_map.tolist() for model in state.model_states.values()]
 
 
 def _drafter_parameters(worker) -> dict:

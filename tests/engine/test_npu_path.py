@@ -595,18 +595,24 @@ def test_npu_kernels_equal_reference_kernels_on_quantized_models(tiny_models, tm
     for op in EXPECTED_W4A8_OPS:
         expected[op] = (*expected.get(op, ()), "w4a8")
     expected["npu::npu_moe_distribute_dispatch_v2"] += ("w4a8",)
-    outputs = _quantized_pairs(checkpoints, expected, tmp_path)
+    outputs, output = _quantized_pairs(checkpoints, expected, tmp_path, eplb_labels=("w4a8",))
     for label in (MLA512, "w4a8"):
         assert outputs[(label, "npu")]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
     assert call_counts(tmp_path / "w4a8-npu").get("graph::replay", 0) > 0  # int4 experts in decode graphs
+    # EPLB in the W4A8 NPU run: the int4 experts, their scales and offset terms moved several
+    # times between decode-graph replays, the graphs kept (same buffers, new contents)
+    assert output.count("Rearranging experts sync mode") >= 3, output[-3000:]
+    assert "EPLB is enabled for MoE part of drafter model" in output
 
 
-def _quantized_pairs(checkpoints: dict, expected_ops: dict, tmp_path: Path) -> dict:
+def _quantized_pairs(checkpoints: dict, expected_ops: dict, tmp_path: Path, eplb_labels=()) -> tuple:
     """Each checkpoint (label -> (directory, at TP=2 with EP and MTP k=2)) served with the
     reference and with the NPU kernels (MC2 at TP=2) in one runner process; their tokens
     compared under the near-tie rule, their log-probabilities within LOGPROB_TOLERANCE,
-    and ``expected_ops`` (op -> labels) seen in the NPU runs. The runs' outputs by
-    (label, kernels)."""
+    and ``expected_ops`` (op -> labels) seen in the NPU runs. The NPU runs of ``eplb_labels``
+    enable EPLB with redundant experts, rearranging every few steps (placement does not
+    change the math: the reference runs keep the start-up one). The runs' outputs by
+    (label, kernels), and the runner's output."""
     batches = [LONG_PROMPTS[:6]]
     specs, labels = [], []
     for label, (checkpoint, tp2) in checkpoints.items():
@@ -622,6 +628,11 @@ def _quantized_pairs(checkpoints: dict, expected_ops: dict, tmp_path: Path) -> d
                 )
             if kernels == "npu" and tp2:
                 engine.update(additional_config={"moe_comm_method": "mc2"})
+            if kernels == "npu" and label in eplb_labels:
+                engine.update(
+                    enable_eplb=True,
+                    eplb_config={"num_redundant_experts": 2, "window_size": 4, "step_interval": 5},
+                )
             if kernels == "npu":
                 (tmp_path / f"{label}-npu").mkdir()
                 env = {
@@ -660,4 +671,4 @@ def _quantized_pairs(checkpoints: dict, expected_ops: dict, tmp_path: Path) -> d
     assert not call_counts(tmp_path / "reference"), "the reference runs must not call torch_npu"
     for line in divergences:
         warnings.warn(line, NearTieDivergence, stacklevel=2)
-    return outputs
+    return outputs, output

@@ -174,3 +174,25 @@ class TinyModels(Mapping[str, Path]):
 
     def __len__(self) -> int:
         return len(VARIANTS)
+
+
+def skew_router(model: Path, out: Path, hot_experts: int, bias: float) -> Path:
+    """A copy of ``model`` whose MoE routers prefer their first ``hot_experts`` experts: every
+    gate's correction bias (DeepSeek-V3's ``e_score_correction_bias``, with which transformers
+    and vLLM both select experts) raised by ``bias`` for them, so expert load is skewed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    raised = 0
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                tensor[:hot_experts] += bias
+                raised += 1
+        save_file(tensors, path, metadata={"format": "pt"})
+    if not raised:
+        raise ValueError(f"{model} has no e_score_correction_bias to skew")
+    return out
