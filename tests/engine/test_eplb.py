@@ -72,25 +72,30 @@ def _check_rearranged(output: str, placements: list, logical: int) -> None:
     assert all(worker == placements[0] for worker in placements)  # every rank agrees
 
 
-@pytest.mark.parametrize("strategy", ["mc2", "alltoall"])
-def test_tp2_eplb_rearranges_while_serving_with_transformers_tokens(skewed, strategy):
+def test_tp2_eplb_rearranges_while_serving_with_transformers_tokens(skewed):
+    """TP=2 + EP 2, MC2 then AllToAll forced (one runner process, an engine each)."""
+    strategies = ["mc2", "alltoall"]
     expected = hf_greedy(skewed, PROMPTS, MAX_TOKENS)
-    spec = {
-        "model": str(skewed),
-        "batches": [PROMPTS, PROMPTS[::-1]],
-        "max_tokens": MAX_TOKENS,
-        "engine": {**ENGINE, "tensor_parallel_size": 2, "additional_config": {"moe_comm_method": strategy}},
-        "env": READ_BACK,
-        "eplb_placement": True,
-    }
-    result, output = run_spec(spec, timeout=900)
+    runs = [
+        {
+            "model": str(skewed),
+            "batches": [PROMPTS, PROMPTS[::-1]],
+            "max_tokens": MAX_TOKENS,
+            "engine": {**ENGINE, "tensor_parallel_size": 2, "additional_config": {"moe_comm_method": s}},
+            "env": READ_BACK,
+            "eplb_placement": True,
+        }
+        for s in strategies
+    ]
+    result, output = run_spec({"runs": runs}, timeout=900)
     clean_shutdown(output)
-    first, second = ([r["token_ids"] for r in batch] for batch in result["batches"])
-    assert first == expected
-    assert second == expected[::-1]
-    assert f"first step with the {strategy} strategy" in output
+    for strategy, run in zip(strategies, result["runs"]):
+        first, second = ([r["token_ids"] for r in batch] for batch in run["batches"])
+        assert first == expected, strategy
+        assert second == expected[::-1], strategy
+        assert f"first step with the {strategy} strategy" in output
+        _check_rearranged(output, run["eplb_placement"], logical=8)
     assert "EPLB rearranges synchronously" in output  # the platform's adjustment
-    _check_rearranged(output, result["eplb_placement"], logical=8)
 
 
 def test_dp2_eplb_moves_w4a8_experts_with_their_scales(skewed, tmp_path):
@@ -126,6 +131,7 @@ def test_dp2_eplb_moves_w4a8_experts_with_their_scales(skewed, tmp_path):
             assert len(near_ties) <= 1, near_ties
     text = log.read_text()
     assert "quantization=ascend" in text
+    assert "first step with the allgather strategy" in text
     assert text.count("Rearranging experts sync mode") >= 2, text[-3000:]
     balance = [float(b) for b in BALANCE.findall(text)]
     # (an idle step's balancedness is 0: no load on any rank)
