@@ -60,7 +60,6 @@ def initial_placement(experts: int, redundant: int):
 def rank_balance(trace, placements, ep: int) -> float:
     """max/mean of the routes per EP rank, averaged over layers; ``placements``: each
     layer's physical-to-logical map (routes mapped to replicas by moe/eplb.py)."""
-
     from harness.moe_ranks import eplb_layer_state
     from vllm.ascend.moe.eplb import map_to_physical
 

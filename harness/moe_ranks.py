@@ -78,7 +78,7 @@ BITS = {"w8a8_dynamic": 8, "w4a8_dynamic": 4}
 def eplb_placement(case: dict):
     """The logical expert of each physical one for a case with ``redundant`` replicas (None
     without): every logical expert once and R of them again, shuffled by the case's seed
-    (the same on every rank), so replicas sit on other ranks than their originals."""
+    (the same on every rank), so replicas land on other ranks than their originals."""
     import torch
 
     redundant = case.get("redundant", 0)
