@@ -52,9 +52,12 @@ def routing_trace(layers: int, experts: int, top_k: int, tokens: int, skew: floa
 
 
 def initial_placement(experts: int, redundant: int):
+    """Upstream's start-up map (the redundant slots replicate the first experts)."""
     import torch
 
-    return torch.cat([torch.arange(experts), torch.arange(redundant)])
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    return torch.tensor(EplbState.build_initial_global_physical_to_logical_map(experts, redundant))
 
 
 def rank_balance(trace, placements, ep: int) -> float:
@@ -68,17 +71,6 @@ def rank_balance(trace, placements, ep: int) -> float:
         state = eplb_layer_state(placement, layer.shape[0])
         map_to_physical(layer, state)
         per_rank = state.expert_load_view.view(ep, -1).sum(dim=1).double()
-        ratios.append(float(per_rank.max() / per_rank.mean()))
-    return statistics.mean(ratios)
-
-
-def linear_balance(trace, experts: int, ep: int) -> float:
-    import torch
-
-    ratios = []
-    for layer in trace:
-        counts = torch.bincount(layer.flatten().long(), minlength=experts).double()
-        per_rank = counts.view(ep, -1).sum(dim=1)
         ratios.append(float(per_rank.max() / per_rank.mean()))
     return statistics.mean(ratios)
 
@@ -109,16 +101,8 @@ def _weights(layer: int, logical: int, shapes, dtype, quantized: bool):
     return out
 
 
-def _move_rank(rank: int, ep: int, port: int, job: dict, queue) -> None:
-    try:
-        queue.put(_move(rank, ep, port, job))
-    except BaseException as exc:
-        import traceback
-
-        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
-
-
 def _move(rank: int, ep: int, port: int, job: dict) -> dict:
+    """Runs in rank ``rank`` of ``ep``: one layer set's rearrangement, timed and checked."""
     import os
 
     os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
@@ -173,9 +157,7 @@ def _move(rank: int, ep: int, port: int, job: dict) -> dict:
 
 
 def move_cost(old, new, ep: int, shapes, dtype: str, quantized: bool, repeats: int) -> dict:
-    import torch.multiprocessing as mp
-
-    from harness.ports import free_ports
+    from harness.ranks import spawn_ranks
 
     job = {
         "old": old.tolist(),
@@ -185,15 +167,7 @@ def move_cost(old, new, ep: int, shapes, dtype: str, quantized: bool, repeats: i
         "quantized": quantized,
         "repeats": repeats,
     }
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_ports(1)
-    procs = [ctx.Process(target=_move_rank, args=(r, ep, port, job, queue)) for r in range(ep)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=900) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    results = spawn_ranks(_move, ep, job, timeout=900)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(errors[0])
@@ -231,7 +205,10 @@ def main() -> None:
     start = initial_placement(e, r).expand(args.layers, -1)
     new = rearranged(trace, e, r, ep)
     rows = [
-        ("no EPLB (linear placement)", linear_balance(trace, e, ep)),
+        (
+            "no EPLB (linear placement)",
+            rank_balance(trace, initial_placement(e, 0).expand(args.layers, -1), ep),
+        ),
         ("EPLB at start-up", rank_balance(trace, start, ep)),
         ("EPLB rearranged, same trace", rank_balance(trace, new, ep)),
         ("EPLB rearranged, fresh trace", rank_balance(fresh, new, ep)),

@@ -28,9 +28,7 @@ import statistics
 import sys
 import time
 
-import torch.multiprocessing as mp
-
-from harness.ports import free_ports
+from harness.ranks import spawn_ranks
 
 
 def problem(case: dict, num_tokens: int, dp_rank: int, seed_offset: int = 0):
@@ -112,18 +110,13 @@ def eplb_layer_state(physical_to_logical, num_tokens: int):
     return state
 
 
-def _rank(rank: int, world: int, port: int, case: dict, queue) -> None:
+def _rank(rank: int, world: int, port: int, case: dict) -> dict:
     os.environ.setdefault("VLLM_ASCEND_EMULATE", "1")
     os.environ.update(case.get("env", {}))  # before vllm is imported: kernels are bound at import
     for entry in reversed(case.get("env", {}).get("PYTHONPATH", "").split(os.pathsep)):
         if entry:
             sys.path.insert(0, entry)  # the spawned interpreter read PYTHONPATH before this
-    try:
-        queue.put(run_rank(rank, world, port, case))
-    except BaseException as exc:  # reported to the parent, which fails the test
-        import traceback
-
-        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
+    return run_rank(rank, world, port, case)
 
 
 def run_rank(rank: int, world: int, port: int, case: dict) -> dict:
@@ -407,28 +400,7 @@ class _count_bytes:
 
 
 def run(case: dict, timeout: float = 600) -> list[dict]:
-    world = case["tp"] * case["dp"]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    # below the ephemeral range: a kernel-chosen port may be taken by an outgoing connection
-    # of a concurrent test before rank 0 binds it (seen: the other ranks then retry for 30 min)
-    port = free_ports(1)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, case, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = []
-    deadline = time.monotonic() + timeout
-    try:
-        for _ in procs:
-            out.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
-            if "error" in out[-1]:  # the other ranks may wait for it forever: fail now
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return sorted(out, key=lambda r: r["rank"])
+    return spawn_ranks(_rank, case["tp"] * case["dp"], case, timeout)
 
 
 def main() -> None:

@@ -51,18 +51,15 @@ def skewed(tiny_models, tmp_path_factory):
     return skew_router(tiny_models["deepseek_v3"], tmp_path_factory.mktemp("eplb") / "skewed", 3, 0.6)
 
 
-def _initial_placement(logical: int, redundant: int) -> list[int]:
-    """Upstream's start-up map: the logical experts in order, then replicas of the first."""
-    return list(range(logical)) + list(range(redundant))
-
-
 def _check_rearranged(output: str, placements: list, logical: int) -> None:
     assert "Rearranging experts sync mode" in output, output[-3000:]
     assert "Rearranged experts" in output
     balance = [float(b) for b in BALANCE.findall(output)]
     # (an idle step's balancedness is 0: no load on any rank)
     assert balance and all(0.0 <= b <= 1.0 for b in balance) and max(balance) > 0, balance
-    initial = _initial_placement(logical, REDUNDANT)
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    initial = list(EplbState.build_initial_global_physical_to_logical_map(logical, REDUNDANT))
     for worker in placements:
         [layers] = worker  # one EPLB model (no drafter)
         for layer in layers:
