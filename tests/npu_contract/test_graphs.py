@@ -275,6 +275,26 @@ def test_a_captured_input_freed_after_capture_is_detected_at_replay():
         graph.replay()
 
 
+def test_a_number_assigned_into_a_slice_is_held_by_the_graph():
+    """``t[:, -1] = False`` fills from a 0-dim tensor torch makes on the host for a host
+    tensor but on the device, by a captured fill, for an NPU one: the graph holds it (a
+    persistent input freed after capture still fails, above)."""
+    mask = torch.ones(3, 4, dtype=torch.bool)
+
+    def body():
+        out = mask.clone()
+        out[:, -1] = False
+        return out
+
+    graph, out = _capture(body)
+    gc.collect()
+    mask[0, 0] = False
+    graph.replay()
+    want = torch.ones(3, 4, dtype=torch.bool)
+    want[0, 0] = want[:, -1] = False
+    assert torch.equal(out, want)
+
+
 def test_copies_that_reach_the_dispatcher_whole_are_tasks_and_expansions_are_views():
     """Under inference mode ``to``/``contiguous`` reach the dispatcher as themselves (their
     schema names an alias) and ``broadcast_tensors`` returns expanded views."""

@@ -168,6 +168,10 @@ class _Memory:
         return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
 
 
+def _host_made_scalar(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.untyped_storage().nbytes() <= 8
+
+
 class _HostTask:
     """A task of the stream that is not an op: an external event's wait or reset. ``waits_for``:
     the event a wait blocks on until something records it."""
@@ -409,6 +413,12 @@ class _Graph:
         return value
 
     def _task(self, func, args, kwargs, outputs) -> _Task:
+        if func is torch.ops.aten.fill_.Tensor and len(args) > 1 and _host_made_scalar(args[1]):
+            # ``t[i] = <Python number>``: torch makes the number a 0-dim tensor on the host for
+            # a host ``t`` (every tensor here) but on the device for an NPU ``t``, by a fill
+            # the graph captures into its own pool (ATen/TensorIndexing.h, ``scalarToTensor``
+            # and ``copy_to``): the graph holds it, as its pool would
+            self._adopt(args[1])
         frozen_kwargs = {k: self._freeze(v) for k, v in kwargs.items()}
         return _Task(func, [self._freeze(a) for a in args], frozen_kwargs, outputs)
 
