@@ -66,10 +66,48 @@ class NPUBlockTables(BlockTables):
             out = tuple(self.input_block_tables)
             num_rows = max(num_rows, self._num_dirty_rows)
             self._num_dirty_rows = num_reqs
-        # a sliding window masks by where each request's step starts
         window_start = num_computed_tokens if self.has_sliding_window_groups else None
-        req = idx_mapping.long()
-        counts = self.num_blocks.gpu[:, req].to(torch.int64)  # [groups, num_reqs]
+        self._write_rows(idx_mapping.long(), None, self.num_blocks.gpu, window_start, out)
+        for dst in out:
+            dst[num_reqs:num_rows] = 0  # rows a larger batch left behind
+        return tuple(t[:num_reqs_padded] for t in out)
+
+    def gather_padded_rows(
+        self, idx_mapping: torch.Tensor, num_blocks: torch.Tensor, num_computed_tokens: torch.Tensor
+    ) -> None:
+        """``gather_block_tables`` into rows ``[:len(idx_mapping)]`` of the forward's tables
+        for a batch padded with ``-1`` entries (zero rows, as upstream leaves padded rows), in
+        fixed shapes and without host state, so a graph can capture it; ``num_blocks``: a
+        copy of the per-request block counts (their upstream buffer moves every step).
+        Rows a larger batch left behind are the caller's (``clear_rows_beyond``)."""
+        if self.num_kv_cache_groups == 0:
+            return
+        real = idx_mapping >= 0
+        window_start = num_computed_tokens if self.has_sliding_window_groups else None
+        self._write_rows(
+            idx_mapping.clamp(min=0).long(), real, num_blocks, window_start, self.input_block_tables
+        )
+
+    def clear_rows_beyond(self, num_rows: int, num_reqs: int) -> None:
+        """After ``gather_padded_rows`` over ``num_rows`` rows for ``num_reqs`` requests:
+        zero the rows past them a larger batch left behind, as ``gather_block_tables`` does."""
+        for dst in self.input_block_tables[: self.num_kv_cache_groups]:
+            if self._num_dirty_rows > num_rows:
+                dst[num_rows : self._num_dirty_rows] = 0
+        self._num_dirty_rows = num_reqs
+
+    def _write_rows(
+        self,
+        req: torch.Tensor,
+        real: torch.Tensor | None,
+        num_blocks: torch.Tensor,
+        window_start: torch.Tensor | None,
+        out,
+    ) -> None:
+        """Rows ``[:len(req)]`` of each group's ``out`` table: request ``req[i]``'s blocks
+        (zeros where ``real`` is false)."""
+        num_reqs = req.shape[0]
+        counts = num_blocks[:, req].to(torch.int64)  # [groups, num_reqs]
         for group, (table, dst) in enumerate(zip(self.block_tables, out)):
             width = dst.shape[1]
             col = torch.arange(width, device=dst.device)[None, :]
@@ -81,9 +119,11 @@ class NPUBlockTables(BlockTables):
                 attended = col >= ((first - reach).clamp(min=0) // block)[:, None]
                 rows = torch.where(attended, rows, torch.zeros_like(rows))
             # columns past a request's blocks keep what they held, as upstream's kernel does
-            dst[:num_reqs] = torch.where(col < counts[group][:, None], rows, dst[:num_reqs])
-            dst[num_reqs:num_rows] = 0  # rows a larger batch left behind
-        return tuple(t[:num_reqs_padded] for t in out)
+            keep = col < counts[group][:, None]
+            if real is not None:
+                rows = torch.where(real[:, None], rows, 0)
+                keep = keep | ~real[:, None]
+            dst[:num_reqs] = torch.where(keep, rows, dst[:num_reqs])
 
     def compute_slot_mappings(
         self,
@@ -107,7 +147,7 @@ class NPUBlockTables(BlockTables):
         for group, table in enumerate(self.block_tables):
             block_size = self.block_sizes[group]
             if not self._slot_mapping_enabled[group]:
-                slot_mappings[group] = PAD_SLOT_ID
+                slot_mappings[group].fill_(PAD_SLOT_ID)
                 continue
             sharded = self.cp_size > 1 and self._dcp_sharded[group]
             if sharded:

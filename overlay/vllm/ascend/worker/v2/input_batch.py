@@ -34,7 +34,7 @@ def prepare_pos_seq_lens(
     computed = num_computed_tokens_ptr[idx_mapping_ptr.long()].to(torch.int64)
     qsl = query_start_loc_ptr[: num_reqs + 1].to(torch.int64)
     seq_lens_ptr[:num_reqs] = (computed + qsl[1:] - qsl[:-1]).to(seq_lens_ptr.dtype)
-    seq_lens_ptr[num_reqs:max_num_reqs] = 0
+    seq_lens_ptr[num_reqs:max_num_reqs].fill_(0)  # (a 0 assigned would be a temporary tensor)
     if num_reqs == 0:
         return
     rows, offset, inside = request_of_token(qsl[1:], pos_ptr.shape[0])
