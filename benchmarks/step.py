@@ -17,13 +17,16 @@ and proposes the next ones):
 - **replays** and **updates**: graph replays (each one launch) and the ops a graph update
   re-issues (torch_npu rewrites captured tasks with the step's lengths);
 - **syncs**: host reads of a device value while device work is in flight, as the double
-  counts them, by site;
+  counts them, by site; the reads it counts at the sites of ``HOST_TENSOR_READS`` read host
+  tensors upstream's runner made from numpy (the double cannot tell them apart) and are
+  listed apart as host-tensor reads;
 - **host ms**: the step's wall time minus the time inside the dispatched ops and the
   replayed tasks (Python and argument handling an NPU would not hide). Median.
 
-Goals (issue 63): at most 24 device ops per decode step (48 with MTP k = 2) and no host
-synchronisation. Ops issued from other threads than the engine's are not seen. Host
-numbers of this machine through the double; no claim about NPU time.
+Goals (issue 63): at most 24 device ops per decode step (48 with MTP k = 2), a graph
+replay counting as one, and no host synchronisation. Ops issued from other threads than
+the engine's are not seen. Host numbers of this machine through the double; no claim
+about NPU time.
 """
 
 from __future__ import annotations
@@ -61,6 +64,23 @@ CASES = {  # name -> (model, sampling, draft tokens)
     "deepseek_v3_mtp2": ("deepseek_v3", GREEDY, 2),
 }
 GOAL_OPS = {0: 24, 1: 48, 2: 48}
+# Reads the double counts as syncs (device work is in flight since a graph replay) whose
+# tensor is a host one, made from numpy by upstream's runner: on an NPU they wait for
+# nothing. Listed apart, with what they read. (file, function) -> the host tensor.
+HOST_TENSOR_READS = {
+    ("ascend/attention/backend.py", "build"): "query_start_loc_cpu (from numpy, model_states/default.py)",
+    ("ascend/attention/mla.py", "build"): "query_start_loc_cpu (from numpy, model_states/default.py)",
+    ("ascend/attention/backend.py", "host_seq_lens"): "seq_lens_cpu_upper_bound (from numpy, prepare_inputs)",
+    ("gpu/model_states/default.py", "prepare_attn"): "seq_lens_cpu_upper_bound[:n].max()",
+    ("target_dependent_ar/speculator.py", "propose"): "seq_lens_cpu_upper_bound[:n].max()",
+}
+
+
+def host_tensor_read(site: str) -> bool:
+    """``site``: the double's "path:line (function)"."""
+    path, _, rest = site.partition(":")
+    function = rest.partition("(")[2].partition(")")[0]
+    return any(path.endswith(f) and function == fn for f, fn in HOST_TENSOR_READS)
 
 
 # -- the engine side (a child process) --------------------------------------------------------
@@ -197,19 +217,22 @@ def child(spec: dict) -> None:
         params = SamplingParams(max_tokens=spec["steps"] * (k + 1), ignore_eos=True, **spec["sampling"])
         llm.generate([f"{i} {prompt}" for i in range(batch)], params, use_tqdm=False)
         decode = [s for s in steps if s.done and s.tokens == batch * (k + 1)][1:]  # past the first
-        sites, syncs = collections.Counter(), collections.Counter()
+        sites, syncs, host_reads = collections.Counter(), collections.Counter(), collections.Counter()
         for s in decode:
             sites.update(s.sites)
-            syncs.update(s.syncs)
+            for site, c in s.syncs.items():
+                (host_reads if host_tensor_read(site) else syncs)[site] += c
         n = max(len(decode), 1)
         results[batch] = {
             "ops": statistics.median(sum(s.sites.values()) for s in decode) if decode else 0,
             "replays": statistics.median(s.replays for s in decode) if decode else 0,
             "updates": statistics.median(s.updates for s in decode) if decode else 0,
             "syncs": sum(syncs.values()) / n,
+            "host_reads": sum(host_reads.values()) / n,
             "host_ms": statistics.median(s.host_ms for s in decode) if decode else 0.0,
             "sites": {site: c / n for site, c in sites.most_common()},
             "sync_sites": {site: c / n for site, c in syncs.most_common()},
+            "host_read_sites": {site: c / n for site, c in host_reads.most_common()},
             "steps": len(decode),
         }
     print("RESULT " + json.dumps(results))
@@ -243,14 +266,18 @@ def main() -> None:
             print(f"{case} ...", flush=True)
             table[case] = run_child(__file__, spec, env, 1800, case)
     print()
-    print("| case | batch | device ops/step | goal | replays | update ops | syncs/step | host ms/step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| case | batch | device ops/step | replays | ops + replays | goal | update ops | syncs/step "
+        "| host-tensor reads | host ms/step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case in args.case:
         for batch in args.batch:
             r = table[case][str(batch)]
             print(
-                f"| {case} | {batch} | {r['ops']:g} | <= {GOAL_OPS[CASES[case][2]]} | {r['replays']:g} | "
-                f"{r['updates']:g} | {r['syncs']:g} (goal 0) | {r['host_ms']:.2f} |"
+                f"| {case} | {batch} | {r['ops']:g} | {r['replays']:g} | {r['ops'] + r['replays']:g} | "
+                f"<= {GOAL_OPS[CASES[case][2]]} | {r['updates']:g} | {r['syncs']:g} (goal 0) | "
+                f"{r['host_reads']:g} | {r['host_ms']:.2f} |"
             )
     for case in args.case:
         r = table[case][str(args.batch[0])]
@@ -259,6 +286,8 @@ def main() -> None:
             print(f"  {n:7.1f}  {site}")
         for site, n in r["sync_sites"].items():
             print(f"  sync {n:4.1f}  {site}")
+        for site, n in r["host_read_sites"].items():
+            print(f"  host-tensor read {n:4.1f}  {site}")
 
 
 if __name__ == "__main__":

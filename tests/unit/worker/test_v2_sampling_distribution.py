@@ -103,7 +103,7 @@ def fit_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))
 
 
-def _sampler(params: list[SamplingParams]) -> NPUSampler:
+def npu_sampler(params: list[SamplingParams]) -> NPUSampler:
     states = RequestState(len(params), 64, 64, 0, VOCAB, torch.device("cpu"))
     sampler = NPUSampler(VllmConfig(), len(params), VOCAB, torch.device("cpu"), states)
     for i, p in enumerate(params):
@@ -112,7 +112,9 @@ def _sampler(params: list[SamplingParams]) -> NPUSampler:
     return sampler
 
 
-def _draw(sampler: NPUSampler, logits: torch.Tensor, requests: list[int], position: int = 9) -> torch.Tensor:
+def draw_tokens(
+    sampler: NPUSampler, logits: torch.Tensor, requests: list[int], position: int = 9
+) -> torch.Tensor:
     """One token for each of ``requests`` (state rows), every row showing ``logits``."""
     n = len(requests)
     index = torch.tensor(requests, dtype=torch.int32)
@@ -129,7 +131,7 @@ def _draw(sampler: NPUSampler, logits: torch.Tensor, requests: list[int], positi
     return sampled[:, 0] if sampled.dim() == 2 else sampled
 
 
-def _params(seed: int, **overrides) -> SamplingParams:
+def seeded_params(seed: int, **overrides) -> SamplingParams:
     return SamplingParams(
         **{"temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P, "seed": seed, **overrides}
     )
@@ -137,9 +139,9 @@ def _params(seed: int, **overrides) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def draws(hf_logits) -> torch.Tensor:
-    sampler = _sampler([_params(1000 + i) for i in range(DRAWS)])
+    sampler = npu_sampler([seeded_params(1000 + i) for i in range(DRAWS)])
     assert not sampler.all_greedy(np.arange(DRAWS))  # upstream's random path, our torch forms
-    return torch.bincount(_draw(sampler, hf_logits, list(range(DRAWS))).long(), minlength=VOCAB)
+    return torch.bincount(draw_tokens(sampler, hf_logits, list(range(DRAWS))).long(), minlength=VOCAB)
 
 
 def test_seeded_draws_follow_transformers_temperature_top_k_top_p_distribution(hf_logits, draws):
@@ -174,15 +176,15 @@ def test_a_seed_draws_the_same_token_whatever_the_batch_holds(hf_logits):
     request, other sampling settings): the same token each time, for several seeds."""
     for seed in (7, 8, 9):
         params = [
-            _params(seed),
-            _params(seed + 100),
+            seeded_params(seed),
+            seeded_params(seed + 100),
             SamplingParams(temperature=0.0),
-            _params(seed + 200, top_k=0, top_p=0.5, temperature=1.3),
+            seeded_params(seed + 200, top_k=0, top_p=0.5, temperature=1.3),
         ]
-        sampler = _sampler(params)
-        alone = _draw(sampler, hf_logits, [0])
-        first = _draw(sampler, hf_logits, [0, 1, 2, 3])
-        last = _draw(sampler, hf_logits, [3, 2, 1, 0])
+        sampler = npu_sampler(params)
+        alone = draw_tokens(sampler, hf_logits, [0])
+        first = draw_tokens(sampler, hf_logits, [0, 1, 2, 3])
+        last = draw_tokens(sampler, hf_logits, [3, 2, 1, 0])
         assert int(alone[0]) == int(first[0]) == int(last[3]), seed
 
 
@@ -218,7 +220,7 @@ def verified(hf_logits_two) -> dict:
     draft_logits = target + torch.randn(VOCAB, generator=gen) * 1.5
     q = torch.softmax(draft_logits / TEMPERATURE, dim=-1)
     drafts = torch.multinomial(q, DRAWS, replacement=True, generator=gen)
-    params = [_params(3000 + i, top_k=0, top_p=1.0) for i in range(DRAWS)]
+    params = [seeded_params(3000 + i, top_k=0, top_p=1.0) for i in range(DRAWS)]
     sampler = _rejection_sampler(params)
     assert not sampler.greedy_path(np.arange(DRAWS))  # upstream's random walk, our torch forms
     cache = DraftLogitsCache(DRAWS, K, VOCAB, dtype=torch.float32, fill=0.0, device="cpu")

@@ -27,9 +27,11 @@ import functools
 
 import torch
 
+from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend import step_cache
@@ -41,6 +43,7 @@ from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
 from vllm.ascend.worker.v2.rejection_sampler import NPURejectionSampler
 from vllm.ascend.worker.v2.sample import NPUSampler
 from vllm.ascend.worker.v2.seq_lens import ExactHostSeqLens
+from vllm.ascend.worker.v2.step_graphs import DecodeStepGraphs, StepBuffers
 
 logger = init_logger(__name__)
 
@@ -56,6 +59,10 @@ class NPUModelRunner(GPUModelRunner):
             if vllm_config.scheduler_config.async_scheduling and vllm_config.speculative_config is not None
             else None
         )
+        # a decode step's work around the forward replayed from graphs (made with the captures)
+        self.decode_step_graphs: DecodeStepGraphs | None = None
+        # the block tables and slot mappings the input graph wrote for this step
+        self._graphed_attention_inputs: tuple | None = None
 
     @property
     def block_tables_cls(self):
@@ -79,13 +86,140 @@ class NPUModelRunner(GPUModelRunner):
         captured = super().capture_model(profile_only=profile_only)
         if isinstance(self.sampler, NPUSampler):  # a random batch's sampler (worker/v2/gumbel_graphs.py)
             captured += self.sampler.capture_graphs(profile_only)
+        with torch.inference_mode():  # as upstream's capture (its buffers are inference tensors)
+            graphs = self._make_decode_step_graphs()
+            if graphs is not None:
+                captured += graphs.capture(log=not profile_only)
+                if profile_only:
+                    # measured and dropped: the block tables it writes are made again with
+                    # the real KV cache, after the profile
+                    graphs.release()
+                    self.decode_step_graphs = None
         return captured
+
+    def _make_decode_step_graphs(self) -> DecodeStepGraphs | None:
+        if self.decode_step_graphs is None and isinstance(self.block_tables, NPUBlockTables):
+            # (its buffers are the runner's of now: the block tables, the sampler's logits)
+            sizes = self.compilation_config.decode_cudagraph_capture_request_sizes or ()
+            if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE and sizes:
+                buffers, states = self.input_buffers, self.req_states
+                sampler = self.sampler if isinstance(self.sampler, NPUSampler) else None
+                self.decode_step_graphs = DecodeStepGraphs(
+                    list(sizes),
+                    StepBuffers(
+                        positions=buffers.positions,
+                        seq_lens=buffers.seq_lens,
+                        input_ids=buffers.input_ids,
+                        query_start_loc=buffers.query_start_loc,
+                        num_computed_tokens=states.num_computed_tokens.gpu,
+                        last_sampled_tokens=states.last_sampled_tokens,
+                        draft_tokens=states.draft_tokens,
+                        all_token_ids=states.all_token_ids.gpu,
+                        total_len=states.total_len.gpu,
+                        output_bin_counts=(
+                            self.sampler.penalties_state.output_bin_counts if self.is_last_pp_rank else None
+                        ),
+                        logits=sampler.logits_buffer if sampler is not None else None,
+                    ),
+                    self.block_tables,
+                    self.max_num_reqs,
+                    use_fp64_gumbel=sampler.use_fp64_gumbel if sampler is not None else False,
+                )
+        return self.decode_step_graphs
 
     def prepare_inputs(self, *args, **kwargs):
         input_batch = super().prepare_inputs(*args, **kwargs)
         if self.exact_host_seq_lens is not None:
             self.exact_host_seq_lens.apply(input_batch)
         return input_batch
+
+    # -- a decode step's work around the forward from graphs (worker/v2/step_graphs.py) ----
+    def prepare_positions_and_tokens(
+        self, batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits
+    ) -> torch.Tensor:
+        # (hook patch ``v2-runner-let-a-hardware-runner-prepare-positions-and-tokens``)
+        self._graphed_attention_inputs = None
+        graphs = self.decode_step_graphs
+        size = None
+        if graphs is not None:
+            graphs.forget_step()
+            num_reqs = idx_mapping.shape[0]
+            if (
+                self.pcp_manager is None
+                and graphs.writes(self.block_tables)  # (not ones made again since the capture)
+                and not batch_req_state.has_prefill
+                and batch_req_state.num_tokens == num_reqs == total_num_logits
+                and self.model_state.num_new_sampled_tokens_per_step == 1
+                and query_start_loc.data_ptr() == self.input_buffers.query_start_loc.data_ptr()
+            ):
+                size = graphs.size_for(num_reqs, query_start_loc.shape[0] - 1)
+        if size is None:
+            return super().prepare_positions_and_tokens(
+                batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits
+            )
+        blocks = self.block_tables
+        logits_indices = graphs.begin_step(
+            size, idx_mapping, self.req_states.prefill_len.gpu, blocks.num_blocks.gpu
+        )
+        self._graphed_attention_inputs = (
+            tuple(t[:size] for t in blocks.input_block_tables),
+            blocks.slot_mappings,
+        )
+        return logits_indices
+
+    def prepare_attn(self, input_batch):
+        graphed, self._graphed_attention_inputs = self._graphed_attention_inputs, None
+        if graphed is None:
+            return super().prepare_attn(input_batch)
+        block_tables, slot_mappings = graphed
+        return block_tables, slot_mappings[:, : input_batch.num_tokens_after_padding]
+
+    def sample(self, hidden_states, input_batch, grammar_output):
+        graphs = self.decode_step_graphs
+        kind = None
+        if (
+            graphs is not None
+            and graphs.samples
+            and graphs.graphed(input_batch.idx_mapping)
+            and grammar_output is None
+            and self.batch_sharder is None
+            and not input_batch.num_draft_tokens
+        ):
+            kind = self.sampler.graph_sampling_kind(input_batch.idx_mapping_np)
+        if kind is None:
+            return super().sample(hidden_states, input_batch, grammar_output)
+        logits = self.model_state.compute_sample_logits(hidden_states[input_batch.logits_indices])
+        tokens, num_sampled, num_rejected = graphs.replay_sampling(
+            kind, logits, self.sampler.sampling_sources()
+        )
+        output = SamplerOutput(
+            sampled_token_ids=tokens,
+            logprobs_tensors=None,
+            num_nans=None,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+        return output, num_sampled, num_rejected
+
+    def postprocess_sampled(
+        self, idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc=None, draft_tokens=None
+    ) -> None:
+        graphs = self.decode_step_graphs
+        if (
+            graphs is None
+            or not graphs.graphed(idx_mapping)
+            or draft_tokens is not None
+            or not self.is_last_pp_rank
+            or sampled_tokens.shape[1] != 1
+            or query_start_loc is None
+            or query_start_loc.data_ptr() != self.input_buffers.query_start_loc.data_ptr()
+        ):
+            return super().postprocess_sampled(
+                idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc, draft_tokens
+            )
+        graphs.replay_update(sampled_tokens, num_sampled, num_rejected)
+        # (upstream's postprocess_sampled ends so too)
+        self.model_state.postprocess_state(idx_mapping, num_sampled, self.req_states.num_computed_tokens.gpu)
 
     # -- prefill context parallel: the attention backends plan it from the whole step and
     # shard the KV over PCP x DCP; the model call runs this rank's share (hook patch

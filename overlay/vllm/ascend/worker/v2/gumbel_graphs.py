@@ -82,6 +82,12 @@ class GumbelGraphs:
             )
         return taken
 
+    @property
+    def logits_buffer(self) -> torch.Tensor:
+        """The float32 logits rows the graphs read (the decode-step graphs' greedy sampling
+        reads them too: a step samples one way or the other)."""
+        return self._logits
+
     def release(self) -> None:
         """Drop the graphs (and so their pool): the memory profile's capture is thrown away."""
         self._captured.clear()

@@ -25,6 +25,7 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 
 from vllm.ascend.worker.v2.gumbel import first_max_or_nan
 from vllm.ascend.worker.v2.gumbel_graphs import GumbelGraphs
+from vllm.ascend.worker.v2.step_graphs import GREEDY, SamplingSources, random_kind
 
 
 class NPUSampler(Sampler):
@@ -51,6 +52,48 @@ class NPUSampler(Sampler):
 
     def all_greedy(self, idx_mapping_np: np.ndarray) -> bool:
         return bool(np.all(self.sampling_states.temperature.np[idx_mapping_np] == 0.0))
+
+    def graph_sampling_kind(self, idx_mapping_np: np.ndarray) -> str | None:
+        """How the decode-step graphs may sample this batch (``step_graphs.py``): when its
+        output is the sampled tokens and nothing else (no logprobs, NaN counts, sampling
+        masks or trace replay) and no stage of upstream's processing runs but temperature,
+        top-k and top-p (each skipped here by the host check upstream's stage skips by):
+        ``"greedy"`` or one of the random kinds; else None."""
+        idx = idx_mapping_np
+        if (
+            self.get_logprobs_dims(idx) is not None
+            or self.compute_nans
+            or self.return_sampling_mask
+            or self.trace_replay_state is not None
+        ):
+            return None
+        if self.all_greedy(idx):
+            return GREEDY if not np.any(self.needs_logits_processing[idx]) else None
+        logit_bias, penalties, bad_words, *custom = self.logits_processors
+        thinking = self.thinking_budget_state
+        states = self.sampling_states
+        if (
+            custom
+            or np.any(logit_bias.use_logit_bias[idx])
+            or np.any(penalties.use_penalty[idx])
+            or np.any(bad_words.num_bad_words.np[idx] != 0)
+            or (thinking.enabled and np.any(thinking.use_thinking_budget[idx]))
+            or np.any(states.min_p.np[idx] != 0.0)
+            or self.use_flashinfer
+            or self.use_xpu_sampler
+        ):
+            return None
+        return random_kind(
+            bool(np.any(states.top_k.np[idx] != states.vocab_size)), bool(np.any(states.top_p.np[idx] != 1.0))
+        )
+
+    def sampling_sources(self) -> SamplingSources:
+        states = self.sampling_states
+        return SamplingSources(states.temperature.gpu, states.seeds.gpu, states.top_k.gpu, states.top_p.gpu)
+
+    @property
+    def logits_buffer(self) -> torch.Tensor | None:
+        return self.gumbel_graphs.logits_buffer if self.gumbel_graphs is not None else None
 
     def sample(
         self,

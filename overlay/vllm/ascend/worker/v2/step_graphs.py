@@ -1,0 +1,375 @@
+"""The device work around a decode step's forward replayed from NPU graphs, three per
+request count the decode graphs are captured for: the step's inputs, a greedy batch's
+sampling and the states' update after sampling.
+
+Upstream's runner does this work in a few Triton launches: positions and sequence
+lengths, the token ids (last sampled tokens), the block tables' rows and slot mappings
+before the forward; the pick and the sampled/rejected counts after it; the state update
+(``post_update``) at the end. Their torch forms (``input_batch.py``, ``gumbel.py``,
+``worker/block_tables.py``) are some 130 device ops, each a host dispatch and a kernel
+launch on Ascend. In a decode step without drafts (one token per request, no prefill)
+they are pure functions of persistent buffers, so each replays from a graph:
+
+- **inputs** (``prepare_inputs``): four copies into the graph's inputs (the request
+  slots, padded; the prefill lengths and block counts, whose upstream buffers rotate each
+  step), one replay;
+- **greedy sampling** (an all-greedy batch without logits processing, logprobs or NaN
+  counts): one copy of the logits into a float32 buffer (exact for bfloat16 and float16
+  logits; the sampler's random-batch graphs read the same buffer, a step takes one or the
+  other), one replay, copies of the tokens and counts out (an asynchronous copy to the host
+  may read them after the next replay);
+- **state update** (``postprocess_sampled``): one replay after a greedy step, three copies
+  in first after any other sampler.
+
+Rows past the step's requests, up to the captured size, are request slot ``-1``: zero
+sequence length and block-table row, padding slots, no token written, no state updated,
+as upstream leaves padded rows. What is captured is the forms the eager step runs, on the
+padded batch: ``tests/unit/worker/test_v2_step_graphs.py`` holds every buffer equal to
+upstream's eager sequence, ``tests/engine/test_graphs.py`` the tokens. Captured after the
+decode graphs, measured in the memory profile and dropped there, as the sampler's graphs.
+NPU-unverified: passes the contract double's graph checks (no host read, no default-stream
+capture, replay on captured memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
+
+from vllm.ascend import device as ascend_device
+from vllm.ascend.graph import capture as graph_capture
+from vllm.ascend.worker.block_tables import NPUBlockTables
+from vllm.ascend.worker.v2.gumbel import first_max_or_nan
+from vllm.ascend.worker.v2.input_batch import (
+    combine_sampled_and_draft_tokens,
+    get_num_sampled_and_rejected,
+    post_update,
+    prepare_pos_seq_lens,
+)
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class StepBuffers:
+    """The runner's persistent buffers the graphs read and write (fixed addresses)."""
+
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    input_ids: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_computed_tokens: torch.Tensor
+    last_sampled_tokens: torch.Tensor
+    draft_tokens: torch.Tensor
+    all_token_ids: torch.Tensor
+    total_len: torch.Tensor
+    output_bin_counts: torch.Tensor | None  # (None: not the last pipeline rank)
+    logits: torch.Tensor | None  # float32 [rows, vocab], the sampler's; None: no greedy graphs
+
+
+@dataclass
+class SamplingSources:
+    """The sampling states' per-request values this step: upstream uploads each anew (a new
+    tensor at another address) when requests join, and never rewrites an upload in place."""
+
+    temperature: torch.Tensor
+    seeds: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+
+# how a batch is sampled from a graph: greedy, or random with top-k and/or top-p or neither
+GREEDY = "greedy"
+RANDOM_KINDS = ("random", "random_top_k", "random_top_p", "random_top_k_top_p")
+SAMPLING_KINDS = (GREEDY, *RANDOM_KINDS)
+
+
+def random_kind(top_k: bool, top_p: bool) -> str:
+    return RANDOM_KINDS[int(top_k) + 2 * int(top_p)]
+
+
+class _Mirror:
+    """A fixed-address copy of one of those uploads, copied again only when the upload is a
+    new tensor (steps without joining requests copy nothing)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.zeros(size, dtype=dtype, device=device)
+        self._source: torch.Tensor | None = None
+
+    def refresh(self, source: torch.Tensor) -> None:
+        if source is not self._source:
+            self.tensor[: source.shape[0]].copy_(source)
+            self._source = source  # (held: its identity is not reused while held)
+
+
+@dataclass
+class _Captured:
+    inputs: graph_capture.AscendGraph
+    logits_indices: torch.Tensor
+    sampling: dict[str, graph_capture.AscendGraph]
+    update: graph_capture.AscendGraph
+
+
+@dataclass
+class _Step:
+    """The step whose inputs came from a graph: its size and its request slots (upstream's
+    tensor, which the runner passes on to sampling and the update)."""
+
+    size: int
+    idx_mapping: torch.Tensor
+    sampled: bool = False  # by a sampling graph, whose outputs the update reads in place
+
+
+class DecodeStepGraphs:
+    def __init__(
+        self,
+        sizes: list[int],
+        buffers: StepBuffers,
+        block_tables: NPUBlockTables,
+        max_num_reqs: int,
+        use_fp64_gumbel: bool = False,
+    ) -> None:
+        self.sizes = sorted({s for s in sizes if 0 < s <= max_num_reqs})
+        if buffers.logits is not None and self.sizes and buffers.logits.shape[0] < self.sizes[-1]:
+            raise ValueError(
+                f"the logits buffer holds {buffers.logits.shape[0]} rows, fewer than {self.sizes[-1]}"
+            )
+        self._buffers = buffers
+        self._block_tables = block_tables
+        self._max_num_reqs = max_num_reqs
+        device = buffers.positions.device
+        rows = self.sizes[-1] if self.sizes else 0
+        # the graphs' inputs and outputs besides the runner's buffers
+        self._idx = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        self._use_fp64_gumbel = use_fp64_gumbel
+        self._prefill_len = _Mirror(max_num_reqs, torch.int32, device)
+        self._temperature = _Mirror(max_num_reqs, torch.float32, device)
+        self._seeds = _Mirror(max_num_reqs, torch.int64, device)
+        self._top_k = _Mirror(max_num_reqs, torch.int32, device)
+        self._top_p = _Mirror(max_num_reqs, torch.float32, device)
+        self._num_blocks = torch.zeros(
+            block_tables.num_kv_cache_groups, max_num_reqs, dtype=torch.int32, device=device
+        )
+        self._cu_num_logits = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self._sampled = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self._num_sampled = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._num_rejected = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._captured: dict[int, _Captured] = {}
+        self._step: _Step | None = None
+
+    # -- capture ------------------------------------------------------------------------
+    def capture(self, log: bool = True) -> int:
+        """Three graphs per size on the capture context's side stream, one memory pool; the
+        device memory they took. Every row is padding while capturing."""
+        if self._captured or not self.sizes:
+            return 0
+        layer = ascend_device.current()
+        free_before = layer.accelerator_memory_info()[0]
+        pool = layer.graph_pool_handle()
+        self._idx.fill_(-1)
+        with graph_capture.capture_context() as session:
+            for rows in self.sizes:
+                inputs = graph_capture.AscendGraph()
+                logits_indices = torch.zeros(rows, dtype=torch.int64, device=self._idx.device)
+                with graph_capture.capture(inputs, pool, session.stream):
+                    self.prepare_inputs(rows, logits_indices)
+                sampling = {}
+                for kind in SAMPLING_KINDS if self._buffers.logits is not None else ():
+                    sampling[kind] = graph_capture.AscendGraph()
+                    with graph_capture.capture(sampling[kind], pool, session.stream):
+                        self.sample(rows, kind, logits_indices)
+                update = graph_capture.AscendGraph()
+                with graph_capture.capture(update, pool, session.stream):
+                    self.update_states(rows)
+                self._captured[rows] = _Captured(inputs, logits_indices, sampling, update)
+        taken = free_before - layer.accelerator_memory_info()[0]
+        if log:
+            logger.info(
+                "Ascend decode-step graphs: %d captured (inputs, %s and state updates of up to %d "
+                "requests), %.1f MiB",
+                sum(2 + len(c.sampling) for c in self._captured.values()),
+                "sampling" if self._buffers.logits is not None else "no sampling",
+                self.sizes[-1],
+                taken / 2**20,
+            )
+        return taken
+
+    def release(self) -> None:
+        self._captured.clear()
+        self._step = None
+
+    # -- what each graph captures (fixed shapes, no host state; the tests run them eagerly)
+    def prepare_inputs(self, rows: int, logits_indices: torch.Tensor) -> None:
+        """The step's inputs for the first ``rows`` staged request slots (``-1``: padding)."""
+        b = self._buffers
+        idx = self._idx[:rows]
+        real = idx >= 0
+        req = idx.clamp(min=0)
+        qsl = b.query_start_loc[: rows + 1]
+        prepare_pos_seq_lens(b.positions, b.seq_lens, req, qsl, b.num_computed_tokens, self._max_num_reqs)
+        b.seq_lens[:rows] = torch.where(real, b.seq_lens[:rows], 0)
+        cu = self._cu_num_logits[: rows + 1]
+        torch.cumsum(real, 0, out=cu[1:])  # one logit per real request, none per padding row
+        combine_sampled_and_draft_tokens(
+            b.input_ids,
+            req,
+            b.last_sampled_tokens,
+            qsl,
+            b.seq_lens[:rows],
+            self._prefill_len.tensor,
+            b.draft_tokens,
+            b.draft_tokens.stride(0),
+            cu,
+            logits_indices,
+            NUM_NEW_SAMPLED_TOKENS=1,
+        )
+        self._block_tables.gather_padded_rows(idx, self._num_blocks, b.num_computed_tokens)
+        self._block_tables.compute_slot_mappings(idx, qsl, b.positions, rows)
+
+    def sample(self, rows: int, kind: str, logits_indices: torch.Tensor) -> None:
+        """Sample the staged float32 logits as upstream's sampler does a batch of this
+        ``kind`` without logits processing, logprobs or NaN counts: greedy, the pick (the
+        rule ``gumbel.first_max_or_nan`` states); random, temperature, then top-k/top-p
+        (upstream's torch form) where the kind has them, then the Gumbel-max draw. Then
+        the counts upstream's sampler makes: one token per request not mid-prefill, no
+        rejections."""
+        b = self._buffers
+        assert b.logits is not None
+        idx = self._idx[:rows]
+        logits = b.logits[:rows]
+        if kind == GREEDY:
+            self._sampled[:rows, 0] = first_max_or_nan(logits)
+        else:
+            req = idx.clamp(min=0)
+            apply_temperature(logits, req, self._temperature.tensor)
+            top_k = self._top_k.tensor[req] if kind in ("random_top_k", "random_top_k_top_p") else None
+            top_p = self._top_p.tensor[req] if kind in ("random_top_p", "random_top_k_top_p") else None
+            if top_k is not None or top_p is not None:
+                # (the flag is a speed hint of the Triton form; True is right for any batch)
+                logits = apply_top_k_top_p(logits, top_k, top_p, has_topp_only_rows=True)
+            self._sampled[:rows, 0] = gumbel_sample(
+                logits,
+                idx,  # padding rows -1: sampled greedily, read by nothing
+                self._temperature.tensor,
+                self._seeds.tensor,
+                b.positions[logits_indices],
+                apply_temperature=False,
+                is_drafting=False,
+                use_fp64=self._use_fp64_gumbel,
+            )
+        self._num_sampled[:rows].fill_(1)
+        get_num_sampled_and_rejected(
+            self._num_sampled[:rows],
+            self._num_rejected[:rows],
+            b.seq_lens[:rows],
+            self._cu_num_logits[: rows + 1],
+            idx.clamp(min=0),
+            self._prefill_len.tensor,
+        )
+
+    def update_states(self, rows: int) -> None:
+        """Upstream's ``post_update`` of a step without drafts; padding rows skipped."""
+        b = self._buffers
+        post_update(
+            self._idx[:rows],
+            b.num_computed_tokens,
+            b.last_sampled_tokens,
+            b.output_bin_counts,
+            b.output_bin_counts.stride(0) if b.output_bin_counts is not None else 0,
+            self._sampled[:rows],
+            self._sampled.stride(0),
+            self._num_sampled[:rows],
+            self._num_rejected[:rows],
+            b.query_start_loc,
+            b.all_token_ids,
+            b.all_token_ids.stride(0),
+            b.total_len,
+            None,
+            b.draft_tokens,
+            0,
+        )
+
+    # -- a step ------------------------------------------------------------------------
+    def writes(self, block_tables: NPUBlockTables) -> bool:
+        return block_tables is self._block_tables
+
+    def size_for(self, num_reqs: int, num_reqs_padded: int) -> int | None:
+        """The captured size that replays a step of ``num_reqs`` requests padded to
+        ``num_reqs_padded`` rows, if any."""
+        if num_reqs_padded not in self._captured or num_reqs > num_reqs_padded:
+            return None
+        if ascend_device.current().is_capturing():
+            return None
+        return num_reqs_padded
+
+    def begin_step(
+        self, size: int, idx_mapping: torch.Tensor, prefill_len: torch.Tensor, num_blocks: torch.Tensor
+    ) -> torch.Tensor:
+        """Stage the step's inputs and replay its input graph: the logits indices (a view
+        of the graph's output, rewritten by the next step's replay, which the stream orders
+        after this step's reads)."""
+        num_reqs = idx_mapping.shape[0]
+        self._idx[:num_reqs].copy_(idx_mapping)
+        if size > num_reqs:
+            self._idx[num_reqs:size].fill_(-1)
+        self._prefill_len.refresh(prefill_len)
+        self._num_blocks[:, : num_blocks.shape[1]].copy_(num_blocks)
+        captured = self._captured[size]
+        captured.inputs.replay()
+        self._block_tables.clear_rows_beyond(size, num_reqs)
+        self._step = _Step(size, idx_mapping)
+        return captured.logits_indices[:num_reqs]
+
+    def forget_step(self) -> None:
+        self._step = None
+
+    def graphed(self, idx_mapping: torch.Tensor) -> bool:
+        """Did this step (whose request slots are ``idx_mapping``) take its inputs from a graph?"""
+        return self._step is not None and self._step.idx_mapping is idx_mapping
+
+    @property
+    def samples(self) -> bool:
+        return self._buffers.logits is not None
+
+    def replay_sampling(
+        self, kind: str, logits: torch.Tensor, sources: SamplingSources
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens [rows, 1], sampled and rejected counts of this graphed step's logits,
+        sampled the ``kind`` way."""
+        step = self._step
+        assert step is not None and self._buffers.logits is not None
+        rows = logits.shape[0]
+        self._buffers.logits[:rows].copy_(logits)
+        if kind != GREEDY:
+            self._temperature.refresh(sources.temperature)
+            self._seeds.refresh(sources.seeds)
+            self._top_k.refresh(sources.top_k)
+            self._top_p.refresh(sources.top_p)
+        self._captured[step.size].sampling[kind].replay()
+        step.sampled = True
+        # copies: the host reads them asynchronously, possibly after the next replay
+        return (
+            self._sampled[:rows].clone(),
+            self._num_sampled[:rows].clone(),
+            self._num_rejected[:rows].clone(),
+        )
+
+    def replay_update(
+        self, sampled: torch.Tensor, num_sampled: torch.Tensor, num_rejected: torch.Tensor
+    ) -> None:
+        """``post_update`` of this graphed step: after a sampling graph its outputs are the
+        update's inputs already; after any other sampler they are copied in first."""
+        step = self._step
+        assert step is not None
+        if not step.sampled:
+            rows = sampled.shape[0]
+            self._sampled[:rows].copy_(sampled)
+            self._num_sampled[:rows].copy_(num_sampled)
+            self._num_rejected[:rows].copy_(num_rejected)
+        self._captured[step.size].update.replay()
+        self._step = None

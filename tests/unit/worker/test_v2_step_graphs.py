@@ -1,0 +1,333 @@
+"""A decode step's work around the forward replayed from NPU graphs (worker/v2/step_graphs.py),
+through the contract double's graphs (capture launches nothing, replay re-runs exactly the
+captured ops on the captured memory), against the eager sequence upstream's runner runs
+(``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``, the block tables' gather
+and slot mappings; the greedy pick and ``get_num_sampled_and_rejected``; ``post_update``,
+through the torch forms ``test_v2_runner_kernels.py`` holds equal to upstream's Triton
+kernels): on random request slots, lengths, prefill lengths, block tables, sliding
+windows, logits with ties and NaNs, padded and unpadded sizes and rows a larger batch left
+behind, every buffer the step writes is equal, and each graph is one replay. The prefill
+lengths and block counts come in new buffers each step, as upstream's rotating uploads
+do; tokens from another sampler are copied into the state update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch_npu = pytest.importorskip("torch_npu")
+if not getattr(torch_npu, "IS_CONTRACT_DOUBLE", False):
+    pytest.skip("the real torch_npu is active on this host", allow_module_level=True)
+
+from torch_npu import _graphs  # noqa: E402
+
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: E402
+from vllm.v1.worker.gpu.input_batch import (  # noqa: E402
+    combine_sampled_and_draft_tokens,
+    get_num_sampled_and_rejected,
+    post_update,
+    prepare_pos_seq_lens,
+)
+from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample  # noqa: E402
+
+from vllm.ascend import device as ascend_device  # noqa: E402
+from vllm.ascend.device.npu import NPUPathDevice  # noqa: E402
+from vllm.ascend.platform.npu import NPUPlatform  # noqa: E402
+from vllm.ascend.worker.block_tables import NPUBlockTables  # noqa: E402
+from vllm.ascend.worker.v2.gumbel import first_max_or_nan  # noqa: E402
+from vllm.ascend.worker.v2.step_graphs import (  # noqa: E402
+    GREEDY,
+    SAMPLING_KINDS,
+    DecodeStepGraphs,
+    SamplingSources,
+    StepBuffers,
+)
+
+MAX_REQS = 10
+MAX_TOKENS = 16
+SIZES = [1, 2, 4, 8]
+BLOCK_SIZES = [16, 32]
+MAX_BLOCKS = [12, 6]
+MODEL_LEN = 200
+VOCAB = 1500  # the sampling-distribution test's (its tiny Qwen2's vocabulary)
+
+
+def _side(groups: int, window: bool):
+    """One runner's worth of state: block tables and the step buffers."""
+    tables = NPUBlockTables(
+        block_sizes=BLOCK_SIZES[:groups],
+        max_num_reqs=MAX_REQS,
+        max_num_batched_tokens=MAX_TOKENS,
+        max_num_blocks_per_group=MAX_BLOCKS[:groups],
+        device=torch.device("cpu"),
+        sliding_window_reach=[40, 0][:groups] if window else None,
+    )
+    buffers = StepBuffers(
+        positions=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+        seq_lens=torch.zeros(MAX_REQS, dtype=torch.int32),
+        input_ids=torch.zeros(MAX_TOKENS, dtype=torch.int32),
+        query_start_loc=torch.zeros(MAX_REQS + 1, dtype=torch.int32),
+        num_computed_tokens=torch.zeros(MAX_REQS, dtype=torch.int32),
+        last_sampled_tokens=torch.zeros(MAX_REQS, 1, dtype=torch.int64),
+        draft_tokens=torch.zeros(MAX_REQS, 0, dtype=torch.int64),
+        all_token_ids=torch.zeros(MAX_REQS, MODEL_LEN, dtype=torch.int32),
+        total_len=torch.zeros(MAX_REQS, dtype=torch.int32),
+        output_bin_counts=torch.zeros(MAX_REQS, VOCAB, dtype=torch.int32),
+        logits=torch.zeros(SIZES[-1], VOCAB, dtype=torch.float32),
+    )
+    return tables, buffers
+
+
+@pytest.fixture(scope="module", params=[(1, False), (2, True)], ids=["one-group", "two-groups-window"])
+def graphed(request):
+    NPUPlatform.register_triton_kernel_overrides()  # upstream's Triton kernels -> torch forms (once)
+    with pytest.MonkeyPatch.context() as mp:
+        npu_path = NPUPathDevice()  # the double's graphs, as in an NPU-path engine
+        mp.setattr(ascend_device, "current", lambda: npu_path)
+        groups, window = request.param
+        tables, buffers = _side(groups, window)
+        graphs = DecodeStepGraphs(SIZES, buffers, tables, MAX_REQS)
+        assert graphs.size_for(1, 1) is None, "nothing is captured yet"
+        graphs.capture()
+        yield graphs, tables, buffers, groups, window
+
+
+def _state(g: torch.Generator, tables: NPUBlockTables, buffers: StepBuffers, groups: int, dirty: int):
+    """Random contents, written in place (the graph reads the buffers it captured)."""
+    for row in range(MAX_REQS):
+        ids = tuple(
+            torch.randint(
+                1, 500, (int(torch.randint(1, MAX_BLOCKS[k] + 1, (1,), generator=g)),), generator=g
+            ).tolist()
+            for k in range(groups)
+        )
+        tables.append_block_ids(row, ids, overwrite=True)
+    tables.apply_staged_writes()
+    for buffer in tables.input_block_tables:
+        buffer.copy_(torch.randint(0, 500, buffer.shape, generator=g, dtype=buffer.dtype))
+    tables._num_dirty_rows = dirty  # what an earlier, larger batch left
+    tables.slot_mappings.copy_(torch.randint(0, 999, tables.slot_mappings.shape, generator=g))
+    buffers.positions.copy_(torch.randint(0, 999, (MAX_TOKENS,), generator=g))
+    buffers.seq_lens.copy_(torch.randint(0, 999, (MAX_REQS,), generator=g, dtype=torch.int32))
+    buffers.input_ids.copy_(torch.randint(0, 999, (MAX_TOKENS,), generator=g, dtype=torch.int32))
+    buffers.num_computed_tokens.copy_(torch.randint(0, 190, (MAX_REQS,), generator=g, dtype=torch.int32))
+    buffers.last_sampled_tokens.copy_(torch.randint(0, 999, (MAX_REQS, 1), generator=g))
+    buffers.all_token_ids.copy_(
+        torch.randint(0, VOCAB, (MAX_REQS, MODEL_LEN), generator=g, dtype=torch.int32)
+    )
+    buffers.total_len.copy_(torch.randint(1, MODEL_LEN - 1, (MAX_REQS,), generator=g, dtype=torch.int32))
+    buffers.output_bin_counts.copy_(torch.randint(0, 3, (MAX_REQS, VOCAB), generator=g, dtype=torch.int32))
+
+
+def _mirror(tables: NPUBlockTables, buffers: StepBuffers, groups: int, window: bool):
+    """An eager runner's copy of the graphed side's state."""
+    other, other_buffers = _side(groups, window)
+    for mine, theirs in zip(other.block_tables, tables.block_tables):
+        mine.gpu.copy_(theirs.gpu)
+    other.num_blocks.np[:] = tables.num_blocks.np
+    other.num_blocks.copy_to_uva()
+    for mine, theirs in zip(other.input_block_tables, tables.input_block_tables):
+        mine.copy_(theirs)
+    other._num_dirty_rows = tables._num_dirty_rows
+    other.slot_mappings.copy_(tables.slot_mappings)
+    for name in FIELDS:
+        getattr(other_buffers, name).copy_(getattr(buffers, name))
+    return other, other_buffers
+
+
+FIELDS = [name for name in StepBuffers.__dataclass_fields__ if name != "logits"]
+
+
+_SOURCES: list[SamplingSources] = []
+
+
+def _sources(g: torch.Generator, new: bool) -> SamplingSources:
+    """The sampling states' uploads: new tensors (requests joined), or the last ones again."""
+    if _SOURCES and not new:
+        return _SOURCES[-1]
+    temperature = torch.rand(MAX_REQS, generator=g) + 0.3
+    temperature[torch.rand(MAX_REQS, generator=g) < 0.2] = 0.0  # greedy rows in a random batch
+    temperature[torch.rand(MAX_REQS, generator=g) < 0.2] = 1.0
+    top_k = torch.randint(1, VOCAB + 1, (MAX_REQS,), generator=g, dtype=torch.int32)
+    top_k[torch.rand(MAX_REQS, generator=g) < 0.3] = VOCAB  # no top-k
+    top_p = torch.rand(MAX_REQS, generator=g) * 0.9 + 0.1
+    top_p[torch.rand(MAX_REQS, generator=g) < 0.3] = 1.0  # no top-p
+    seeds = torch.randint(0, 2**62, (MAX_REQS,), generator=g)
+    _SOURCES.append(SamplingSources(temperature, seeds, top_k, top_p))
+    return _SOURCES[-1]
+
+
+def _logits(g: torch.Generator, rows: int) -> torch.Tensor:
+    """bfloat16 logits (the model's), with ties and now and then a NaN."""
+    logits = torch.randint(-3, 4, (rows, VOCAB), generator=g).to(torch.bfloat16)
+    if bool(torch.randint(0, 2, (1,), generator=g)):
+        logits[
+            int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, VOCAB, (1,), generator=g))
+        ] = float("nan")
+    return logits
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**31),
+    num_reqs=st.integers(1, 8),
+    dirty=st.integers(0, MAX_REQS),
+    kind=st.sampled_from([*SAMPLING_KINDS, "another sampler"]),
+    new_sources=st.booleans(),
+)
+def test_replayed_steps_are_the_eager_steps(graphed, seed, num_reqs, dirty, kind, new_sources):
+    graphs, tables, buffers, groups, window = graphed
+    g = torch.Generator().manual_seed(seed)
+    _state(g, tables, buffers, groups, dirty)
+    size = next(s for s in SIZES if s >= num_reqs)
+    idx = torch.randperm(MAX_REQS, generator=g)[:num_reqs].to(torch.int64)
+    # one decode token per request; padded rows start where the tokens end (upstream's padding)
+    qsl = torch.full((MAX_REQS + 1,), num_reqs, dtype=torch.int32)
+    qsl[: num_reqs + 1] = torch.arange(num_reqs + 1)
+    buffers.query_start_loc.copy_(qsl)
+    # mostly decoding, now and then a request whose prompt is longer (no token counted)
+    prefill_len = torch.randint(1, 200, (MAX_REQS,), generator=g, dtype=torch.int32)
+    eager_tables, eager = _mirror(tables, buffers, groups, window)
+    logits = _logits(g, num_reqs)
+
+    # upstream's runner, eagerly: prepare_inputs, prepare_attn, the sampler, postprocess_sampled
+    q = eager.query_start_loc[: size + 1]
+    cu = torch.arange(num_reqs + 1, dtype=torch.int32)
+    prepare_pos_seq_lens(idx, q, eager.num_computed_tokens, eager.positions, eager.seq_lens)
+    want_logits = combine_sampled_and_draft_tokens(
+        eager.input_ids,
+        idx,
+        eager.last_sampled_tokens,
+        q,
+        eager.seq_lens[:size],
+        prefill_len,
+        eager.draft_tokens,
+        cu,
+        num_reqs,
+        1,
+    )
+    want_tables = [
+        t.clone()
+        for t in eager_tables.gather_block_tables(idx, size, num_computed_tokens=eager.num_computed_tokens)
+    ]
+    want_slots = eager_tables.compute_slot_mappings(idx, q, eager.positions, size).clone()
+    sources = _sources(g, new_sources)
+    if kind == GREEDY:
+        want_tokens = first_max_or_nan(logits).view(-1, 1)
+    elif kind == "another sampler":
+        want_tokens = torch.randint(0, VOCAB, (num_reqs, 1), generator=g)
+    else:  # upstream's random sampler: float32 logits, temperature, top-k/top-p, Gumbel-max
+        processed = logits.to(torch.float32)
+        apply_temperature(processed, idx, sources.temperature)
+        top_k = sources.top_k[idx] if "top_k" in kind else None
+        top_p = sources.top_p[idx] if "top_p" in kind else None
+        if top_k is not None or top_p is not None:
+            processed = apply_top_k_top_p(processed, top_k, top_p)
+        positions = eager.positions[want_logits]
+        want_tokens = gumbel_sample(
+            processed,
+            idx,
+            sources.temperature,
+            sources.seeds,
+            positions,
+            apply_temperature=False,
+            is_drafting=False,
+        ).view(-1, 1)
+    want_sampled, want_rejected = get_num_sampled_and_rejected(
+        eager.seq_lens.new_ones(num_reqs), eager.seq_lens, cu, idx, prefill_len
+    )
+    post_update(
+        idx,
+        eager.num_computed_tokens,
+        eager.last_sampled_tokens,
+        eager.output_bin_counts,
+        want_tokens,
+        want_sampled,
+        want_rejected,
+        q,
+        eager.all_token_ids,
+        eager.total_len,
+        None,
+        eager.draft_tokens,
+    )
+
+    assert graphs.size_for(num_reqs, size) == size
+    before = _graphs.stats["replays"]
+    got_logits = graphs.begin_step(size, idx, prefill_len.clone(), tables.num_blocks.gpu.clone())
+    assert graphs.graphed(idx) and not graphs.graphed(idx.clone())
+    assert torch.equal(got_logits, want_logits)
+    for got, want in zip(tables.input_block_tables, want_tables):
+        assert torch.equal(got[:size], want)
+    assert torch.equal(tables.slot_mappings[:, :size], want_slots)
+    sampled_by_graph = kind != "another sampler"
+    if sampled_by_graph:
+        tokens, num_sampled, num_rejected = graphs.replay_sampling(kind, logits, sources)
+        assert torch.equal(tokens, want_tokens), kind
+        assert torch.equal(num_sampled, want_sampled) and torch.equal(num_rejected, want_rejected)
+    else:
+        tokens, num_sampled, num_rejected = want_tokens, want_sampled.clone(), want_rejected.clone()
+    graphs.replay_update(tokens, num_sampled, num_rejected)
+    assert _graphs.stats["replays"] == before + (3 if sampled_by_graph else 2)
+    assert not graphs.graphed(idx), "the step ends with its update"
+
+    for name in FIELDS:
+        assert torch.equal(getattr(buffers, name), getattr(eager, name)), name
+    for got, want in zip(tables.input_block_tables, eager_tables.input_block_tables):
+        assert torch.equal(got, want)
+    assert torch.equal(tables.slot_mappings, eager_tables.slot_mappings)
+    assert tables._num_dirty_rows == eager_tables._num_dirty_rows
+
+
+def test_sizes_not_captured_are_not_covered(graphed):
+    graphs = graphed[0]
+    assert graphs.size_for(3, 4) == 4 and graphs.size_for(8, 8) == 8
+    assert graphs.size_for(3, 3) is None, "3 rows were not captured"
+    assert graphs.size_for(9, 9) is None and graphs.size_for(5, 4) is None
+
+
+def test_graph_sampled_draws_follow_the_exact_distribution_and_equal_the_eager_sampler(graphed):
+    """The runner's sampler says a batch at temperature 0.8, top-k 50, top-p 0.8 may be
+    sampled by the graphs; 4000 seeded draws through them, 8 requests a step with new seeds
+    each step (new uploads), fit the distribution transformers' warpers make of a tiny
+    Qwen2's logits (chi-square, false-alarm rate ``FALSE_ALARM``), reject the one without
+    top-p, and equal the eager sampler's draws for the same seeds token for token."""
+    from tests.unit.worker.test_v2_sampling_distribution import (
+        FALSE_ALARM,
+        TEMPERATURE,
+        TOP_K,
+        TOP_P,
+        draw_tokens,
+        exact_distribution,
+        fit_p_value,
+        npu_sampler,
+        seeded_params,
+        tiny_qwen2_logits,
+    )
+
+    graphs, tables, buffers, groups, _ = graphed
+    vocab = buffers.logits.shape[1]
+    hf_logits = tiny_qwen2_logits([3, 141, 59, 26, 535], 1, seed=0)[0]
+    rows, steps, position = SIZES[-1], 500, 9
+    idx = torch.arange(rows)
+    buffers.query_start_loc.copy_(torch.cat([torch.arange(rows + 1), torch.full((MAX_REQS - rows,), rows)]))
+    buffers.num_computed_tokens.fill_(position)  # a decode step's position is its computed count
+    prefill_len = torch.ones(MAX_REQS, dtype=torch.int32)
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for step in range(steps):
+        sampler = npu_sampler([seeded_params(1000 + step * rows + i) for i in range(rows)])
+        kind = sampler.graph_sampling_kind(idx.numpy())
+        assert kind == "random_top_k_top_p"
+        graphs.begin_step(rows, idx, prefill_len, tables.num_blocks.gpu)
+        tokens, _, _ = graphs.replay_sampling(
+            kind, hf_logits[None].expand(rows, -1), sampler.sampling_sources()
+        )
+        graphs.forget_step()
+        if step < 20:  # the eager sampler, the same seeds and positions
+            assert torch.equal(tokens[:, 0], draw_tokens(sampler, hf_logits, list(range(rows)), position))
+        counts += torch.bincount(tokens[:, 0], minlength=vocab)
+    want = exact_distribution(hf_logits, TEMPERATURE, TOP_K, TOP_P)
+    p = fit_p_value(counts, want)
+    assert p > FALSE_ALARM, f"chi-square p = {p:.2e} over {rows * steps} draws"
+    assert fit_p_value(counts, exact_distribution(hf_logits, TEMPERATURE, TOP_K, None)) < FALSE_ALARM**2
