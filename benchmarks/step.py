@@ -152,7 +152,6 @@ def child(spec: dict) -> None:
     mode = _counting_mode(state)
 
     def close(step: _Step) -> None:
-        mode.__exit__(None, None, None)
         step.host_ms = (time.perf_counter() - step.start - step.device_s) * 1e3
         step.syncs = _sync_calls() - state["syncs"]
         step.done = True
@@ -197,12 +196,16 @@ def child(spec: dict) -> None:
         state["step"] = _Step(scheduler_output.total_num_scheduled_tokens)
         steps.append(state["step"])
         state["syncs"] = _sync_calls()
-        mode.__enter__()
-        return execute(scheduler_output, *args, **kwargs)
+        # the mode is entered inside each call: the worker's inference-mode context around
+        # the call restores the thread's dispatch keys on exit, and a mode left on the stack
+        # across it would stop seeing ops
+        with mode:
+            return execute(scheduler_output, *args, **kwargs)
 
     def sample_step(*args, **kwargs):
         try:
-            return sample(*args, **kwargs)
+            with mode:
+                return sample(*args, **kwargs)
         finally:
             if state["step"] is not None:
                 close(state["step"])

@@ -18,7 +18,10 @@ all-reduce (``vllm/v1/worker/gpu/dp_utils.py``); seeded sampling needs no genera
 state (V2's noise is a hash of seed, position and token). With the NPU kernels the
 memory profile runs attention (``worker/profiling.py``). Under asynchronous scheduling
 with drafts, each step's host sequence lengths are made exact before the attention
-metadata is built (``worker/v2/seq_lens.py``).
+metadata is built (``worker/v2/seq_lens.py``). With decode graphs on, a decode step
+without drafts replays its inputs, sampling and state update from graphs captured per
+size (``worker/v2/step_graphs.py``; hook: ``prepare_positions_and_tokens``, with
+``prepare_attn``, ``sample`` and ``postprocess_sampled``).
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ class NPUModelRunner(GPUModelRunner):
         kind = None
         if (
             graphs is not None
-            and graphs.samples
+            and graphs.has_sampling_graphs
             and graphs.graphed(input_batch.idx_mapping)
             and grammar_output is None
             and self.batch_sharder is None

@@ -1,34 +1,39 @@
-"""The device work around a decode step's forward replayed from NPU graphs, three per
-request count the decode graphs are captured for: the step's inputs, a greedy batch's
-sampling and the states' update after sampling.
+"""The device work around a decode step's forward replayed from NPU graphs, per request
+count the decode graphs are captured for: the step's inputs, its sampling and the
+states' update after sampling.
 
 Upstream's runner does this work in a few Triton launches: positions and sequence
 lengths, the token ids (last sampled tokens), the block tables' rows and slot mappings
-before the forward; the pick and the sampled/rejected counts after it; the state update
-(``post_update``) at the end. Their torch forms (``input_batch.py``, ``gumbel.py``,
-``worker/block_tables.py``) are some 130 device ops, each a host dispatch and a kernel
-launch on Ascend. In a decode step without drafts (one token per request, no prefill)
-they are pure functions of persistent buffers, so each replays from a graph:
+before the forward; temperature, top-k/top-p, the draw and the sampled/rejected counts
+after it; the state update (``post_update``) at the end. Their torch forms
+(``input_batch.py``, ``gumbel.py``, upstream's top-k/top-p, ``worker/block_tables.py``)
+are 130 to 150 device ops, each a host dispatch and a kernel launch on Ascend. In a decode
+step without drafts (one token per request, no prefill) they are pure functions of
+persistent buffers, so they replay from graphs:
 
-- **inputs** (``prepare_inputs``): four copies into the graph's inputs (the request
-  slots, padded; the prefill lengths and block counts, whose upstream buffers rotate each
-  step), one replay;
-- **greedy sampling** (an all-greedy batch without logits processing, logprobs or NaN
-  counts): one copy of the logits into a float32 buffer (exact for bfloat16 and float16
-  logits; the sampler's random-batch graphs read the same buffer, a step takes one or the
-  other), one replay, copies of the tokens and counts out (an asynchronous copy to the host
-  may read them after the next replay);
-- **state update** (``postprocess_sampled``): one replay after a greedy step, three copies
-  in first after any other sampler.
+- **inputs** (``begin_step``): the request slots copied into the graph's buffer (padded),
+  the block counts too (upstream uploads them anew each step), the prefill lengths when
+  requests joined; one replay;
+- **sampling** (``replay_sampling``), for a batch the sampler says may take it
+  (``NPUSampler.graph_sampling_kind``): one graph per kind, greedy (the pick) or random
+  with or without top-k and with or without top-p (temperature, upstream's top-k/top-p
+  form, the Gumbel-max draw); the logits copied into the sampler's float32 buffer (exact
+  for bfloat16 and float16 logits; its random-batch graphs read the same buffer, a step
+  takes one or the other), the sampling states' values when requests joined; one replay;
+  copies of the tokens and counts out (an asynchronous copy to the host may read them
+  after the next replay);
+- **state update** (``replay_update``): one replay after a sampling graph, which reads
+  its outputs in place; after any other sampler, three copies in first.
 
 Rows past the step's requests, up to the captured size, are request slot ``-1``: zero
 sequence length and block-table row, padding slots, no token written, no state updated,
 as upstream leaves padded rows. What is captured is the forms the eager step runs, on the
 padded batch: ``tests/unit/worker/test_v2_step_graphs.py`` holds every buffer equal to
-upstream's eager sequence, ``tests/engine/test_graphs.py`` the tokens. Captured after the
-decode graphs, measured in the memory profile and dropped there, as the sampler's graphs.
-NPU-unverified: passes the contract double's graph checks (no host read, no default-stream
-capture, replay on captured memory).
+upstream's eager sequence and the random draws to the eager sampler's and to the exact
+distribution, ``tests/engine/test_graphs.py`` the tokens. Captured after the decode
+graphs, measured in the memory profile and dropped there, as the sampler's graphs.
+NPU-unverified: passes the contract double's graph checks (no host read, no
+default-stream capture, replay on captured memory).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class StepBuffers:
     all_token_ids: torch.Tensor
     total_len: torch.Tensor
     output_bin_counts: torch.Tensor | None  # (None: not the last pipeline rank)
-    logits: torch.Tensor | None  # float32 [rows, vocab], the sampler's; None: no greedy graphs
+    logits: torch.Tensor | None  # float32 [rows, vocab], the sampler's; None: no sampling graphs
 
 
 @dataclass
@@ -164,7 +169,8 @@ class DecodeStepGraphs:
 
     # -- capture ------------------------------------------------------------------------
     def capture(self, log: bool = True) -> int:
-        """Three graphs per size on the capture context's side stream, one memory pool; the
+        """Per size the inputs graph, one per sampling kind and the update graph, on the
+        capture context's side stream, one memory pool (they replay one at a time); the
         device memory they took. Every row is padding while capturing."""
         if self._captured or not self.sizes:
             return 0
@@ -333,7 +339,7 @@ class DecodeStepGraphs:
         return self._step is not None and self._step.idx_mapping is idx_mapping
 
     @property
-    def samples(self) -> bool:
+    def has_sampling_graphs(self) -> bool:
         return self._buffers.logits is not None
 
     def replay_sampling(
