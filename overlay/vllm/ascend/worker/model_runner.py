@@ -156,7 +156,7 @@ class NPUModelRunner(GPUModelRunner):
                 and query_start_loc.data_ptr() == self.input_buffers.query_start_loc.data_ptr()
             ):
                 size = graphs.size_for(num_reqs, query_start_loc.shape[0] - 1)
-        if size is None:
+        if graphs is None or size is None:
             return super().prepare_positions_and_tokens(
                 batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits
             )
