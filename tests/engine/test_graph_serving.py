@@ -119,7 +119,12 @@ def test_idle_ranks_replay_the_same_graphs_and_collectives(dp):
     ]
     assert len(graph_ranks) == 2, f"expected both DP ranks' engine cores to replay graphs: {graph_ranks}"
     first, second = graph_ranks
-    assert first.get("graph::replay", 0) > 0 and first == second, (first, second, steps)
+    # a rank with requests also replays its decode-step graphs (inputs, sampling, state
+    # update: rank-local, no collectives), an idle rank's dummy steps do not; the forward
+    # graphs' replays are told by their attention updates
+    forward = [{k: v for k, v in log.items() if k != "graph::replay"} for log in (first, second)]
+    assert first.get("graph::replay", 0) > 0 and second.get("graph::replay", 0) > 0, (first, second)
+    assert forward[0] == forward[1] and forward[0].get("graph::update_op", 0) > 0, (first, second, steps)
     assert any(k.startswith("graph::c10d.") for k in first), first  # the MoE collectives ran in graphs
     eager = collections.Counter()
     for log in _call_logs(servers["eager"].calls):
