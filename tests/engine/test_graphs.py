@@ -265,6 +265,8 @@ def test_start_up_reports_graphs(runs):
     # the random batch's sampler: one graph per decode request size (Qwen2: 1, 2, 4, 8)
     assert "Ascend sampler graphs: 4 captured (random batches of up to 8 requests)" in output
     assert "of graph memory estimated before the KV cache is sized" in output
+    # the MTP k = 2 engine's decode-step graphs verify greedy drafts, three tokens a request
+    assert "greedy verification and state updates of up to 8 requests, 3 tokens each)" in output
     # the 16-token-block MLA engine captured a graph of more tokens than a block
     assert "Ascend MLA latent prolog not used in decode graphs of more than 16 tokens" in output
     # the A3 selector's AllToAll steps ran eagerly, its graphs took AllGather

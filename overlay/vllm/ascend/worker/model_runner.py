@@ -19,8 +19,9 @@ state (V2's noise is a hash of seed, position and token). With the NPU kernels t
 memory profile runs attention (``worker/profiling.py``). Under asynchronous scheduling
 with drafts, each step's host sequence lengths are made exact before the attention
 metadata is built (``worker/v2/seq_lens.py``). With decode graphs on, a decode step
-without drafts replays its inputs, sampling and state update from graphs captured per
-size (``worker/v2/step_graphs.py``; hook: ``prepare_positions_and_tokens``, with
+(without drafts, or with every request's drafts) replays its inputs, sampling (with
+drafts: the greedy verification) and state update from graphs captured per size
+(``worker/v2/step_graphs.py``; hook: ``prepare_positions_and_tokens``, with
 ``prepare_attn``, ``sample`` and ``postprocess_sampled``).
 """
 
@@ -35,6 +36,7 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import TargetDependentARSpeculator
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend import step_cache
@@ -46,7 +48,7 @@ from vllm.ascend.worker.prompt_embeds import NPUPromptEmbedsState
 from vllm.ascend.worker.v2.rejection_sampler import NPURejectionSampler
 from vllm.ascend.worker.v2.sample import NPUSampler
 from vllm.ascend.worker.v2.seq_lens import ExactHostSeqLens
-from vllm.ascend.worker.v2.step_graphs import DecodeStepGraphs, StepBuffers
+from vllm.ascend.worker.v2.step_graphs import GREEDY, DecodeStepGraphs, DrafterBuffers, StepBuffers
 
 logger = init_logger(__name__)
 
@@ -107,6 +109,12 @@ class NPUModelRunner(GPUModelRunner):
             if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE and sizes:
                 buffers, states = self.input_buffers, self.req_states
                 sampler = self.sampler if isinstance(self.sampler, NPUSampler) else None
+                # with drafts, the graphs verify greedy ones (NPURejectionSampler's path)
+                query_len = self.decode_query_len if self.speculator is not None else 1
+                if self.model_state.num_new_sampled_tokens_per_step != 1 or (
+                    query_len > 1 and not isinstance(self.rejection_sampler, NPURejectionSampler)
+                ):
+                    return None
                 self.decode_step_graphs = DecodeStepGraphs(
                     list(sizes),
                     StepBuffers(
@@ -127,19 +135,54 @@ class NPUModelRunner(GPUModelRunner):
                     self.block_tables,
                     self.max_num_reqs,
                     use_fp64_gumbel=sampler.use_fp64_gumbel if sampler is not None else False,
+                    query_len=query_len,
+                    drafter=self._drafter_buffers() if query_len > 1 else None,
                 )
         return self.decode_step_graphs
+
+    def _drafter_buffers(self) -> DrafterBuffers | None:
+        """An MTP/EAGLE drafter's inputs, for the step graphs to prepare (only the last
+        pipeline rank updates the state from a graph)."""
+        drafter = self.speculator
+        if not isinstance(drafter, TargetDependentARSpeculator) or not self.is_last_pp_rank:
+            return None
+        inputs = drafter.input_buffers
+        return DrafterBuffers(
+            last_token_indices=drafter.last_token_indices,
+            current_draft_step=drafter.current_draft_step,
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            next_prefill_tokens=self.req_states.next_prefill_tokens,
+            draft_tokens=drafter.draft_tokens,
+            sample_src_positions=drafter.sample_src_positions,
+            max_model_len=drafter.max_model_len,
+            advance_positions=drafter.advance_draft_positions,
+        )
+
+    def _prepare_draft_decode_inputs(self, num_reqs: int, num_tokens: int) -> torch.Tensor | None:
+        # (InputBatch.prepare_draft_decode_inputs: the drafter calls it after its prefill)
+        graphs, drafter = self.decode_step_graphs, self.speculator
+        assert graphs is not None and isinstance(drafter, TargetDependentARSpeculator)
+        return graphs.replay_draft_decode_inputs(num_reqs, num_tokens, drafter.max_model_len)
 
     def prepare_inputs(self, *args, **kwargs):
         input_batch = super().prepare_inputs(*args, **kwargs)
         if self.exact_host_seq_lens is not None:
             self.exact_host_seq_lens.apply(input_batch)
+        graphs = self.decode_step_graphs
+        if graphs is not None and graphs.prepares_draft_inputs and graphs.graphed(input_batch.idx_mapping):
+            # (the state update graph will: postprocess_sampled replays it for this step)
+            input_batch.draft_prefill_inputs_prepared = True
+            if graphs.prepares_draft_decode_inputs:
+                input_batch.prepare_draft_decode_inputs = self._prepare_draft_decode_inputs
         return input_batch
 
     # -- a decode step's work around the forward from graphs (worker/v2/step_graphs.py) ----
     def prepare_positions_and_tokens(
-        self, batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits
-    ) -> torch.Tensor:
+        self, batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits, expand_logits
+    ):
         # (hook patch ``v2-runner-let-a-hardware-runner-prepare-positions-and-tokens``)
         self._graphed_attention_inputs = None
         graphs = self.decode_step_graphs
@@ -147,35 +190,42 @@ class NPUModelRunner(GPUModelRunner):
         if graphs is not None:
             graphs.forget_step()
             num_reqs = idx_mapping.shape[0]
+            # every request's query is its last token and its drafts (none, or all k):
+            # the sums equal means each request's does, as no request has more than k
+            tokens = num_reqs * graphs.query_len
             if (
                 self.pcp_manager is None
                 and graphs.writes(self.block_tables)  # (not ones made again since the capture)
                 and not batch_req_state.has_prefill
-                and batch_req_state.num_tokens == num_reqs == total_num_logits
+                and batch_req_state.num_tokens == tokens == total_num_logits
                 and self.model_state.num_new_sampled_tokens_per_step == 1
+                and (graphs.query_len == 1 or self.adaptive_verification is None)
                 and query_start_loc.data_ptr() == self.input_buffers.query_start_loc.data_ptr()
             ):
                 size = graphs.size_for(num_reqs, query_start_loc.shape[0] - 1)
         if graphs is None or size is None:
             return super().prepare_positions_and_tokens(
-                batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits
+                batch_req_state, idx_mapping, query_start_loc, cu_num_logits, total_num_logits, expand_logits
             )
         blocks = self.block_tables
-        logits_indices = graphs.begin_step(
+        logits_indices, expanded = graphs.begin_step(
             size, idx_mapping, self.req_states.prefill_len.gpu, blocks.num_blocks.gpu
         )
         self._graphed_attention_inputs = (
             tuple(t[:size] for t in blocks.input_block_tables),
-            blocks.slot_mappings,
+            blocks.slot_mappings[:, : size * graphs.query_len],
         )
-        return logits_indices
+        return logits_indices, expanded if expand_logits else None
 
     def prepare_attn(self, input_batch):
         graphed, self._graphed_attention_inputs = self._graphed_attention_inputs, None
         if graphed is None:
             return super().prepare_attn(input_batch)
         block_tables, slot_mappings = graphed
-        return block_tables, slot_mappings[:, : input_batch.num_tokens_after_padding]
+        if slot_mappings.shape[1] != input_batch.num_tokens_after_padding:
+            # (padded otherwise than the decode graphs pad: the eager gather and mappings)
+            return super().prepare_attn(input_batch)
+        return block_tables, slot_mappings
 
     def sample(self, hidden_states, input_batch, grammar_output):
         graphs = self.decode_step_graphs
@@ -186,9 +236,16 @@ class NPUModelRunner(GPUModelRunner):
             and graphs.graphed(input_batch.idx_mapping)
             and grammar_output is None
             and self.batch_sharder is None
-            and not input_batch.num_draft_tokens
+            and input_batch.num_draft_tokens == input_batch.num_reqs * (graphs.query_len - 1)
         ):
             kind = self.sampler.graph_sampling_kind(input_batch.idx_mapping_np)
+            verifier = self.rejection_sampler
+            if graphs.query_len > 1 and not (
+                kind == GREEDY
+                and isinstance(verifier, NPURejectionSampler)
+                and verifier.greedy_path(input_batch.idx_mapping_np)
+            ):
+                kind = None  # random verification: upstream's rejection sampler
         if kind is None:
             return super().sample(hidden_states, input_batch, grammar_output)
         logits = self.model_state.compute_sample_logits(hidden_states[input_batch.logits_indices])
@@ -210,13 +267,18 @@ class NPUModelRunner(GPUModelRunner):
         graphs = self.decode_step_graphs
         if (
             graphs is None
-            or not graphs.graphed(idx_mapping)
+            or not graphs.graphed(idx_mapping)  # (its query starts are the runner's buffer)
             or draft_tokens is not None
             or not self.is_last_pp_rank
-            or sampled_tokens.shape[1] != 1
-            or query_start_loc is None
-            or query_start_loc.data_ptr() != self.input_buffers.query_start_loc.data_ptr()
+            or sampled_tokens.shape[1] != graphs.query_len
         ):
+            if graphs is not None and graphs.graphed(idx_mapping) and graphs.prepares_draft_inputs:
+                raise RuntimeError(
+                    "Ascend runner: the drafter's first-step inputs were left to the decode-step "
+                    f"graphs, which cannot update this step (sampled tokens {tuple(sampled_tokens.shape)}, "
+                    f"{graphs.query_len} tokens per request); this is a bug, please report it; "
+                    "enforce_eager=True runs without graphs"
+                )
             return super().postprocess_sampled(
                 idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc, draft_tokens
             )

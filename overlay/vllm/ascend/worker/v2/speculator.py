@@ -33,13 +33,16 @@ def draft_prefill_inputs(
     **launch: object,
 ) -> None:
     """The draft's first step sees the target's tokens shifted by one, ending in the
-    token just sampled (or, mid-prefill, the prompt's next token)."""
+    token just sampled (or, mid-prefill, the prompt's next token). Negative request
+    slots are padding rows (a graph's): they get nothing, as rows past the kernel's
+    launch."""
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
+    real = idx_mapping_ptr >= 0
     qsl = query_start_loc_ptr[: num_reqs + 1].long()
-    length = qsl[1:] - qsl[:-1] - num_rejected_ptr[:num_reqs].long()
-    req_state = idx_mapping_ptr.long()
+    length = torch.where(real, qsl[1:] - qsl[:-1] - num_rejected_ptr[:num_reqs].long(), 0)
+    req_state = idx_mapping_ptr.long().clamp(min=0)
     # flat indices, as the kernel's pointer arithmetic (both may be 2-D buffers)
     sampled = last_sampled_ptr.reshape(-1)[req_state].to(torch.int32)
     upcoming = next_prefill_tokens_ptr.reshape(-1)[req_state].to(torch.int32)
@@ -51,14 +54,16 @@ def draft_prefill_inputs(
     token = torch.arange(num_tokens, device=qsl.device)
     masked_set(draft_input_ids_ptr, ((token - 1).clamp(min=0),), target_input_ids_ptr, kept & (offset >= 1))
     masked_set(draft_positions_ptr, (token,), target_positions_ptr, kept)
-    last = qsl[:-1] + length - 1
-    draft_input_ids_ptr[last] = next_token.to(draft_input_ids_ptr.dtype)
+    last = torch.where(real, qsl[:-1] + length - 1, 0)
+    masked_set(draft_input_ids_ptr, (last,), next_token, real)
     last_token_indices_ptr[:num_reqs] = last.to(last_token_indices_ptr.dtype)
-    last_token_indices_ptr[num_reqs:max_num_reqs] = 0
-    draft_query_start_loc_ptr[:num_reqs] = qsl[:-1].to(draft_query_start_loc_ptr.dtype)
-    draft_query_start_loc_ptr[num_reqs : max_num_reqs + 1] = qsl[-1].to(draft_query_start_loc_ptr.dtype)
-    draft_seq_lens_ptr[:num_reqs] = seq_lens_ptr[:num_reqs].to(draft_seq_lens_ptr.dtype)
-    draft_seq_lens_ptr[num_reqs:max_num_reqs] = 0
+    last_token_indices_ptr[num_reqs:max_num_reqs].fill_(0)
+    # (a padding row's query starts where the last request's ends, as the kernel pads)
+    end = qsl[-1].to(draft_query_start_loc_ptr.dtype)
+    draft_query_start_loc_ptr[:num_reqs] = torch.where(real, qsl[:-1].to(end.dtype), end)
+    draft_query_start_loc_ptr[num_reqs : max_num_reqs + 1] = end
+    draft_seq_lens_ptr[:num_reqs] = torch.where(real, seq_lens_ptr[:num_reqs], 0).to(draft_seq_lens_ptr.dtype)
+    draft_seq_lens_ptr[num_reqs:max_num_reqs].fill_(0)
     draft_current_step_ptr.zero_()
 
 

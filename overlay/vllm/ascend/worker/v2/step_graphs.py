@@ -8,22 +8,30 @@ before the forward; temperature, top-k/top-p, the draw and the sampled/rejected 
 after it; the state update (``post_update``) at the end. Their torch forms
 (``input_batch.py``, ``gumbel.py``, upstream's top-k/top-p, ``worker/block_tables.py``)
 are 130 to 150 device ops, each a host dispatch and a kernel launch on Ascend. In a decode
-step without drafts (one token per request, no prefill) they are pure functions of
-persistent buffers, so they replay from graphs:
+step (no prefill) with the same number of tokens per request (one; with drafts, the
+bonus token and every draft) they are pure functions of persistent buffers, so they
+replay from graphs:
 
 - **inputs** (``begin_step``): the request slots copied into the graph's buffer (padded),
   the block counts too (upstream uploads them anew each step), the prefill lengths when
-  requests joined; one replay;
+  requests joined; one replay; with drafts also each logit's request slot and place
+  (upstream's ``expand_idx_mapping``);
 - **sampling** (``replay_sampling``), for a batch the sampler says may take it
-  (``NPUSampler.graph_sampling_kind``): one graph per kind, greedy (the pick) or random
-  with or without top-k and with or without top-p (temperature, upstream's top-k/top-p
-  form, the Gumbel-max draw); the logits copied into the sampler's float32 buffer (exact
-  for bfloat16 and float16 logits; its random-batch graphs read the same buffer, a step
-  takes one or the other), the sampling states' values when requests joined; one replay;
-  copies of the tokens and counts out (an asynchronous copy to the host may read them
-  after the next replay);
+  (``NPUSampler.graph_sampling_kind``): without drafts one graph per kind, greedy (the
+  pick) or random with or without top-k and with or without top-p (temperature,
+  upstream's top-k/top-p form, the Gumbel-max draw), the logits copied into the
+  sampler's float32 buffer (exact for bfloat16 and float16 logits; its random-batch
+  graphs read the same buffer, a step takes one or the other), the sampling states'
+  values when requests joined; with drafts the greedy verification only (the drafts'
+  tokens gathered, ``rejection_sampler.verify_greedy``, on a float32 buffer of its own);
+  one replay; copies of the tokens and counts out (an asynchronous copy to the host may
+  read them after the next replay);
 - **state update** (``replay_update``): one replay after a sampling graph, which reads
-  its outputs in place; after any other sampler, three copies in first.
+  its outputs in place; after any other sampler, three copies in first. With an MTP or
+  EAGLE drafter it also prepares the drafter's first-step inputs (the target's tokens
+  shifted by one), and with two drafts or more a graph of its own replays after the
+  draft prefill: the drafter's decode-step inputs and the first decode step's slot
+  mappings (``replay_draft_decode_inputs``).
 
 Rows past the step's requests, up to the captured size, are request slot ``-1``: zero
 sequence length and block-table row, padding slots, no token written, no state updated,
@@ -52,10 +60,14 @@ from vllm.ascend.worker.block_tables import NPUBlockTables
 from vllm.ascend.worker.v2.gumbel import first_max_or_nan
 from vllm.ascend.worker.v2.input_batch import (
     combine_sampled_and_draft_tokens,
+    expand_idx_mapping,
     get_num_sampled_and_rejected,
     post_update,
     prepare_pos_seq_lens,
 )
+from vllm.ascend.worker.v2.rejection_sampler import verify_greedy
+from vllm.ascend.worker.v2.rejection_sampler_utils import gather_draft_sampled
+from vllm.ascend.worker.v2.speculator import draft_decode_inputs, draft_prefill_inputs
 
 logger = init_logger(__name__)
 
@@ -74,7 +86,31 @@ class StepBuffers:
     all_token_ids: torch.Tensor
     total_len: torch.Tensor
     output_bin_counts: torch.Tensor | None  # (None: not the last pipeline rank)
-    logits: torch.Tensor | None  # float32 [rows, vocab], the sampler's; None: no sampling graphs
+    # the sampler's float32 [rows, vocab]: the sampling graphs' input (with drafts, the
+    # verification takes a buffer of its own, of rows x tokens per request); None: no
+    # sampling graphs
+    logits: torch.Tensor | None
+
+
+@dataclass
+class DrafterBuffers:
+    """A target-dependent drafter's (MTP, EAGLE) input buffers. The state update graph
+    prepares its first step's inputs (upstream's ``prepare_prefill_inputs``; the drafter
+    then skips it: ``InputBatch.draft_prefill_inputs_prepared``); with two drafts or more,
+    a graph of its own its decode steps' inputs and the first one's slot mappings, after
+    the draft prefill (``_prepare_decode_inputs``; ``prepare_draft_decode_inputs``)."""
+
+    last_token_indices: torch.Tensor
+    current_draft_step: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    next_prefill_tokens: torch.Tensor  # the runner's
+    draft_tokens: torch.Tensor  # [requests, k]
+    sample_src_positions: torch.Tensor
+    max_model_len: int  # (the drafter's, at capture: a later change is not served)
+    advance_positions: bool
 
 
 @dataclass
@@ -98,6 +134,12 @@ def random_kind(top_k: bool, top_p: bool) -> str:
     return RANDOM_KINDS[int(top_k) + 2 * int(top_p)]
 
 
+def sampling_kinds(query_len: int) -> tuple[str, ...]:
+    """The kinds captured for steps of ``query_len`` tokens per request: with drafts only
+    the greedy verification (random verification runs upstream's rejection sampler)."""
+    return SAMPLING_KINDS if query_len == 1 else (GREEDY,)
+
+
 class _Mirror:
     """A fixed-address copy of one of those uploads, copied again only when the upload is a
     new tensor (steps without joining requests copy nothing)."""
@@ -118,6 +160,7 @@ class _Captured:
     logits_indices: torch.Tensor
     sampling: dict[str, graph_capture.AscendGraph]
     update: graph_capture.AscendGraph
+    draft_decode: graph_capture.AscendGraph | None  # the drafter's decode inputs
 
 
 @dataclass
@@ -138,13 +181,22 @@ class DecodeStepGraphs:
         block_tables: NPUBlockTables,
         max_num_reqs: int,
         use_fp64_gumbel: bool = False,
+        query_len: int = 1,
+        drafter: DrafterBuffers | None = None,
     ) -> None:
+        """``query_len``: the tokens of each request in a graphed step (1; with ``k``
+        drafts per request, ``1 + k``, and the sampling graph verifies them)."""
         self.sizes = sorted({s for s in sizes if 0 < s <= max_num_reqs})
+        self.query_len = query_len
+        q = query_len
         if buffers.logits is not None and self.sizes and buffers.logits.shape[0] < self.sizes[-1]:
             raise ValueError(
                 f"the logits buffer holds {buffers.logits.shape[0]} rows, fewer than {self.sizes[-1]}"
             )
+        # the sampling graphs' logits (with drafts made at the capture, which measures them)
+        self._logits = buffers.logits if query_len == 1 else None
         self._buffers = buffers
+        self._drafter = drafter
         self._block_tables = block_tables
         self._max_num_reqs = max_num_reqs
         device = buffers.positions.device
@@ -161,11 +213,17 @@ class DecodeStepGraphs:
             block_tables.num_kv_cache_groups, max_num_reqs, dtype=torch.int32, device=device
         )
         self._cu_num_logits = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-        self._sampled = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        # each logit's request slot and place in its request (upstream's expand_idx_mapping)
+        self._expanded_idx = torch.zeros(rows * q, dtype=torch.int64, device=device)
+        self._expanded_local_pos = torch.zeros(rows * q, dtype=torch.int32, device=device)
+        self._draft_sampled = torch.zeros(rows * q, dtype=torch.int64, device=device)
+        self._draft_pos = torch.zeros(rows * q, dtype=torch.int64, device=device)
+        self._sampled = torch.zeros(rows, q, dtype=torch.int64, device=device)
         self._num_sampled = torch.zeros(rows, dtype=torch.int32, device=device)
         self._num_rejected = torch.zeros(rows, dtype=torch.int32, device=device)
         self._captured: dict[int, _Captured] = {}
         self._step: _Step | None = None
+        self._updated: tuple[int, int] | None = None  # (size, requests) of the step a graph just updated
 
     # -- capture ------------------------------------------------------------------------
     def capture(self, log: bool = True) -> int:
@@ -177,42 +235,62 @@ class DecodeStepGraphs:
         layer = ascend_device.current()
         free_before = layer.accelerator_memory_info()[0]
         pool = layer.graph_pool_handle()
+        if self._logits is None and self._buffers.logits is not None:
+            vocab = self._buffers.logits.shape[1]
+            self._logits = torch.zeros(
+                self.sizes[-1] * self.query_len, vocab, dtype=torch.float32, device=self._idx.device
+            )
         self._idx.fill_(-1)
         with graph_capture.capture_context() as session:
             for rows in self.sizes:
                 inputs = graph_capture.AscendGraph()
-                logits_indices = torch.zeros(rows, dtype=torch.int64, device=self._idx.device)
+                logits_indices = torch.zeros(
+                    rows * self.query_len, dtype=torch.int64, device=self._idx.device
+                )
                 with graph_capture.capture(inputs, pool, session.stream):
                     self.prepare_inputs(rows, logits_indices)
                 sampling = {}
-                for kind in SAMPLING_KINDS if self._buffers.logits is not None else ():
+                for kind in sampling_kinds(self.query_len) if self._buffers.logits is not None else ():
                     sampling[kind] = graph_capture.AscendGraph()
                     with graph_capture.capture(sampling[kind], pool, session.stream):
                         self.sample(rows, kind, logits_indices)
                 update = graph_capture.AscendGraph()
                 with graph_capture.capture(update, pool, session.stream):
                     self.update_states(rows)
-                self._captured[rows] = _Captured(inputs, logits_indices, sampling, update)
+                draft_decode = None
+                if self.prepares_draft_decode_inputs:
+                    draft_decode = graph_capture.AscendGraph()
+                    with graph_capture.capture(draft_decode, pool, session.stream):
+                        self.prepare_draft_decode_inputs(rows)
+                self._captured[rows] = _Captured(inputs, logits_indices, sampling, update, draft_decode)
         taken = free_before - layer.accelerator_memory_info()[0]
         if log:
             logger.info(
                 "Ascend decode-step graphs: %d captured (inputs, %s and state updates of up to %d "
-                "requests), %.1f MiB",
-                sum(2 + len(c.sampling) for c in self._captured.values()),
-                "sampling" if self._buffers.logits is not None else "no sampling",
+                "requests, %d tokens each), %.1f MiB",
+                sum(2 + len(c.sampling) + (c.draft_decode is not None) for c in self._captured.values()),
+                ("sampling" if self.query_len == 1 else "greedy verification")
+                if self._buffers.logits is not None
+                else "no sampling",
                 self.sizes[-1],
+                self.query_len,
                 taken / 2**20,
             )
         return taken
 
     def release(self) -> None:
         self._captured.clear()
+        if self.query_len > 1:
+            self._logits = None
         self._step = None
+        self._updated = None
 
     # -- what each graph captures (fixed shapes, no host state; the tests run them eagerly)
     def prepare_inputs(self, rows: int, logits_indices: torch.Tensor) -> None:
-        """The step's inputs for the first ``rows`` staged request slots (``-1``: padding)."""
+        """The step's inputs for the first ``rows`` staged request slots (``-1``: padding):
+        ``query_len`` tokens and logits per request (the last sampled token, the drafts)."""
         b = self._buffers
+        q = self.query_len
         idx = self._idx[:rows]
         real = idx >= 0
         req = idx.clamp(min=0)
@@ -220,7 +298,7 @@ class DecodeStepGraphs:
         prepare_pos_seq_lens(b.positions, b.seq_lens, req, qsl, b.num_computed_tokens, self._max_num_reqs)
         b.seq_lens[:rows] = torch.where(real, b.seq_lens[:rows], 0)
         cu = self._cu_num_logits[: rows + 1]
-        torch.cumsum(real, 0, out=cu[1:])  # one logit per real request, none per padding row
+        torch.cumsum(real * q, 0, out=cu[1:])  # q logits per real request, none per padding row
         combine_sampled_and_draft_tokens(
             b.input_ids,
             req,
@@ -234,8 +312,10 @@ class DecodeStepGraphs:
             logits_indices,
             NUM_NEW_SAMPLED_TOKENS=1,
         )
+        if q > 1:
+            expand_idx_mapping(req, self._expanded_idx[: rows * q], self._expanded_local_pos[: rows * q], cu)
         self._block_tables.gather_padded_rows(idx, self._num_blocks, b.num_computed_tokens)
-        self._block_tables.compute_slot_mappings(idx, qsl, b.positions, rows)
+        self._block_tables.compute_slot_mappings(idx, qsl, b.positions, rows * q)
 
     def sample(self, rows: int, kind: str, logits_indices: torch.Tensor) -> None:
         """Sample the staged float32 logits as upstream's sampler does a batch of this
@@ -243,11 +323,16 @@ class DecodeStepGraphs:
         rule ``gumbel.first_max_or_nan`` states); random, temperature, then top-k/top-p
         (upstream's torch form) where the kind has them, then the Gumbel-max draw. Then
         the counts upstream's sampler makes: one token per request not mid-prefill, no
-        rejections."""
+        rejections. With drafts (greedy only): the greedy verification of upstream's
+        rejection sampler on the same float32 logits, then its counts."""
         b = self._buffers
-        assert b.logits is not None
+        assert self._logits is not None
         idx = self._idx[:rows]
-        logits = b.logits[:rows]
+        q = self.query_len
+        if q > 1:
+            self._verify_greedy(rows, logits_indices)
+            return
+        logits = self._logits[:rows]
         if kind == GREEDY:
             self._sampled[:rows, 0] = first_max_or_nan(logits)
         else:
@@ -278,8 +363,100 @@ class DecodeStepGraphs:
             self._prefill_len.tensor,
         )
 
+    def _verify_greedy(self, rows: int, logits_indices: torch.Tensor) -> None:
+        b = self._buffers
+        assert self._logits is not None
+        n = rows * self.query_len
+        # (no draft is proposed inside a prompt: a draft slot there is a placeholder, -1)
+        gather_draft_sampled(
+            self._draft_sampled[:n],
+            self._draft_pos[:n],
+            b.input_ids,
+            b.positions,
+            logits_indices,
+            self._expanded_idx[:n],
+            self._expanded_local_pos[:n],
+            self._prefill_len.tensor,
+            n,
+        )
+        cu = self._cu_num_logits[: rows + 1]
+        sampled, num_sampled = verify_greedy(
+            self._logits[:n], self._draft_sampled[:n], cu, self._expanded_local_pos[:n], self.query_len - 1
+        )
+        self._sampled[:rows] = sampled
+        self._num_sampled[:rows] = num_sampled
+        get_num_sampled_and_rejected(
+            self._num_sampled[:rows],
+            self._num_rejected[:rows],
+            b.seq_lens[:rows],
+            cu,
+            self._idx[:rows].clamp(min=0),
+            self._prefill_len.tensor,
+        )
+
     def update_states(self, rows: int) -> None:
-        """Upstream's ``post_update`` of a step without drafts; padding rows skipped."""
+        """Upstream's ``post_update`` of the step (the drafts' tokens, if any, were written
+        by the drafter already); padding rows skipped. Then the drafter's first-step
+        inputs, if it has them prepared here (what upstream's drafter does next)."""
+        self._post_update(rows)
+        d = self._drafter
+        if d is not None:
+            b = self._buffers
+            n = rows * self.query_len
+            draft_prefill_inputs(
+                d.last_token_indices,
+                d.current_draft_step,
+                d.input_ids,
+                d.positions,
+                d.query_start_loc,
+                d.seq_lens,
+                b.input_ids[:n],
+                b.positions[:n],
+                self._idx[:rows],
+                b.last_sampled_tokens,
+                d.next_prefill_tokens,
+                self._num_sampled[:rows],
+                self._num_rejected[:rows],
+                b.query_start_loc,
+                b.seq_lens,
+                self._max_num_reqs,
+            )
+
+    def prepare_draft_decode_inputs(self, rows: int) -> None:
+        """The drafter's decode-step inputs after its prefill (upstream's
+        ``_prepare_decode_inputs``: the first draft as input, positions and lengths one
+        further, the rejected drafts off the lengths), padding rows left as they are and
+        given no tokens; then the first decode step's slot mappings."""
+        d = self._drafter
+        assert d is not None
+        idx = self._idx[:rows]
+        real = idx >= 0
+        kept = (d.input_ids[:rows].clone(), d.positions[:rows].clone(), d.sample_src_positions[:rows].clone())
+        draft_decode_inputs(
+            d.draft_tokens[:rows],
+            d.draft_tokens.stride(0),
+            self._buffers.seq_lens,
+            self._num_rejected[:rows],
+            d.input_ids,
+            d.positions,
+            d.sample_src_positions,
+            d.query_start_loc,
+            d.seq_lens,
+            d.max_model_len,
+            self._max_num_reqs,
+            ADVANCE_DRAFT_POSITIONS=d.advance_positions,
+        )
+        for buffer, old in zip((d.input_ids, d.positions, d.sample_src_positions), kept):
+            buffer[:rows] = torch.where(real, buffer[:rows], old)
+        d.seq_lens[:rows] = torch.where(real, d.seq_lens[:rows], 0)
+        # one token per request, none per padding row
+        lanes = torch.arange(self._max_num_reqs + 1, device=idx.device)
+        d.query_start_loc[: self._max_num_reqs + 1] = torch.minimum(lanes, real.sum()).to(
+            d.query_start_loc.dtype
+        )
+        self._block_tables.compute_slot_mappings(idx, d.query_start_loc[: rows + 1], d.positions, rows)
+
+    def _post_update(self, rows: int) -> None:
         b = self._buffers
         post_update(
             self._idx[:rows],
@@ -306,7 +483,7 @@ class DecodeStepGraphs:
 
     def size_for(self, num_reqs: int, num_reqs_padded: int) -> int | None:
         """The captured size that replays a step of ``num_reqs`` requests padded to
-        ``num_reqs_padded`` rows, if any."""
+        ``num_reqs_padded`` rows, ``query_len`` tokens each, if any."""
         if num_reqs_padded not in self._captured or num_reqs > num_reqs_padded:
             return None
         if ascend_device.current().is_capturing():
@@ -315,10 +492,11 @@ class DecodeStepGraphs:
 
     def begin_step(
         self, size: int, idx_mapping: torch.Tensor, prefill_len: torch.Tensor, num_blocks: torch.Tensor
-    ) -> torch.Tensor:
-        """Stage the step's inputs and replay its input graph: the logits indices (a view
-        of the graph's output, rewritten by the next step's replay, which the stream orders
-        after this step's reads)."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Stage the step's inputs and replay its input graph: the logits indices and, with
+        drafts, each logit's request slot and place in its request (views of the graph's
+        outputs, rewritten by the next step's replay, which the stream orders after this
+        step's reads)."""
         num_reqs = idx_mapping.shape[0]
         self._idx[:num_reqs].copy_(idx_mapping)
         if size > num_reqs:
@@ -329,10 +507,40 @@ class DecodeStepGraphs:
         captured.inputs.replay()
         self._block_tables.clear_rows_beyond(size, num_reqs)
         self._step = _Step(size, idx_mapping)
-        return captured.logits_indices[:num_reqs]
+        n = num_reqs * self.query_len
+        expanded = (self._expanded_idx[:n], self._expanded_local_pos[:n]) if self.query_len > 1 else None
+        return captured.logits_indices[:n], expanded
+
+    @property
+    def prepares_draft_inputs(self) -> bool:
+        """Does a graphed step's state update prepare the drafter's first-step inputs?"""
+        return self._drafter is not None
+
+    @property
+    def prepares_draft_decode_inputs(self) -> bool:
+        """Does a graph prepare the drafter's decode-step inputs (two drafts or more)?"""
+        return self._drafter is not None and self._drafter.draft_tokens.shape[1] > 1
+
+    def replay_draft_decode_inputs(
+        self, num_reqs: int, num_tokens: int, max_model_len: int
+    ) -> torch.Tensor | None:
+        """After the draft prefill of the step just updated: its decode steps' inputs and
+        the first one's slot mappings [groups, ``num_tokens``], or None (not this step's
+        requests, more tokens than the captured size, or another model length)."""
+        d = self._drafter
+        if self._updated is None or d is None or max_model_len != d.max_model_len:
+            return None
+        rows, step_reqs = self._updated
+        draft_decode = self._captured[rows].draft_decode
+        if draft_decode is None or num_reqs != step_reqs or num_tokens > rows:
+            return None
+        draft_decode.replay()
+        self._updated = None  # (once: the replay advances the positions)
+        return self._block_tables.slot_mappings[:, :num_tokens]
 
     def forget_step(self) -> None:
         self._step = None
+        self._updated = None
 
     def graphed(self, idx_mapping: torch.Tensor) -> bool:
         """Did this step (whose request slots are ``idx_mapping``) take its inputs from a graph?"""
@@ -345,12 +553,12 @@ class DecodeStepGraphs:
     def replay_sampling(
         self, kind: str, logits: torch.Tensor, sources: SamplingSources
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The tokens [rows, 1], sampled and rejected counts of this graphed step's logits,
-        sampled the ``kind`` way."""
+        """The tokens [requests, query_len], sampled and rejected counts of this graphed
+        step's logits [requests x query_len, vocab], sampled (or verified) the ``kind`` way."""
         step = self._step
-        assert step is not None and self._buffers.logits is not None
-        rows = logits.shape[0]
-        self._buffers.logits[:rows].copy_(logits)
+        assert step is not None and self._logits is not None
+        self._logits[: logits.shape[0]].copy_(logits)
+        rows = logits.shape[0] // self.query_len
         if kind != GREEDY:
             self._temperature.refresh(sources.temperature)
             self._seeds.refresh(sources.seeds)
@@ -378,4 +586,5 @@ class DecodeStepGraphs:
             self._num_sampled[:rows].copy_(num_sampled)
             self._num_rejected[:rows].copy_(num_rejected)
         self._captured[step.size].update.replay()
+        self._updated = (step.size, step.idx_mapping.shape[0])
         self._step = None
