@@ -227,9 +227,11 @@ class DecodeStepGraphs:
 
     # -- capture ------------------------------------------------------------------------
     def capture(self, log: bool = True) -> int:
-        """Per size the inputs graph, one per sampling kind and the update graph, on the
-        capture context's side stream, one memory pool (they replay one at a time); the
-        device memory they took. Every row is padding while capturing."""
+        """Per size the inputs graph, one per sampling kind, the update graph and (a
+        drafter with two drafts or more) its decode inputs' graph, on the capture
+        context's side stream, one memory pool (they replay one at a time); the device
+        memory they took, the verification's logits buffer included. Every row is padding
+        while capturing."""
         if self._captured or not self.sizes:
             return 0
         layer = ascend_device.current()
