@@ -30,19 +30,23 @@ def draft_prefill_inputs(
     seq_lens_ptr: torch.Tensor,
     max_num_reqs: int,
     BLOCK_SIZE: int | None = None,
+    padding_rows: bool = False,
     **launch: object,
 ) -> None:
     """The draft's first step sees the target's tokens shifted by one, ending in the
-    token just sampled (or, mid-prefill, the prompt's next token). Negative request
-    slots are padding rows (a graph's): they get nothing, as rows past the kernel's
-    launch."""
+    token just sampled (or, mid-prefill, the prompt's next token). ``padding_rows`` (a
+    graph's padded batch; upstream's launch never passes it): negative request slots are
+    padding rows, which get nothing, as rows past the kernel's launch."""
     num_reqs = idx_mapping_ptr.shape[0]
     if num_reqs == 0:
         return
-    real = idx_mapping_ptr >= 0
+    real = idx_mapping_ptr >= 0 if padding_rows else None
     qsl = query_start_loc_ptr[: num_reqs + 1].long()
-    length = torch.where(real, qsl[1:] - qsl[:-1] - num_rejected_ptr[:num_reqs].long(), 0)
-    req_state = idx_mapping_ptr.long().clamp(min=0)
+    length = qsl[1:] - qsl[:-1] - num_rejected_ptr[:num_reqs].long()
+    req_state = idx_mapping_ptr.long()
+    if real is not None:
+        length = torch.where(real, length, 0)
+        req_state = req_state.clamp(min=0)
     # flat indices, as the kernel's pointer arithmetic (both may be 2-D buffers)
     sampled = last_sampled_ptr.reshape(-1)[req_state].to(torch.int32)
     upcoming = next_prefill_tokens_ptr.reshape(-1)[req_state].to(torch.int32)
@@ -54,15 +58,21 @@ def draft_prefill_inputs(
     token = torch.arange(num_tokens, device=qsl.device)
     masked_set(draft_input_ids_ptr, ((token - 1).clamp(min=0),), target_input_ids_ptr, kept & (offset >= 1))
     masked_set(draft_positions_ptr, (token,), target_positions_ptr, kept)
-    last = torch.where(real, qsl[:-1] + length - 1, 0)
-    masked_set(draft_input_ids_ptr, (last,), next_token, real)
+    last = qsl[:-1] + length - 1
+    starts = qsl[:-1]
+    seq_lens = seq_lens_ptr[:num_reqs]
+    if real is None:
+        draft_input_ids_ptr[last] = next_token.to(draft_input_ids_ptr.dtype)
+    else:
+        last = torch.where(real, last, 0)
+        masked_set(draft_input_ids_ptr, (last,), next_token, real)
+        starts = torch.where(real, starts, qsl[-1])  # (where the last request's query ends)
+        seq_lens = torch.where(real, seq_lens, 0)
     last_token_indices_ptr[:num_reqs] = last.to(last_token_indices_ptr.dtype)
     last_token_indices_ptr[num_reqs:max_num_reqs].fill_(0)
-    # (a padding row's query starts where the last request's ends, as the kernel pads)
-    end = qsl[-1].to(draft_query_start_loc_ptr.dtype)
-    draft_query_start_loc_ptr[:num_reqs] = torch.where(real, qsl[:-1].to(end.dtype), end)
-    draft_query_start_loc_ptr[num_reqs : max_num_reqs + 1] = end
-    draft_seq_lens_ptr[:num_reqs] = torch.where(real, seq_lens_ptr[:num_reqs], 0).to(draft_seq_lens_ptr.dtype)
+    draft_query_start_loc_ptr[:num_reqs] = starts.to(draft_query_start_loc_ptr.dtype)
+    draft_query_start_loc_ptr[num_reqs : max_num_reqs + 1] = qsl[-1].to(draft_query_start_loc_ptr.dtype)
+    draft_seq_lens_ptr[:num_reqs] = seq_lens.to(draft_seq_lens_ptr.dtype)
     draft_seq_lens_ptr[num_reqs:max_num_reqs].fill_(0)
     draft_current_step_ptr.zero_()
 
@@ -81,20 +91,36 @@ def draft_decode_inputs(
     max_num_reqs: int,
     BLOCK_SIZE: int | None = None,
     ADVANCE_DRAFT_POSITIONS: bool = True,
+    real_rows: torch.Tensor | None = None,
     **launch: object,
 ) -> None:
+    """``real_rows`` (a graph's padded batch; upstream's launch never passes it): which
+    rows are requests; the others are left as they are and get no query token, as rows
+    past the kernel's launch."""
     num_reqs = draft_tokens_ptr.shape[0]
     first_draft = draft_tokens_ptr.as_strided((num_reqs,), (int(draft_tokens_stride),))
-    input_ids_ptr[:num_reqs] = first_draft.to(input_ids_ptr.dtype)
-    sample_src_positions_ptr[:num_reqs] += 1
+    input_ids = first_draft.to(input_ids_ptr.dtype)
     seq_len = target_seq_lens_ptr[:num_reqs].long() - num_rejected_ptr[:num_reqs].long()
+    positions = positions_ptr[:num_reqs]
     if ADVANCE_DRAFT_POSITIONS:
-        positions_ptr[:num_reqs] = (positions_ptr[:num_reqs] + 1).clamp(max=int(max_model_len) - 1)
+        positions = (positions + 1).clamp(max=int(max_model_len) - 1)
         seq_len = (seq_len + 1).clamp(max=int(max_model_len))
+    lanes = torch.arange(max_num_reqs + 1, device=query_start_loc_ptr.device)
+    if real_rows is None:
+        sample_src_positions_ptr[:num_reqs] += 1
+        query_ends = lanes.clamp(max=num_reqs)
+    else:
+        input_ids = torch.where(real_rows, input_ids, input_ids_ptr[:num_reqs])
+        sample_src_positions_ptr[:num_reqs] += real_rows
+        positions = torch.where(real_rows, positions, positions_ptr[:num_reqs])
+        seq_len = torch.where(real_rows, seq_len, 0)
+        query_ends = torch.minimum(lanes, real_rows.sum())
+    input_ids_ptr[:num_reqs] = input_ids
+    if ADVANCE_DRAFT_POSITIONS:
+        positions_ptr[:num_reqs] = positions
     seq_lens_ptr[:num_reqs] = seq_len.to(seq_lens_ptr.dtype)
     seq_lens_ptr[num_reqs:max_num_reqs] = 0
-    lanes = torch.arange(max_num_reqs + 1, device=query_start_loc_ptr.device)
-    query_start_loc_ptr[: max_num_reqs + 1] = lanes.clamp(max=num_reqs).to(query_start_loc_ptr.dtype)
+    query_start_loc_ptr[: max_num_reqs + 1] = query_ends.to(query_start_loc_ptr.dtype)
 
 
 def update_draft_inputs(

@@ -422,6 +422,7 @@ class DecodeStepGraphs:
                 b.query_start_loc,
                 b.seq_lens,
                 self._max_num_reqs,
+                padding_rows=True,
             )
 
     def prepare_draft_decode_inputs(self, rows: int) -> None:
@@ -432,8 +433,6 @@ class DecodeStepGraphs:
         d = self._drafter
         assert d is not None
         idx = self._idx[:rows]
-        real = idx >= 0
-        kept = (d.input_ids[:rows].clone(), d.positions[:rows].clone(), d.sample_src_positions[:rows].clone())
         draft_decode_inputs(
             d.draft_tokens[:rows],
             d.draft_tokens.stride(0),
@@ -447,14 +446,7 @@ class DecodeStepGraphs:
             d.max_model_len,
             self._max_num_reqs,
             ADVANCE_DRAFT_POSITIONS=d.advance_positions,
-        )
-        for buffer, old in zip((d.input_ids, d.positions, d.sample_src_positions), kept):
-            buffer[:rows] = torch.where(real, buffer[:rows], old)
-        d.seq_lens[:rows] = torch.where(real, d.seq_lens[:rows], 0)
-        # one token per request, none per padding row
-        lanes = torch.arange(self._max_num_reqs + 1, device=idx.device)
-        d.query_start_loc[: self._max_num_reqs + 1] = torch.minimum(lanes, real.sum()).to(
-            d.query_start_loc.dtype
+            real_rows=idx >= 0,
         )
         self._block_tables.compute_slot_mappings(idx, d.query_start_loc[: rows + 1], d.positions, rows)
 
