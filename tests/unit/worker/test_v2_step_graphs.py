@@ -39,6 +39,7 @@ from vllm.v1.worker.gpu.input_batch import (  # noqa: E402
 )
 from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (  # noqa: E402
     _prepare_decode_inputs_kernel,
 )
@@ -109,6 +110,9 @@ def _draft_side(k: int) -> DrafterBuffers:
         next_prefill_tokens=torch.zeros(1, MAX_REQS, dtype=torch.int32),
         draft_tokens=torch.zeros(MAX_REQS, k, dtype=torch.int64),
         sample_src_positions=torch.zeros(MAX_REQS, dtype=torch.int64),
+        idx_mapping=torch.zeros(MAX_REQS, dtype=torch.int64),
+        temperature=torch.zeros(MAX_REQS, dtype=torch.float32),
+        seeds=torch.zeros(MAX_REQS, dtype=torch.int64),
         max_model_len=MODEL_LEN,
         advance_positions=True,
     )
@@ -315,7 +319,7 @@ def test_replayed_steps_are_the_eager_steps(graphed, seed, num_reqs, dirty, kind
         assert torch.equal(num_sampled, want_sampled) and torch.equal(num_rejected, want_rejected)
     else:
         tokens, num_sampled, num_rejected = want_tokens, want_sampled.clone(), want_rejected.clone()
-    graphs.replay_update(tokens, num_sampled, num_rejected)
+    graphs.replay_update(tokens, num_sampled, num_rejected, sources)
     assert _graphs.stats["replays"] == before + (3 if sampled_by_graph else 2)
     assert not graphs.graphed(idx), "the step ends with its update"
 
@@ -462,6 +466,10 @@ def test_replayed_verification_steps_are_the_eager_steps(
         num = torch.randint(1, q + 1, (num_reqs,), generator=g, dtype=torch.int32)
     want_sampled, want_rejected = get_num_sampled_and_rejected(num, eager.seq_lens, cu, idx, prefill_len)
     _eager_update(eager, idx, want_tokens, want_sampled, want_rejected, qs)
+    sources = _sources(g, new=bool(torch.randint(0, 2, (1,), generator=g)))
+    # upstream's drafter method, on the buffers' copy (its fields have the drafter's names)
+    copy_request_inputs = DraftModelSpeculator._copy_request_inputs
+    copy_request_inputs(eager_drafter, num_reqs, idx, sources.temperature, sources.seeds)  # type: ignore[arg-type]
     prepare_draft_prefill_inputs(
         eager_drafter.last_token_indices,
         eager_drafter.current_draft_step,
@@ -489,7 +497,7 @@ def test_replayed_verification_steps_are_the_eager_steps(
         assert torch.equal(num_sampled, want_sampled) and torch.equal(num_rejected, want_rejected)
     else:
         tokens, num_sampled, num_rejected = want_tokens, want_sampled.clone(), want_rejected.clone()
-    graphs.replay_update(tokens, num_sampled, num_rejected)
+    graphs.replay_update(tokens, num_sampled, num_rejected, sources)
     assert _graphs.stats["replays"] == before + (3 if by_graph else 2)
 
     for name in FIELDS:

@@ -157,6 +157,9 @@ class NPUModelRunner(GPUModelRunner):
             next_prefill_tokens=self.req_states.next_prefill_tokens,
             draft_tokens=drafter.draft_tokens,
             sample_src_positions=drafter.sample_src_positions,
+            idx_mapping=drafter.idx_mapping,
+            temperature=drafter.temperature,
+            seeds=drafter.seeds,
             max_model_len=drafter.max_model_len,
             advance_positions=drafter.advance_draft_positions,
         )
@@ -282,7 +285,7 @@ class NPUModelRunner(GPUModelRunner):
             return super().postprocess_sampled(
                 idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc, draft_tokens
             )
-        graphs.replay_update(sampled_tokens, num_sampled, num_rejected)
+        graphs.replay_update(sampled_tokens, num_sampled, num_rejected, self.sampler.sampling_sources())
         # (upstream's postprocess_sampled ends so too)
         self.model_state.postprocess_state(idx_mapping, num_sampled, self.req_states.num_computed_tokens.gpu)
 

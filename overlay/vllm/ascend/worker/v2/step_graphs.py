@@ -95,8 +95,9 @@ class StepBuffers:
 @dataclass
 class DrafterBuffers:
     """A target-dependent drafter's (MTP, EAGLE) input buffers. The state update graph
-    prepares its first step's inputs (upstream's ``prepare_prefill_inputs``; the drafter
-    then skips it: ``InputBatch.draft_prefill_inputs_prepared``); with two drafts or more,
+    prepares its first step's inputs (upstream's ``_copy_request_inputs`` and
+    ``prepare_prefill_inputs``; the drafter then skips both:
+    ``InputBatch.draft_prefill_inputs_prepared``); with two drafts or more,
     a graph of its own its decode steps' inputs and the first one's slot mappings, after
     the draft prefill (``_prepare_decode_inputs``; ``prepare_draft_decode_inputs``)."""
 
@@ -109,6 +110,9 @@ class DrafterBuffers:
     next_prefill_tokens: torch.Tensor  # the runner's
     draft_tokens: torch.Tensor  # [requests, k]
     sample_src_positions: torch.Tensor
+    idx_mapping: torch.Tensor  # [max requests] its request slots (-1: skip the row)
+    temperature: torch.Tensor  # [max requests] (by slot, as the sampling states')
+    seeds: torch.Tensor
     max_model_len: int  # (the drafter's, at capture: a later change is not served)
     advance_positions: bool
 
@@ -219,8 +223,9 @@ class DecodeStepGraphs:
         self._draft_sampled = torch.zeros(rows * q, dtype=torch.int64, device=device)
         self._draft_pos = torch.zeros(rows * q, dtype=torch.int64, device=device)
         self._sampled = torch.zeros(rows, q, dtype=torch.int64, device=device)
-        self._num_sampled = torch.zeros(rows, dtype=torch.int32, device=device)
-        self._num_rejected = torch.zeros(rows, dtype=torch.int32, device=device)
+        # both counts in one tensor: one copy hands them out (replay_sampling)
+        self._counts = torch.zeros(2, rows, dtype=torch.int32, device=device)
+        self._num_sampled, self._num_rejected = self._counts[0], self._counts[1]
         self._captured: dict[int, _Captured] = {}
         self._step: _Step | None = None
         self._updated: tuple[int, int] | None = None  # (size, requests) of the step a graph just updated
@@ -399,10 +404,15 @@ class DecodeStepGraphs:
     def update_states(self, rows: int) -> None:
         """Upstream's ``post_update`` of the step (the drafts' tokens, if any, were written
         by the drafter already); padding rows skipped. Then the drafter's first-step
-        inputs, if it has them prepared here (what upstream's drafter does next)."""
+        inputs, if it has them prepared here (what upstream's drafter does next): its
+        request inputs (padding rows and rows past the step -1), then its tokens."""
         self._post_update(rows)
         d = self._drafter
         if d is not None:
+            d.temperature.copy_(self._temperature.tensor)
+            d.seeds.copy_(self._seeds.tensor)
+            d.idx_mapping[:rows].copy_(self._idx[:rows])
+            d.idx_mapping[rows:].fill_(-1)
             b = self._buffers
             n = rows * self.query_len
             draft_prefill_inputs(
@@ -561,19 +571,24 @@ class DecodeStepGraphs:
         self._captured[step.size].sampling[kind].replay()
         step.sampled = True
         # copies: the host reads them asynchronously, possibly after the next replay
-        return (
-            self._sampled[:rows].clone(),
-            self._num_sampled[:rows].clone(),
-            self._num_rejected[:rows].clone(),
-        )
+        num_sampled, num_rejected = self._counts[:, :rows].clone()
+        return self._sampled[:rows].clone(), num_sampled, num_rejected
 
     def replay_update(
-        self, sampled: torch.Tensor, num_sampled: torch.Tensor, num_rejected: torch.Tensor
+        self,
+        sampled: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        sources: SamplingSources,
     ) -> None:
         """``post_update`` of this graphed step: after a sampling graph its outputs are the
-        update's inputs already; after any other sampler they are copied in first."""
+        update's inputs already; after any other sampler they are copied in first. With a
+        drafter, ``sources`` are its request inputs (the target's temperatures and seeds)."""
         step = self._step
         assert step is not None
+        if self._drafter is not None:
+            self._temperature.refresh(sources.temperature)
+            self._seeds.refresh(sources.seeds)
         if not step.sampled:
             rows = sampled.shape[0]
             self._sampled[:rows].copy_(sampled)
