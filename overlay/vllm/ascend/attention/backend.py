@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm.config import get_current_vllm_config
@@ -171,7 +172,7 @@ def host_seq_lens(m: CommonAttentionMetadata, max_model_len: int) -> list[int]:
             "CommonAttentionMetadata.seq_lens_cpu_upper_bound is not set: the Ascend attention "
             "backends take sequence lengths from the host copy and never read them from the device"
         )
-    lengths = host[: m.num_reqs].clamp(max=max_model_len).tolist()
+    lengths = np.minimum(host.numpy()[: m.num_reqs], max_model_len).tolist()  # (numpy: no dispatch)
     if envs.check_host_seq_lens() and not ascend_device.current().is_capturing():
         device = m.seq_lens[: m.num_reqs].tolist()
         if lengths != device:

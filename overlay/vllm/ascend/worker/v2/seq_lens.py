@@ -17,7 +17,8 @@ A drafter's decode steps (MTP, EAGLE, a draft model) start from the target step'
 which count every draft of the step, accepted or not; the device takes the rejected ones
 off. ``draft_decode_host_seq_lens`` does the same on the host, from the rejected counts
 the verification just made (one more small copy and wait, with drafts of two or more
-tokens only: a single draft has no later step). Without it, those steps' attention spans
+tokens only: a single draft has no later step). The host arithmetic is numpy's, on views
+of the host tensors: no tensor op to dispatch for a few integers. Without it, those steps' attention spans
 the rejected drafts' slots: the target still verifies every draft, so the output stays
 exact, but the later drafts are made from the wrong context.
 """
@@ -43,7 +44,7 @@ class ExactHostSeqLens:
         self._host[:n].copy_(input_batch.seq_lens[:n], non_blocking=True)
         self._copied.record()
         self._copied.synchronize()
-        input_batch.seq_lens_cpu_upper_bound[:n] = self._host[:n]
+        input_batch.seq_lens_cpu_upper_bound.numpy()[:n] = self._host.numpy()[:n]
 
 
 def draft_decode_host_seq_lens(
@@ -58,6 +59,6 @@ def draft_decode_host_seq_lens(
     copied = device_layer.event()
     copied.record()
     copied.synchronize()
-    exact = seq_lens_cpu_upper_bound.clone()
-    exact[:num_reqs] -= rejected.to(exact.dtype)
-    return exact
+    exact = seq_lens_cpu_upper_bound.numpy().copy()
+    exact[:num_reqs] -= rejected.numpy().astype(exact.dtype)
+    return torch.from_numpy(exact)
