@@ -18,8 +18,10 @@ from vllm.ascend.worker.v2.gumbel import MASK32, draft_logits_row, gumbel_noised
 from vllm.ascend.worker.v2.input_batch import masked_set
 
 _NEG_INF = float("-inf")
-# gumbel.py's _TL_RAND_MIN: the smallest uniform tl_rand32 returns without zero
-_RAND_MIN = torch.tensor(4.6566127342e-10, dtype=torch.float32)
+# the smallest uniform tl_rand32 returns without zero (Triton's 4.6566127342e-10 in
+# float32: 2**-31 exactly). A Python number, not a host tensor a step would copy to the
+# device (a wait on every call).
+_RAND_MIN = float(torch.tensor(4.6566127342e-10, dtype=torch.float32))
 
 # Triton's Philox 4x32-10 (triton/language/random.py)
 _PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -52,12 +54,12 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         k1 = (k1 + _PHILOX_KEY_B) & MASK32
     # uint_to_uniform_float: the word as int32, negatives folded with ~x, times 2**-31
     folded = torch.where(c0 >= 1 << 31, MASK32 - c0, c0)
-    return folded.to(torch.float32) * _RAND_MIN.to(folded.device)
+    return folded.to(torch.float32) * _RAND_MIN
 
 
 def _rand32(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """gumbel.py's ``tl_rand32(seed, offset, includes_zero=False)``."""
-    return torch.maximum(philox_uniform(seed, offset), _RAND_MIN.to(seed.device))
+    return philox_uniform(seed, offset).clamp(min=_RAND_MIN)
 
 
 def _refuse(what: str) -> None:
