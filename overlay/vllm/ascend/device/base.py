@@ -89,6 +89,11 @@ class Device(ABC):
     def is_capturing(self) -> bool:
         return False
 
+    @property
+    def graphs_captured(self) -> int:
+        """Graphs this process captured so far (the start-up log counts them)."""
+        return 0
+
     def accelerator_memory_info(self) -> tuple[int, int]:
         """(free, total) as upstream's ``torch.accelerator.get_memory_info`` should answer it
         in host emulation (graph memory measurements read it)."""

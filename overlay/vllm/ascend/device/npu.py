@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from vllm.logger import init_logger
 
 from vllm.ascend.device.base import Device
@@ -26,6 +28,7 @@ class NPUDevice(Device):
         self._npu = torch_npu.npu
         self._initialised = False
         self._index: int | None = None
+        self._graphs_captured = 0
 
     def set_device(self, index: int) -> None:
         self._npu.set_device(index)
@@ -83,10 +86,17 @@ class NPUDevice(Device):
     def graph_pool_handle(self) -> object:
         return self._npu.graph_pool_handle()
 
+    @contextmanager
     def capture_graph(self, graph, pool, stream):
         # auto_dispatch_capture: torch_npu records each fused-attention call as a task group
         # its update can rewrite (npu/graphs.py, _GraphDispatchMode)
-        return self._npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True)
+        with self._npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True):
+            yield
+        self._graphs_captured += 1
+
+    @property
+    def graphs_captured(self) -> int:
+        return self._graphs_captured
 
     def replay_graph(self, graph, host_args: dict | None) -> None:
         """Replay the graph, then rewrite its fused-attention tasks with this step's host

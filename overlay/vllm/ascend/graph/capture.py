@@ -36,15 +36,13 @@ class AscendGraph:
 
 class _CaptureSession:
     """One graph-capture context: the stream its graphs are captured on (what upstream's
-    manager reads back as ``context.stream``), counted and timed for the start-up log."""
+    manager reads back as ``context.stream``), timed for the start-up log, which counts the
+    graphs the device layer captured meanwhile."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, graphs_before: int) -> None:
         self.stream = stream
-        self.graphs = 0
+        self.graphs_before = graphs_before
         self.started = time.perf_counter()
-
-
-_session: _CaptureSession | None = None
 
 
 @contextmanager
@@ -53,22 +51,19 @@ def capture_context(stream=None):
     capture stream) or a new side stream of this process's device (the NPU refuses the
     default stream), then return to the stream that was current. Capture errors CANN names
     by code become one line that says what to change."""
-    global _session
     device = ascend_device.current()
     previous = device.current_stream()
     stream = stream if stream is not None else device.stream()
     stream.wait_stream(previous)
-    _session = _CaptureSession(stream)
+    session = _CaptureSession(stream, device.graphs_captured)
     try:
         with device.stream_context(stream), capture_errors():
-            yield _session
+            yield session
     finally:
-        session, _session = _session, None
         previous.wait_stream(stream)
-        if session.graphs:
-            logger.info(
-                "Ascend graphs: %d captured in %.1f s", session.graphs, time.perf_counter() - session.started
-            )
+        graphs = device.graphs_captured - session.graphs_before
+        if graphs:
+            logger.info("Ascend graphs: %d captured in %.1f s", graphs, time.perf_counter() - session.started)
 
 
 @contextmanager
@@ -79,8 +74,6 @@ def capture(graph: AscendGraph, pool, stream):
     device = ascend_device.current()
     with device.capture_graph(graph.npu_graph, pool, device.current_stream()):
         yield
-    if _session is not None:
-        _session.graphs += 1
 
 
 # CANN runtime codes a capture runs into when it exhausts a device resource
