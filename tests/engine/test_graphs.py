@@ -126,7 +126,8 @@ PAIRS = {
 }
 DEEPSEEK_BATCHES = [PROMPTS[:5], LONG_PROMPTS[:4]]
 # seeded random sampling in one batch of a pair: graph and eager draw the same tokens (the
-# noise is a hash of seed, position and token; MTP k = 2 verifies through the random walk)
+# noise is a hash of seed, position and token; MTP k = 2 verifies through the random walk,
+# from the decode-step graphs in the graph engine)
 RANDOM = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11}
 BATCH_SAMPLING = {"qwen2": [RANDOM, {}, {}, {}], "mtp_k2": [{}, RANDOM]}
 MLA_BLOCK16_BATCHES = [[f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]]
@@ -265,8 +266,8 @@ def test_start_up_reports_graphs(runs):
     # the random batch's sampler: one graph per decode request size (Qwen2: 1, 2, 4, 8)
     assert "Ascend sampler graphs: 4 captured (random batches of up to 8 requests)" in output
     assert "of graph memory estimated before the KV cache is sized" in output
-    # the MTP k = 2 engine's decode-step graphs verify greedy drafts, three tokens a request
-    assert "greedy verification and state updates of up to 8 requests, 3 tokens each)" in output
+    # the MTP k = 2 engine's decode-step graphs verify drafts, three tokens a request
+    assert "greedy and random verification and state updates of up to 8 requests, 3 tokens each)" in output
     # the 16-token-block MLA engine captured a graph of more tokens than a block
     assert "Ascend MLA latent prolog not used in decode graphs of more than 16 tokens" in output
     # the A3 selector's AllToAll steps ran eagerly, its graphs took AllGather

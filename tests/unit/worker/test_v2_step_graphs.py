@@ -38,7 +38,11 @@ from vllm.v1.worker.gpu.input_batch import (  # noqa: E402
     prepare_pos_seq_lens,
 )
 from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import (  # noqa: E402
+    gather_draft_sampled,
+    get_max_chunk_logits,
+)
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (  # noqa: E402
     _prepare_decode_inputs_kernel,
@@ -60,6 +64,7 @@ from vllm.ascend.worker.v2.step_graphs import (  # noqa: E402
     DrafterBuffers,
     SamplingSources,
     StepBuffers,
+    sampling_kinds,
 )
 
 MAX_REQS = 10
@@ -414,15 +419,14 @@ def _copy_drafter(drafter: DrafterBuffers) -> DrafterBuffers:
     seed=st.integers(0, 2**31),
     num_reqs=st.integers(1, 8),
     dirty=st.integers(0, MAX_REQS),
-    by_graph=st.booleans(),
+    kind=st.sampled_from((*SAMPLING_KINDS, "another sampler")),
     accept=st.floats(0.0, 1.0),
 )
-def test_replayed_verification_steps_are_the_eager_steps(
-    graphed_drafts, seed, num_reqs, dirty, by_graph, accept
-):
+def test_replayed_verification_steps_are_the_eager_steps(graphed_drafts, seed, num_reqs, dirty, kind, accept):
     """Every request decodes its last token and K drafts; the logits favour each draft with
     probability ``accept`` (so every number of accepted drafts occurs). Tokens verified by
-    the greedy graph, or by another sampler and copied in."""
+    the graph of ``kind`` (greedy, or random: upstream's rejection sampler on the sampling
+    parameters' logits, some rows greedy), or by another sampler and copied in."""
     graphs, tables, buffers, drafter, groups, window = graphed_drafts
     q = K + 1
     g = torch.Generator().manual_seed(seed)
@@ -448,7 +452,7 @@ def test_replayed_verification_steps_are_the_eager_steps(
     cu = torch.arange(num_reqs + 1, dtype=torch.int32) * q
     expanded_idx, local_pos = expand_idx_mapping(idx, total, cu, q)
     want_logits, want_tables, want_slots = _eager_inputs(eager, eager_tables, idx, size, prefill_len, cu, q)
-    draft_sampled, _ = gather_draft_sampled(
+    draft_sampled, pos = gather_draft_sampled(
         eager.input_ids, eager.positions, want_logits, expanded_idx, local_pos, prefill_len
     )
     logits = _logits(g, total)
@@ -459,14 +463,36 @@ def test_replayed_verification_steps_are_the_eager_steps(
             and float(torch.rand(1, generator=g)) < accept
         ):
             logits[row, int(draft_sampled[row + 1])] = 9.0
-    if by_graph:
+    sources = _sources(g, new=bool(torch.randint(0, 2, (1,), generator=g)))
+    if kind == GREEDY:
         want_tokens, num = verify_greedy(logits, draft_sampled, cu, local_pos, K)
-    else:  # another sampler's tokens and counts
+    elif kind == "another sampler":  # its tokens and counts
         want_tokens = torch.randint(0, VOCAB, (num_reqs, q), generator=g)
         num = torch.randint(1, q + 1, (num_reqs,), generator=g, dtype=torch.int32)
+    else:  # upstream's RejectionSampler._verify: sampling parameters per logit row, then
+        # the standard rejection sampling of one-hot drafts
+        processed = logits.to(torch.float32)
+        apply_temperature(processed, expanded_idx, sources.temperature)
+        top_k = sources.top_k[expanded_idx] if "top_k" in kind else None
+        top_p = sources.top_p[expanded_idx] if "top_p" in kind else None
+        if top_k is not None or top_p is not None:
+            processed = apply_top_k_top_p(processed, top_k, top_p)
+        want_tokens, num = rejection_sample(
+            processed,
+            None,
+            draft_sampled,
+            cu,
+            pos,
+            idx,
+            expanded_idx,
+            local_pos,
+            sources.temperature,
+            sources.seeds,
+            K,
+            skip_masked_vocab_blocks=kind != "random",
+        )
     want_sampled, want_rejected = get_num_sampled_and_rejected(num, eager.seq_lens, cu, idx, prefill_len)
     _eager_update(eager, idx, want_tokens, want_sampled, want_rejected, qs)
-    sources = _sources(g, new=bool(torch.randint(0, 2, (1,), generator=g)))
     # upstream's drafter method, on the buffers' copy (its fields have the drafter's names)
     copy_request_inputs = DraftModelSpeculator._copy_request_inputs
     copy_request_inputs(eager_drafter, num_reqs, idx, sources.temperature, sources.seeds)  # type: ignore[arg-type]
@@ -491,14 +517,20 @@ def test_replayed_verification_steps_are_the_eager_steps(
     for got, want in zip(tables.input_block_tables, want_tables):
         assert torch.equal(got[:size], want)
     assert torch.equal(tables.slot_mappings[:, : size * q], want_slots)
-    if by_graph:
-        tokens, num_sampled, num_rejected = graphs.replay_sampling(GREEDY, logits, _SOURCES_NONE)
-        assert torch.equal(tokens, want_tokens)
+    sampled_by_graph = kind != "another sampler"
+    if sampled_by_graph:
+        assert graphs.samples(kind)
+        tokens, num_sampled, num_rejected = graphs.replay_sampling(kind, logits, sources)
+        # (upstream's rejection sampler leaves a request's places past its tokens unset)
+        unset = (
+            torch.arange(q) >= num[:, None] if kind != GREEDY else torch.zeros_like(tokens, dtype=torch.bool)
+        )
+        assert torch.equal(tokens[~unset], want_tokens[~unset]), kind
         assert torch.equal(num_sampled, want_sampled) and torch.equal(num_rejected, want_rejected)
     else:
         tokens, num_sampled, num_rejected = want_tokens, want_sampled.clone(), want_rejected.clone()
     graphs.replay_update(tokens, num_sampled, num_rejected, sources)
-    assert _graphs.stats["replays"] == before + (3 if by_graph else 2)
+    assert _graphs.stats["replays"] == before + (3 if sampled_by_graph else 2)
 
     for name in FIELDS:
         assert torch.equal(getattr(buffers, name), getattr(eager, name)), name
@@ -560,15 +592,11 @@ class _Batch:
         self.positions = buffers.positions[:tokens]
 
 
-# greedy verification reads no sampling state
-_SOURCES_NONE = SamplingSources(*(torch.zeros(MAX_REQS) for _ in range(4)))
-
-
-def test_verification_graphs_verify_greedily_only(graphed_drafts):
-    graphs = graphed_drafts[0]
-    assert graphs.query_len == K + 1 and graphs.prepares_draft_inputs
-    idx = torch.arange(2)
-    graphs.begin_step(2, idx, torch.ones(MAX_REQS, dtype=torch.int32), graphed_drafts[1].num_blocks.gpu)
-    with pytest.raises(KeyError):
-        graphs.replay_sampling("random", torch.zeros(2 * (K + 1), VOCAB), _SOURCES_NONE)
-    graphs.forget_step()
+def test_random_verification_graphs_stop_at_upstreams_chunk():
+    """Upstream's rejection sampler verifies at most get_max_chunk_logits rows at once and
+    splits a larger step; the random verification graphs stop below that size."""
+    vocab = 129280  # DeepSeek-V3's
+    rows = get_max_chunk_logits(vocab) // (K + 1)
+    assert sampling_kinds(rows, K + 1, vocab) == SAMPLING_KINDS
+    assert sampling_kinds(rows + 1, K + 1, vocab) == (GREEDY,)
+    assert sampling_kinds(rows + 1, 1, vocab) == SAMPLING_KINDS  # (no drafts: no chunks)

@@ -164,6 +164,11 @@ class NPUModelRunner(GPUModelRunner):
             advance_positions=drafter.advance_draft_positions,
         )
 
+    def _drafter_keeps_no_logits(self) -> bool:
+        # (a drafter sampling its drafts "probabilistic"ally keeps their logits for the
+        # verification; the default greedy drafting proposes one-hot drafts)
+        return self.speculator is not None and self.speculator.draft_logits is None
+
     def _prepare_draft_decode_inputs(self, num_reqs: int, num_tokens: int) -> torch.Tensor | None:
         # (InputBatch.prepare_draft_decode_inputs: the drafter calls it after its prefill)
         graphs, drafter = self.decode_step_graphs, self.speculator
@@ -244,11 +249,17 @@ class NPUModelRunner(GPUModelRunner):
             kind = self.sampler.graph_sampling_kind(input_batch.idx_mapping_np)
             verifier = self.rejection_sampler
             if graphs.query_len > 1 and not (
-                kind == GREEDY
+                kind is not None
                 and isinstance(verifier, NPURejectionSampler)
-                and verifier.greedy_path(input_batch.idx_mapping_np)
+                and (
+                    verifier.greedy_path(input_batch.idx_mapping_np)
+                    if kind == GREEDY
+                    # (the random verification graphs take one-hot drafts)
+                    else verifier.standard_method and self._drafter_keeps_no_logits()
+                )
+                and graphs.samples(kind)
             ):
-                kind = None  # random verification: upstream's rejection sampler
+                kind = None  # upstream's rejection sampler, eagerly
         if kind is None:
             return super().sample(hidden_states, input_batch, grammar_output)
         logits = self.model_state.compute_sample_logits(hidden_states[input_batch.logits_indices])

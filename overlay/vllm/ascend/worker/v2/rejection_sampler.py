@@ -56,14 +56,21 @@ def verify_greedy(
 
 
 class NPURejectionSampler(RejectionSampler):
-    def greedy_path(self, idx_mapping_np: np.ndarray) -> bool:
-        standard = (
+    @property
+    def standard_method(self) -> bool:
+        """Standard rejection sampling (no synthetic rates, block verification, FLy or
+        watermarking): what the greedy path and the decode-step graphs verify."""
+        return (
             self.synthetic_conditional_rates is None
             and not self.use_block_verification
             and self.fly_window_size == 0
             and self.watermark_key is None
         )
-        return standard and bool(np.all(self.sampler.sampling_states.temperature.np[idx_mapping_np] == 0.0))
+
+    def greedy_path(self, idx_mapping_np: np.ndarray) -> bool:
+        return self.standard_method and bool(
+            np.all(self.sampler.sampling_states.temperature.np[idx_mapping_np] == 0.0)
+        )
 
     def _verify(
         self,

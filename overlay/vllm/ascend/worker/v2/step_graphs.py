@@ -22,8 +22,10 @@ replay from graphs:
   upstream's top-k/top-p form, the Gumbel-max draw), the logits copied into the
   sampler's float32 buffer (exact for bfloat16 and float16 logits; its random-batch
   graphs read the same buffer, a step takes one or the other), the sampling states'
-  values when requests joined; with drafts the greedy verification only (the drafts'
-  tokens gathered, ``rejection_sampler.verify_greedy``, on a float32 buffer of its own);
+  values when requests joined; with drafts the verification, on a float32 buffer of its
+  own: the drafts' tokens gathered, then greedy ``rejection_sampler.verify_greedy`` or,
+  per random kind, upstream's standard rejection sampling of one-hot drafts on the
+  sampling parameters' logits (sizes whose logits upstream verifies in one chunk);
   one replay; copies of the tokens and counts out (an asynchronous copy to the host may
   read them after the next replay);
 - **state update** (``replay_update``): one replay after a sampling graph, which reads
@@ -53,6 +55,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import get_max_chunk_logits
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
 
 from vllm.ascend import device as ascend_device
 from vllm.ascend.graph import capture as graph_capture
@@ -138,10 +142,13 @@ def random_kind(top_k: bool, top_p: bool) -> str:
     return RANDOM_KINDS[int(top_k) + 2 * int(top_p)]
 
 
-def sampling_kinds(query_len: int) -> tuple[str, ...]:
-    """The kinds captured for steps of ``query_len`` tokens per request: with drafts only
-    the greedy verification (random verification runs upstream's rejection sampler)."""
-    return SAMPLING_KINDS if query_len == 1 else (GREEDY,)
+def sampling_kinds(rows: int, query_len: int, vocab: int) -> tuple[str, ...]:
+    """The kinds captured for ``rows`` requests of ``query_len`` tokens each: every kind;
+    with drafts the random ones only while upstream's rejection sampler verifies the
+    step's logits in one chunk (past that it splits them; such a step verifies eagerly)."""
+    if query_len > 1 and rows * query_len > get_max_chunk_logits(vocab):
+        return (GREEDY,)
+    return SAMPLING_KINDS
 
 
 class _Mirror:
@@ -257,7 +264,8 @@ class DecodeStepGraphs:
                 with graph_capture.capture(inputs, pool, session.stream):
                     self.prepare_inputs(rows, logits_indices)
                 sampling = {}
-                for kind in sampling_kinds(self.query_len) if self._buffers.logits is not None else ():
+                vocab = self._buffers.logits.shape[1] if self._buffers.logits is not None else 0
+                for kind in sampling_kinds(rows, self.query_len, vocab) if vocab else ():
                     sampling[kind] = graph_capture.AscendGraph()
                     with graph_capture.capture(sampling[kind], pool, session.stream):
                         self.sample(rows, kind, logits_indices)
@@ -276,14 +284,20 @@ class DecodeStepGraphs:
                 "Ascend decode-step graphs: %d captured (inputs, %s and state updates of up to %d "
                 "requests, %d tokens each), %.1f MiB",
                 sum(2 + len(c.sampling) + (c.draft_decode is not None) for c in self._captured.values()),
-                ("sampling" if self.query_len == 1 else "greedy verification")
-                if self._buffers.logits is not None
-                else "no sampling",
+                self._sampling_described(),
                 self.sizes[-1],
                 self.query_len,
                 taken / 2**20,
             )
         return taken
+
+    def _sampling_described(self) -> str:
+        kinds = {kind for captured in self._captured.values() for kind in captured.sampling}
+        if not kinds:
+            return "no sampling"
+        if self.query_len == 1:
+            return "sampling"
+        return "greedy and random verification" if kinds != {GREEDY} else "greedy verification"
 
     def release(self) -> None:
         self._captured.clear()
@@ -337,19 +351,13 @@ class DecodeStepGraphs:
         idx = self._idx[:rows]
         q = self.query_len
         if q > 1:
-            self._verify_greedy(rows, logits_indices)
+            self._verify(rows, kind, logits_indices)
             return
         logits = self._logits[:rows]
         if kind == GREEDY:
             self._sampled[:rows, 0] = first_max_or_nan(logits)
         else:
-            req = idx.clamp(min=0)
-            apply_temperature(logits, req, self._temperature.tensor)
-            top_k = self._top_k.tensor[req] if kind in ("random_top_k", "random_top_k_top_p") else None
-            top_p = self._top_p.tensor[req] if kind in ("random_top_p", "random_top_k_top_p") else None
-            if top_k is not None or top_p is not None:
-                # (the flag is a speed hint of the Triton form; True is right for any batch)
-                logits = apply_top_k_top_p(logits, top_k, top_p, has_topp_only_rows=True)
+            logits = self._sampling_params(logits, idx.clamp(min=0), kind)
             self._sampled[:rows, 0] = gumbel_sample(
                 logits,
                 idx,  # padding rows -1: sampled greedily, read by nothing
@@ -370,7 +378,23 @@ class DecodeStepGraphs:
             self._prefill_len.tensor,
         )
 
-    def _verify_greedy(self, rows: int, logits_indices: torch.Tensor) -> None:
+    def _sampling_params(self, logits: torch.Tensor, req: torch.Tensor, kind: str) -> torch.Tensor:
+        """A random kind's logits: temperature (in place), then top-k/top-p where the kind
+        has them (upstream's torch form), per row of request slot ``req``."""
+        apply_temperature(logits, req, self._temperature.tensor)
+        top_k = self._top_k.tensor[req] if kind in ("random_top_k", "random_top_k_top_p") else None
+        top_p = self._top_p.tensor[req] if kind in ("random_top_p", "random_top_k_top_p") else None
+        if top_k is None and top_p is None:
+            return logits
+        # (the flag is a speed hint of the Triton form; True is right for any batch)
+        return apply_top_k_top_p(logits, top_k, top_p, has_topp_only_rows=True)
+
+    def _verify(self, rows: int, kind: str, logits_indices: torch.Tensor) -> None:
+        """The drafts' verification, as upstream's rejection sampler does it for a batch
+        without logits processors: greedy, the pick and the walk; random, the sampling
+        parameters on each logit row, then the standard rejection sampling of one-hot
+        drafts (``rejection_sample``: its Philox draws depend on the seed and position
+        only, so a replay draws what the eager sampler draws)."""
         b = self._buffers
         assert self._logits is not None
         n = rows * self.query_len
@@ -387,9 +411,32 @@ class DecodeStepGraphs:
             n,
         )
         cu = self._cu_num_logits[: rows + 1]
-        sampled, num_sampled = verify_greedy(
-            self._logits[:n], self._draft_sampled[:n], cu, self._expanded_local_pos[:n], self.query_len - 1
-        )
+        if kind == GREEDY:
+            sampled, num_sampled = verify_greedy(
+                self._logits[:n],
+                self._draft_sampled[:n],
+                cu,
+                self._expanded_local_pos[:n],
+                self.query_len - 1,
+            )
+        else:
+            expanded = self._expanded_idx[:n]  # (padding rows: slot 0, read by nothing)
+            sampled, num_sampled = rejection_sample(
+                self._sampling_params(self._logits[:n], expanded, kind),
+                None,  # one-hot drafts: a drafter keeping its logits verifies eagerly
+                self._draft_sampled[:n],
+                cu,
+                self._draft_pos[:n],
+                self._idx[:rows].clamp(min=0),
+                expanded,
+                self._expanded_local_pos[:n],
+                self._temperature.tensor,
+                self._seeds.tensor,
+                self.query_len - 1,
+                use_fp64=self._use_fp64_gumbel,
+                # (as upstream decides it: a request of these kinds may mask logits)
+                skip_masked_vocab_blocks=kind != "random",
+            )
         self._sampled[:rows] = sampled
         self._num_sampled[:rows] = num_sampled
         get_num_sampled_and_rejected(
@@ -553,6 +600,11 @@ class DecodeStepGraphs:
     @property
     def has_sampling_graphs(self) -> bool:
         return self._buffers.logits is not None
+
+    def samples(self, kind: str) -> bool:
+        """Does this graphed step's size have a sampling graph of ``kind``?"""
+        step = self._step
+        return step is not None and kind in self._captured[step.size].sampling
 
     def replay_sampling(
         self, kind: str, logits: torch.Tensor, sources: SamplingSources
