@@ -202,6 +202,20 @@ def _sources(g: torch.Generator, new: bool) -> SamplingSources:
     return _SOURCES[-1]
 
 
+def _eager_sampling_params(
+    logits: torch.Tensor, req: torch.Tensor, sources: SamplingSources, kind: str
+) -> torch.Tensor:
+    """Upstream's sampler on a random kind's logits, per row of request slot ``req``: a
+    float32 copy, temperature, then top-k/top-p where the kind has them."""
+    processed = logits.to(torch.float32)
+    apply_temperature(processed, req, sources.temperature)
+    top_k = sources.top_k[req] if "top_k" in kind else None
+    top_p = sources.top_p[req] if "top_p" in kind else None
+    if top_k is None and top_p is None:
+        return processed
+    return apply_top_k_top_p(processed, top_k, top_p)
+
+
 def _logits(g: torch.Generator, rows: int) -> torch.Tensor:
     """bfloat16 logits (the model's), with ties and now and then a NaN."""
     logits = torch.randint(-3, 4, (rows, VOCAB), generator=g).to(torch.bfloat16)
@@ -287,12 +301,7 @@ def test_replayed_steps_are_the_eager_steps(graphed, seed, num_reqs, dirty, kind
     elif kind == "another sampler":
         want_tokens = torch.randint(0, VOCAB, (num_reqs, 1), generator=g)
     else:  # upstream's random sampler: float32 logits, temperature, top-k/top-p, Gumbel-max
-        processed = logits.to(torch.float32)
-        apply_temperature(processed, idx, sources.temperature)
-        top_k = sources.top_k[idx] if "top_k" in kind else None
-        top_p = sources.top_p[idx] if "top_p" in kind else None
-        if top_k is not None or top_p is not None:
-            processed = apply_top_k_top_p(processed, top_k, top_p)
+        processed = _eager_sampling_params(logits, idx, sources, kind)
         positions = eager.positions[want_logits]
         want_tokens = gumbel_sample(
             processed,
@@ -471,14 +480,8 @@ def test_replayed_verification_steps_are_the_eager_steps(graphed_drafts, seed, n
         num = torch.randint(1, q + 1, (num_reqs,), generator=g, dtype=torch.int32)
     else:  # upstream's RejectionSampler._verify: sampling parameters per logit row, then
         # the standard rejection sampling of one-hot drafts
-        processed = logits.to(torch.float32)
-        apply_temperature(processed, expanded_idx, sources.temperature)
-        top_k = sources.top_k[expanded_idx] if "top_k" in kind else None
-        top_p = sources.top_p[expanded_idx] if "top_p" in kind else None
-        if top_k is not None or top_p is not None:
-            processed = apply_top_k_top_p(processed, top_k, top_p)
         want_tokens, num = rejection_sample(
-            processed,
+            _eager_sampling_params(logits, expanded_idx, sources, kind),
             None,
             draft_sampled,
             cu,

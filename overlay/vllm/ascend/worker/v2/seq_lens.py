@@ -17,10 +17,10 @@ A drafter's decode steps (MTP, EAGLE, a draft model) start from the target step'
 which count every draft of the step, accepted or not; the device takes the rejected ones
 off. ``draft_decode_host_seq_lens`` does the same on the host, from the rejected counts
 the verification just made (one more small copy and wait, with drafts of two or more
-tokens only: a single draft has no later step). The host arithmetic is numpy's, on views
-of the host tensors: no tensor op to dispatch for a few integers. Without it, those steps' attention spans
+tokens only: a single draft has no later step). Without it, those steps' attention spans
 the rejected drafts' slots: the target still verifies every draft, so the output stays
-exact, but the later drafts are made from the wrong context.
+exact, but the later drafts are made from the wrong context. The host arithmetic is
+numpy's, on views of the host tensors: no tensor op to dispatch for a few integers.
 """
 
 from __future__ import annotations
